@@ -1,0 +1,1 @@
+"""trl_ext: TRL extensions for agentic GRPO on GPT-OSS (multi-turn tool-calling rollouts, SGLang, mismatch fixes)."""
