@@ -6,3 +6,15 @@ Importing the package registers, through transformers' own interfaces:
 """
 
 __version__ = "0.1.0"
+
+from . import attention as attention  # registers attn_implementation="hf-gptoss-rl/sink-flash-attn3"
+from . import experts as experts  # registers experts_implementation="memory_efficient"
+from .sequence_parallel import (  # registers attn_implementation="ulysses_sp" (sink-aware Ulysses SP)
+    disable_sequence_parallel,
+    enable_sequence_parallel,
+    gather_outputs,
+    get_sequence_parallel_group,
+    sequence_parallel_logprobs,
+    sequence_parallel_mesh,
+    shard_inputs,
+)

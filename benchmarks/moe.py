@@ -1,0 +1,398 @@
+"""One gpt-oss-20b MoE layer on one GPU: `eager`, `grouped_mm` and `memory_efficient` experts side by side.
+
+What runs (one process, same weights, same routing):
+
+1. Correctness at T=2048: every implementation, bf16, against an fp64 copy of the layer run with the same
+   routing (relative L2 error of the output, the input gradient, the routing-weight gradient and the four
+   expert weight/bias gradients). The memory-efficient experts are also run with their PyTorch gate path
+   (`HF_GPTOSS_RL_EXPERTS_BACKEND=torch`) to cross-check the Triton kernels.
+2. Timing and memory for T in {4096, 32768, 65536}: the experts module (`GptOssExperts`, dispatched through
+   transformers' `ALL_EXPERTS_FUNCTIONS`) called with fixed routing from the layer's router (random router
+   weights with a per-expert bias, so the load is uneven as in a trained model). `train` = forward + backward
+   (input, routing-weight and expert weight/bias gradients); `no-grad` = forward under `torch.no_grad()`.
+   Times are medians of `triton.testing.do_bench`. Peak memory is `max_memory_allocated` minus the memory
+   allocated just before the call (resident weights, inputs, routing, upstream gradient), with `.grad` set to
+   None first — so the train peak INCLUDES the freshly allocated expert weight/bias gradients (1.48 GiB).
+   TFLOP/s counts the model's matmul FLOPs (fwd 6·S·H·I with S = T·top_k, train 3× fwd), the same for every
+   implementation (recomputation is not credited).
+
+Usage: python benchmarks/moe.py [--out DIR] [--tokens 4096 32768 65536] [--profile]
+       python benchmarks/moe.py --report-from DIR/moe.json   (re-render the table and plot, no GPU)
+Writes DIR/moe.md, DIR/moe.png, DIR/moe.json (default DIR = docs/benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_project():
+    """Import hf_gptoss_rl.experts / .testing; if the package __init__ is broken, bypass it."""
+    sys.path.insert(0, str(REPO))
+    try:
+        import hf_gptoss_rl  # noqa: F401
+        import hf_gptoss_rl.experts as experts
+        import hf_gptoss_rl.testing as testing
+    except Exception as exc:  # another module of the package may be mid-edit: load ours alone
+        print(f"[moe bench] `import hf_gptoss_rl` failed ({exc!r}); loading experts.py without the package __init__")
+        for name in list(sys.modules):
+            if name == "hf_gptoss_rl" or name.startswith("hf_gptoss_rl."):
+                del sys.modules[name]
+        package = types.ModuleType("hf_gptoss_rl")
+        package.__path__ = [str(REPO / "hf_gptoss_rl")]
+        sys.modules["hf_gptoss_rl"] = package
+        experts = importlib.import_module("hf_gptoss_rl.experts")
+        testing = importlib.import_module("hf_gptoss_rl.testing")
+    return experts, testing
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def build_layer(testing, device):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = testing.gptoss_20b_config()
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    with torch.device(device):
+        mlp = GptOssMLP(config)
+    h, i = config.hidden_size, config.intermediate_size
+    with torch.no_grad():
+        e = mlp.experts
+        e.gate_up_proj.normal_(0, h**-0.5)  # pre-activations ~ N(0, 1): some gates reach the clamp
+        e.gate_up_proj_bias.normal_(0, 0.1)
+        e.down_proj.normal_(0, i**-0.5)
+        e.down_proj_bias.normal_(0, 0.1)
+        mlp.router.weight.normal_(0, 1.5 * h**-0.5)
+        mlp.router.bias.normal_(0, 0.5)  # uneven expert load, as trained routers have
+    return mlp.to(torch.bfloat16), config
+
+
+def set_impl(experts_module, name: str):
+    experts_module.config._experts_implementation = name
+
+
+def make_inputs(mlp, tokens: int, device, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, mlp.experts.hidden_size, device=device, dtype=torch.bfloat16, generator=g)
+    with torch.no_grad():
+        _, scores, index = mlp.router(x)
+    grad_out = torch.randn(tokens, mlp.experts.hidden_size, device=device, dtype=torch.bfloat16, generator=g)
+    return x, scores, index, grad_out
+
+
+def train_step(module, x, scores, index, grad_out):
+    xr = x.detach().requires_grad_()
+    wr = scores.detach().requires_grad_()
+    out = module(xr, index, wr)
+    out.backward(grad_out)
+    return out, xr.grad, wr.grad
+
+
+VARIANTS = {
+    # label: (experts_implementation, module attributes)
+    "eager": ("eager", {}),
+    "grouped_mm": ("grouped_mm", {}),
+    "memory_efficient": ("memory_efficient", {}),
+    "memory_efficient (recompute)": ("memory_efficient", {"experts_recompute_gate_up": True}),
+}
+
+
+def configure(module, variant: str, chunk_rows: int | None = None):
+    impl, attrs = VARIANTS[variant]
+    set_impl(module, impl)
+    for attr in ("experts_recompute_gate_up", "experts_chunk_rows"):
+        if hasattr(module, attr):
+            delattr(module, attr)
+    for k, v in attrs.items():
+        setattr(module, k, v)
+    if chunk_rows is not None:
+        module.experts_chunk_rows = chunk_rows
+
+
+def correctness(mlp, device, tokens=2048):
+    experts = mlp.experts
+    ref = copy.deepcopy(experts).double()
+    set_impl(ref, "eager")
+    x, scores, index, grad_out = make_inputs(mlp, tokens, device, seed=1)
+    out_ref, dx_ref, dw_ref = train_step(ref, x.double(), scores.double(), index, grad_out.double())
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    rows = []
+    cases = [(v, None) for v in VARIANTS] + [("memory_efficient", "torch")]
+    for variant, backend in cases:
+        configure(experts, variant)
+        experts.zero_grad(set_to_none=True)
+        if backend:
+            os.environ["HF_GPTOSS_RL_EXPERTS_BACKEND"] = backend
+        try:
+            out, dx, dw = train_step(experts, x, scores, index, grad_out)
+            with torch.no_grad():
+                out_ng = experts(x, index, scores)
+        finally:
+            os.environ.pop("HF_GPTOSS_RL_EXPERTS_BACKEND", None)
+        row = {
+            "variant": variant + (" [torch gate]" if backend else ""),
+            "out": rel(out, out_ref),
+            "out_no_grad": rel(out_ng, out_ref),
+            "dx": rel(dx, dx_ref),
+            "d_routing_w": rel(dw, dw_ref),
+        }
+        for n, p in experts.named_parameters():
+            row["d_" + n] = rel(p.grad, ref_grads[n])
+        rows.append(row)
+        print("  " + "  ".join(f"{k}={v:.2e}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
+    experts.zero_grad(set_to_none=True)
+    del ref
+    return rows
+
+
+def measure(module, x, scores, index, grad_out, mode):
+    from triton.testing import do_bench
+
+    params = list(module.parameters())
+    xr = x.detach().requires_grad_()
+    wr = scores.detach().requires_grad_()
+
+    def run_train():
+        for p in params:
+            p.grad = None
+        xr.grad = None
+        wr.grad = None
+        module(xr, index, wr).backward(grad_out)
+
+    def run_no_grad():
+        with torch.no_grad():
+            module(x, index, scores)
+
+    fn = run_train if mode == "train" else run_no_grad
+    fn()  # warm-up / compile
+    torch.cuda.synchronize()
+    for p in params:
+        p.grad = None
+    xr.grad = wr.grad = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = do_bench(fn, warmup=30, rep=150, return_mode="median")
+    for p in params:
+        p.grad = None
+    return ms, peak
+
+
+def profile_top(module, x, scores, index, grad_out, n=14):
+    from torch.profiler import ProfilerActivity, profile
+
+    xr = x.detach().requires_grad_()
+    wr = scores.detach().requires_grad_()
+    for _ in range(2):
+        module(xr, index, wr).backward(grad_out)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        module(xr, index, wr).backward(grad_out)
+        torch.cuda.synchronize()
+    for p in module.parameters():
+        p.grad = None
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=60)
+
+
+def write_report(out_dir: Path, results, corr, meta):
+    lines = [
+        "# MoE experts: one gpt-oss-20b layer (32 experts, top-4, H = I = 2880, bf16)",
+        "",
+        f"Measured by `benchmarks/moe.py` on {meta['device']} (torch {meta['torch']}, transformers "
+        f"{meta['transformers']}, triton {meta['triton']}), {meta['date']}.",
+        "",
+        "The experts module (`GptOssExperts`, dispatched through transformers' `ALL_EXPERTS_FUNCTIONS`) is called with "
+        "fixed routing from the layer's router on random inputs (router bias spread for an uneven load). "
+        "`train` = forward + backward (input, routing-weight and all expert weight/bias gradients); `no-grad` = "
+        "forward under `torch.no_grad()`. Times: median of `triton.testing.do_bench`. **Peak** = "
+        "`max_memory_allocated` minus what was allocated just before the call (weights, inputs, routing and the "
+        "upstream gradient are resident and excluded); `.grad` is None before the call, so train peaks include the "
+        "newly allocated expert gradients (1.48 GiB). TFLOP/s counts the layer's matmul FLOPs (fwd 6·S·H·I, "
+        "S = T·top_k; train 3× fwd) for every implementation alike.",
+        "",
+        "| T | implementation | train ms | train TFLOP/s | train peak GiB | no-grad ms | no-grad TFLOP/s | no-grad peak GiB | train × vs grouped_mm | no-grad × vs grouped_mm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t, variants in results.items():
+        base = variants.get("grouped_mm", {})
+        for name, r in variants.items():
+            def fmt(key, spec):
+                v = r.get(key)
+                return "OOM" if v == "OOM" else ("" if v is None else format(v, spec))
+
+            def ratio(key):
+                a, b = r.get(key), base.get(key)
+                return f"{b / a:.2f}" if isinstance(a, float) and isinstance(b, float) else ""
+
+            lines.append(
+                f"| {t} | {name} | {fmt('train_ms', '.1f')} | {fmt('train_tflops', '.0f')} | {fmt('train_peak', '.2f')} | "
+                f"{fmt('nograd_ms', '.1f')} | {fmt('nograd_tflops', '.0f')} | {fmt('nograd_peak', '.2f')} | "
+                f"{ratio('train_ms')} | {ratio('nograd_ms')} |"
+            )
+    lines += ["", "× = grouped_mm time / this time (above 1 is faster).", ""]
+    at32 = results.get(32768) or results.get("32768")
+    if at32 and "grouped_mm" in at32 and "memory_efficient" in at32:
+        g, m = at32["grouped_mm"], at32["memory_efficient"]
+        if all(isinstance(d.get(k), float) for d in (g, m) for k in ("train_ms", "train_peak", "nograd_ms", "nograd_peak")):
+            checks = [
+                ("training ≥ 1.3× faster than grouped_mm", f"{g['train_ms'] / m['train_ms']:.2f}×", g["train_ms"] / m["train_ms"] >= 1.3),
+                ("training peak ≤ ½ of grouped_mm's", f"{m['train_peak']:.2f} / {g['train_peak']:.2f} GiB = {m['train_peak'] / g['train_peak']:.2f}", m["train_peak"] <= g["train_peak"] / 2),
+                ("no-grad peak ≤ 1 GiB", f"{m['nograd_peak']:.2f} GiB (grouped_mm {g['nograd_peak']:.2f})", m["nograd_peak"] <= 1.0),
+                ("no-grad not slower than grouped_mm", f"{m['nograd_ms']:.1f} vs {g['nograd_ms']:.1f} ms", m["nograd_ms"] <= g["nograd_ms"]),
+            ]  # fmt: skip
+            lines += ["## Issue targets at T=32768 (default `memory_efficient`, chunk 8192 pairs)", "",
+                      "| target | measured | met |", "|---|---|---|"]  # fmt: skip
+            lines += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in checks]
+            lines.append("")
+    lines += [
+        f"Command: `{meta.get('command', 'python benchmarks/moe.py')}`",
+        "",
+        f"Expert load at T=32768: max/mean tokens per expert = {meta.get('load_imbalance', 'n/a')}.",
+        "",
+        "## Correctness (T=2048, bf16 vs an fp64 copy of the layer, same routing; relative L2 error)",
+        "",
+    ]
+    keys = [k for k in corr[0] if k != "variant"]
+    lines.append("| implementation | " + " | ".join(keys) + " |")
+    lines.append("|---" * (len(keys) + 1) + "|")
+    for row in corr:
+        lines.append(f"| {row['variant']} | " + " | ".join(f"{row[k]:.1e}" for k in keys) + " |")
+    lines += ["", "![MoE benchmark](moe.png)", ""]
+    (out_dir / "moe.md").write_text("\n".join(lines))
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+        panels = [("train_ms", "train fwd+bwd ms"), ("train_peak", "train peak GiB"),
+                  ("nograd_ms", "no-grad fwd ms"), ("nograd_peak", "no-grad peak GiB")]  # fmt: skip
+        names = [n for n in VARIANTS if any(n in v for v in results.values())]
+        ts = list(results)
+        width = 0.8 / max(len(names), 1)
+        for ax, (key, title) in zip(axes, panels):
+            for j, name in enumerate(names):
+                vals = [results[t].get(name, {}).get(key) for t in ts]
+                vals = [v if isinstance(v, float) else 0.0 for v in vals]
+                ax.bar([k + j * width for k in range(len(ts))], vals, width, label=name)
+            ax.set_xticks([k + width * (len(names) - 1) / 2 for k in range(len(ts))])
+            ax.set_xticklabels([str(t) for t in ts])
+            ax.set_xlabel("tokens T")
+            ax.set_title(title)
+        axes[0].legend(fontsize=8)
+        fig.suptitle("gpt-oss-20b MoE layer on " + meta["device"])
+        fig.tight_layout()
+        fig.savefig(out_dir / "moe.png", dpi=110)
+    except Exception as exc:  # the table is the result; the plot is a convenience
+        print(f"[moe bench] plot failed: {exc!r}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 65536])
+    parser.add_argument("--chunk-sweep", type=int, nargs="*", default=[4096, 16384, 32768], help="extra chunk sizes at 32k")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of memory_efficient train")
+    parser.add_argument("--report-from", help="re-render moe.md / moe.png from a moe.json of an earlier run")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.report_from:
+        saved = json.loads(Path(args.report_from).read_text())
+        results = {int(t): v for t, v in saved["results"].items()}
+        write_report(out_dir, results, saved["correctness"], saved["meta"])
+        (out_dir / "moe.json").write_text(json.dumps(saved, indent=1))
+        print((out_dir / "moe.md").read_text())
+        return
+    assert torch.cuda.is_available(), "benchmarks/moe.py needs a CUDA GPU"
+    device = torch.device("cuda")
+
+    experts_mod, testing = _import_project()
+    import transformers
+    import triton
+
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
+    }
+    print(meta, flush=True)
+    mlp, config = build_layer(testing, device)
+    experts = mlp.experts
+
+    t0 = time.time()
+    print("correctness (T=2048) vs fp64:", flush=True)
+    corr = correctness(mlp, device)
+    print(f"  [{time.time() - t0:.0f}s]", flush=True)
+
+    results: dict[int, dict[str, dict]] = {}
+    top_k = config.num_experts_per_tok
+    for t in args.tokens:
+        x, scores, index, grad_out = make_inputs(mlp, t, device, seed=t)
+        if t == 32768:
+            counts = torch.bincount(index.reshape(-1), minlength=config.num_local_experts).float()
+            meta["load_imbalance"] = f"{(counts.max() / counts.mean()).item():.2f} (min/mean {(counts.min() / counts.mean()).item():.2f})"
+        fwd_flops = 6 * t * top_k * config.hidden_size * config.intermediate_size
+        results[t] = {}
+        variants = [(v, None) for v in VARIANTS]
+        if t == 32768:
+            variants += [("memory_efficient", c) for c in args.chunk_sweep]
+        for variant, chunk in variants:
+            label = variant if chunk is None else f"memory_efficient (chunk {chunk})"
+            configure(experts, variant, chunk)
+            r = {}
+            for mode in ("train", "no-grad"):
+                key = "train" if mode == "train" else "nograd"
+                try:
+                    ms, peak = measure(experts, x, scores, index, grad_out, mode)
+                    r[f"{key}_ms"], r[f"{key}_peak"] = ms, peak
+                    r[f"{key}_tflops"] = (3 if mode == "train" else 1) * fwd_flops / ms / 1e9
+                except torch.OutOfMemoryError:
+                    r[f"{key}_ms"] = r[f"{key}_peak"] = "OOM"
+                    experts.zero_grad(set_to_none=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+            results[t][label] = r
+            print(f"T={t:6d} {label:34s} " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                                     for k, v in r.items()), flush=True)  # fmt: skip
+        if args.profile and t == 32768:
+            configure(experts, "memory_efficient")
+            print(profile_top(experts, x, scores, index, grad_out), flush=True)
+        del x, scores, index, grad_out
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    (out_dir / "moe.json").write_text(json.dumps({"meta": meta, "results": results, "correctness": corr}, indent=1))
+    write_report(out_dir, results, corr, meta)
+    print((out_dir / "moe.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

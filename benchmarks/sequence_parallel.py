@@ -1,0 +1,310 @@
+"""Sink-aware Ulysses sequence parallelism on 1/2/4/8 GPUs: the longest GPT-OSS-20B training sequence, and step time.
+
+Setup (FACTS.md §6's whole-model baseline, so P=1 stock is the known 32k / 129.5 GiB point): a GPT-OSS-20B-shaped
+model with random bf16 weights, LoRA r=16 on q/k/v/o, gradient checkpointing, one sequence of S tokens, one
+training step = forward + backward of the mean token NLL. Peers, side by side:
+
+- ``stock``  (P=1 only): ``model(input_ids, labels=input_ids)``, full-vocabulary logits, no SP;
+- ``sp``     (P=1,2,4,8): ``enable_sequence_parallel`` + ``sequence_parallel_logprobs`` (backbone on S/P tokens per
+  GPU, LM head chunked over tokens). P=1 isolates what the chunked head alone buys.
+
+Inner attention: the project's sink kernel when ``kernels`` can load it, else ``flex_attention`` (what transformers
+runs for GPT-OSS on GPUs); ``--attn`` forces one.
+
+For each P the sequence length doubles (from the largest S the previous P fitted) until a run fails (OOM, or
+the per-run timeout). Every (P, S) runs in its own ``torchrun`` job, so an OOM on one rank cannot hang the others.
+Results: median step time of ``--steps`` timed steps after one warm-up, tokens/s, peak memory (max over ranks).
+
+    python benchmarks/sequence_parallel.py                       # every GPU count the machine has (1, 2, 4, 8)
+    python benchmarks/sequence_parallel.py --gpus 8 --seq-lens 65536,131072,262144
+    python benchmarks/sequence_parallel.py --device cpu --model tiny --gpus 1,2 --seq-lens 256,512 --out /tmp/sp
+        # CPU/gloo dry run of the whole pipeline (no memory numbers)
+
+Writes OUT/sequence_parallel.md, .png and .json (OUT defaults to docs/benchmarks/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_TAG = "SP_BENCH_RESULT "
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker: one (P, S, mode) training-step measurement, run under torchrun
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _pick_attention(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION, kernels_usable
+
+        if kernels_usable():
+            return ATTN_IMPLEMENTATION
+    except ImportError:
+        pass
+    import torch
+
+    return "flex_attention" if torch.cuda.is_available() else "eager"
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel, sequence_parallel_logprobs
+    from hf_gptoss_rl.testing import gptoss_20b_config, tiny_gptoss_config
+
+    on_gpu = args.device == "cuda"
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import GptOssForCausalLM
+
+    config = gptoss_20b_config() if args.model == "20b" else tiny_gptoss_config(vocab_size=1024)
+    attn = _pick_attention(args.attn)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GptOssForCausalLM(config).to(dtype)
+    model.set_attn_implementation(attn)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    model = get_peft_model(model, lora)
+    model.train()
+    if args.mode == "sp":
+        enable_sequence_parallel(model, None)
+    elif world != 1:
+        raise ValueError("the stock peer runs on one GPU")
+
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, config.vocab_size, (1, args.seq_len), generator=gen).to(device)
+
+    def step():
+        if args.mode == "sp":
+            logps = sequence_parallel_logprobs(model, {"input_ids": input_ids}, None)
+            loss = -logps.mean()
+        else:
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    times = []
+    for i in range(1 + args.steps):
+        if on_gpu:
+            torch.cuda.synchronize()
+            if i == 1:
+                torch.cuda.reset_peak_memory_stats()
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        dist.barrier()
+        if i > 0:
+            times.append(time.perf_counter() - start)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        median = statistics.median(times)
+        print(
+            RESULT_TAG
+            + json.dumps(
+                dict(
+                    mode=args.mode,
+                    gpus=world,
+                    seq_len=args.seq_len,
+                    attn=attn,
+                    step_s=median,
+                    tokens_per_s=args.seq_len / median,
+                    peak_gib=peak.item(),
+                    loss=loss.item(),
+                )
+            ),
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Driver: the (P, S) search, one torchrun job per point
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def run_point(args, mode: str, gpus: int, seq_len: int) -> dict:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+        str(Path(__file__).resolve()), "--worker", f"--mode={mode}", f"--seq-len={seq_len}",
+        f"--device={args.device}", f"--model={args.model}", f"--attn={args.attn}", f"--steps={args.steps}",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        output = f"timeout after {args.timeout}s\n{err.stdout or ''}{err.stderr or ''}"
+        proc = None
+    for line in output.splitlines():
+        if line.startswith(RESULT_TAG):
+            result = json.loads(line[len(RESULT_TAG) :])
+            result["ok"], result["wall_s"] = True, time.perf_counter() - start
+            return result
+    reason = "OOM" if "OutOfMemoryError" in output or "out of memory" in output else "failed"
+    if proc is None:
+        reason = "timeout"
+    tail = "\n".join(output.strip().splitlines()[-6:])
+    print(f"  [{mode} P={gpus} S={seq_len}] {reason}:\n{tail}", flush=True)
+    return dict(mode=mode, gpus=gpus, seq_len=seq_len, ok=False, reason=reason)
+
+
+def search(args) -> list[dict]:
+    results, start_len = [], args.seq_lens[0]
+    plan = [("stock", 1)] if 1 in args.gpus and not args.no_stock else []
+    plan += [("sp", g) for g in args.gpus]
+    for mode, gpus in plan:
+        lens = [s for s in args.seq_lens if s >= (start_len if mode == "sp" else args.seq_lens[0])]
+        for seq_len in lens:
+            res = run_point(args, mode, gpus, seq_len)
+            results.append(res)
+            if res["ok"]:
+                print(
+                    f"{mode:5s} P={gpus} S={seq_len:7d}: {res['step_s']:.2f} s/step  {res['tokens_per_s']:9.0f} tok/s  "
+                    f"peak {res['peak_gib']:.1f} GiB  ({res['attn']})",
+                    flush=True,
+                )
+            else:
+                break
+        fitted = [r["seq_len"] for r in results if r["mode"] == mode and r["gpus"] == gpus and r["ok"]]
+        if mode == "sp" and fitted:
+            start_len = max(fitted)  # more GPUs fit at least as long a sequence: skip the short ones
+    return results
+
+
+def write_report(results: list[dict], args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sequence_parallel.json").write_text(json.dumps(results, indent=1))
+    peers = sorted({(r["mode"], r["gpus"]) for r in results}, key=lambda p: (p[0] != "stock", p[1]))
+    lines = [
+        "# Sequence parallelism: longest GPT-OSS-20B training sequence and step time",
+        "",
+        f"Generated by `benchmarks/sequence_parallel.py` (device {args.device}, model {args.model}). One training step"
+        " = forward + backward, LoRA r=16 on q/k/v/o, gradient checkpointing, batch 1; median of"
+        f" {args.steps} steps after one warm-up; peak = max over ranks of `torch.cuda.max_memory_allocated`.",
+        "",
+        "| peer | GPUs | max S that fits | first S that failed |",
+        "|---|---|---|---|",
+    ]
+    for mode, gpus in peers:
+        runs = [r for r in results if r["mode"] == mode and r["gpus"] == gpus]
+        fit = max((r["seq_len"] for r in runs if r["ok"]), default=None)
+        fail = [f"{r['seq_len']} ({r['reason']})" for r in runs if not r["ok"]]
+        lines.append(f"| {mode} | {gpus} | {fit or 'none tried fit'} | {fail[0] if fail else 'not reached'} |")
+    lines += ["", "| peer | GPUs | S | attention | step s | tokens/s | peak GiB |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["ok"]:
+            lines.append(
+                f"| {r['mode']} | {r['gpus']} | {r['seq_len']} | {r['attn']} | {r['step_s']:.2f} | "
+                f"{r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} |"
+            )
+    common = {}
+    for r in results:
+        if r["ok"]:
+            common.setdefault(r["seq_len"], {})[(r["mode"], r["gpus"])] = r["step_s"]
+    ratio_lines = []
+    for seq_len, by_peer in sorted(common.items()):
+        base = by_peer.get(("sp", 1)) or by_peer.get(("stock", 1))
+        if base and len(by_peer) > 1:
+            ordered = sorted(by_peer.items(), key=lambda item: item[0][1])
+            speedups = ", ".join(f"{m} P={g}: {base / t:.2f}x" for (m, g), t in ordered)
+            ratio_lines.append(f"| {seq_len} | {speedups} |")
+    if ratio_lines:
+        lines += ["", "Speed-up of step time against one GPU at the same S:", "", "| S | speed-up |", "|---|---|"]
+        lines += ratio_lines
+    (out / "sequence_parallel.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for mode, gpus in peers:
+            runs = [r for r in results if r["mode"] == mode and r["gpus"] == gpus and r["ok"]]
+            if runs:
+                xs = [r["seq_len"] for r in runs]
+                ax1.plot(xs, [r["step_s"] for r in runs], "o-", label=f"{mode} P={gpus}")
+                ax2.plot(xs, [r["peak_gib"] for r in runs], "o-", label=f"{mode} P={gpus}")
+        for ax, label in ((ax1, "step time (s)"), (ax2, "peak memory per GPU (GiB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length S (tokens)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"GPT-OSS-{args.model} training step, Ulysses SP ({args.device})")
+        fig.tight_layout()
+        fig.savefig(out / "sequence_parallel.png", dpi=120)
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+    print(f"wrote {out / 'sequence_parallel.md'}", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", default=None, help="comma list of GPU counts (default: 1,2,4,8 up to the machine's)")
+    p.add_argument("--seq-lens", default="16384,32768,65536,131072,262144,524288", help="comma list, ascending")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per point (after one warm-up)")
+    p.add_argument("--attn", default="auto", help="inner attention: auto | flex_attention | eager | a kernel id")
+    p.add_argument("--model", choices=("20b", "tiny"), default="20b")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per (P, S) run")
+    p.add_argument("--no-stock", action="store_true", help="skip the stock single-GPU peer")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    # worker-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=("sp", "stock"), default="sp", help=argparse.SUPPRESS)
+    p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.seq_lens = sorted(int(s) for s in args.seq_lens.split(","))
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.gpus is None:
+        import torch
+
+        available = torch.cuda.device_count() if args.device == "cuda" else 2
+        args.gpus = [g for g in (1, 2, 4, 8) if g <= available]
+    else:
+        args.gpus = sorted(int(g) for g in str(args.gpus).split(","))
+    if not args.gpus:
+        raise SystemExit("no GPU found (use --device cpu for a dry run)")
+    print(f"GPU counts {args.gpus}, sequence lengths {args.seq_lens}", flush=True)
+    write_report(search(args), args)
+
+
+if __name__ == "__main__":
+    main()

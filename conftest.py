@@ -1,0 +1,23 @@
+"""Session-wide test environment (loaded by pytest before any test module is imported).
+
+- ``TRITON_INTERPRET=1`` on machines without CUDA: ``triton.jit`` decides interpreted vs compiled when a function
+  is decorated (and triton decorates its own library on first import), so it must be set before anything imports
+  triton. With it, the Triton kernels run on CPU tensors and CI tests the real kernel code.
+- ``SINK_FLASH_ATTN3_BACKEND=torch``: with ``TRITON_INTERPRET=1`` the attention kernel would otherwise route every
+  CPU call to the (slow) Triton interpreter; model, trainer and example tests stay on the plain PyTorch path, and
+  the kernel tests pick the Triton path explicitly (``backend="triton"`` or ``monkeypatch.setenv``).
+- No test touches the network: the Hub is offline, kernels resolve from the packaged sources.
+Explicit values in the environment win over these defaults.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("SINK_FLASH_ATTN3_BACKEND", "torch")
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    pass

@@ -1,0 +1,252 @@
+"""Triton kernels for the memory-efficient GPT-OSS experts (`hf_gptoss_rl.experts`).
+
+The matmuls run in `torch._grouped_mm`; these kernels fuse everything between and around them, so each
+intermediate of a chunk is read and written once:
+
+- `gate_forward`: adds the per-expert bias to the up-projection output (in place when the backward will reuse
+  it) and applies GPT-OSS's clamped, interleaved gate:
+      gate, up = pre[:, 0::2], pre[:, 1::2]
+      h = (clamp(up, -limit, limit) + 1) * min(gate, limit) * sigmoid(alpha * min(gate, limit))
+- `gate_backward`: from the saved (biased) pre-activation and g = dOut @ W_downᵀ (not yet weighted), writes
+      dpre (interleaved), w * h (for the down-projection weight gradient) and rowsum(g * h) (the routing
+      weight gradient without the down bias term), recomputing h instead of storing it.
+- `scatter_add_rows`: dst[index[r]] += w[r] * (src[r] + bias[expert[r]]) in fp32 (the combine over top-k
+  and the input-gradient scatter).
+
+All math is fp32; loads and stores use the tensors' dtypes. Kernels work on CPU tensors under
+TRITON_INTERPRET=1 (set before this module is imported), which is how the CPU tests exercise them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _load_pairs(ptr, rows64, stride, col0, row_mask, n_inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Load pairs [col0, col0 + BLOCK_N) of an interleaved [R, 2I] tensor as one contiguous tile (wide loads);
+    return the even (gate) and odd (up) columns, each [BLOCK_M, BLOCK_N]."""
+    cols = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
+    mask = row_mask[:, None] & (cols < 2 * n_inter)[None, :]
+    tile = tl.load(ptr + rows64[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    return tl.split(tl.reshape(tile, [BLOCK_M, BLOCK_N, 2]))
+
+
+@triton.jit
+def _store_pairs(ptr, rows64, stride, col0, row_mask, n_inter, even, odd, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store even/odd [BLOCK_M, BLOCK_N] tensors interleaved, as one contiguous [BLOCK_M, 2*BLOCK_N] tile."""
+    cols = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
+    mask = row_mask[:, None] & (cols < 2 * n_inter)[None, :]
+    tile = tl.reshape(tl.join(even, odd), [BLOCK_M, 2 * BLOCK_N])
+    tl.store(ptr + rows64[:, None] * stride + cols[None, :], tile, mask=mask)
+
+
+@triton.jit
+def _gate_forward_kernel(
+    pre_ptr,  # [R, 2I] up-projection output without bias; overwritten with pre + bias when STORE_PRE
+    bias_ptr,  # [E, 2I]
+    expert_ptr,  # [R] global expert id of each row
+    h_ptr,  # [R, I] gate output (unused when not WRITE_H)
+    n_rows,
+    n_inter,
+    stride_pre,
+    stride_bias,
+    stride_h,
+    alpha,
+    limit,
+    STORE_PRE: tl.constexpr,
+    WRITE_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate/up pair index in [0, I)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_inter)[None, :]
+    expert = tl.load(expert_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows64 = rows.to(tl.int64)
+
+    col0 = tl.program_id(1) * BLOCK_N
+    gate, up = _load_pairs(pre_ptr, rows64, stride_pre, col0, row_mask, n_inter, BLOCK_M, BLOCK_N)
+    gate_b, up_b = _load_pairs(bias_ptr, expert, stride_bias, col0, row_mask, n_inter, BLOCK_M, BLOCK_N)
+    # Round to the storage dtype first so forward and backward see the same pre-activation.
+    gate = (gate.to(tl.float32) + gate_b.to(tl.float32)).to(pre_ptr.dtype.element_ty)
+    up = (up.to(tl.float32) + up_b.to(tl.float32)).to(pre_ptr.dtype.element_ty)
+    if STORE_PRE:
+        _store_pairs(pre_ptr, rows64, stride_pre, col0, row_mask, n_inter, gate, up, BLOCK_M, BLOCK_N)
+
+    if WRITE_H:
+        gate = tl.minimum(gate.to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+        h = (up + 1.0) * gate * _sigmoid(alpha * gate)
+        tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_backward_kernel(
+    pre_ptr,  # [R, 2I] biased pre-activation
+    g_ptr,  # [R, I] dOut[token] @ W_down[e]ᵀ
+    w_ptr,  # [R] fp32 routing weight of each row
+    dpre_ptr,  # [R, 2I] out: gradient of the pre-activation (interleaved like pre)
+    hw_ptr,  # [R, I] out: w * h (when WRITE_HW)
+    dw_ptr,  # [n_col_blocks, R] fp32 out: partial rowsums of g * h per column block (when WRITE_DW)
+    n_rows,
+    n_inter,
+    stride_pre,
+    stride_g,
+    stride_dpre,
+    stride_hw,
+    alpha,
+    limit,
+    WRITE_HW: tl.constexpr,
+    WRITE_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_inter)[None, :]
+    rows64 = rows.to(tl.int64)
+    w = tl.load(w_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+
+    col0 = tl.program_id(1) * BLOCK_N
+    gate, up = _load_pairs(pre_ptr, rows64, stride_pre, col0, row_mask, n_inter, BLOCK_M, BLOCK_N)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
+    g = tl.load(g_ptr + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    gate_c = tl.minimum(gate, limit)
+    up_c = tl.minimum(tl.maximum(up, -limit), limit)
+    sig = _sigmoid(alpha * gate_c)
+    glu = gate_c * sig
+    h = (up_c + 1.0) * glu
+    if WRITE_DW:
+        # Partial sums per column block, reduced on the host side in a fixed order (deterministic, no atomics).
+        tl.store(dw_ptr + tl.program_id(1) * n_rows + rows, tl.sum(g * h, axis=1), mask=row_mask)
+    dh = g * w[:, None]
+    # d/dgate [gate * sigmoid(alpha gate)] = sig + alpha * gate * sig * (1 - sig); clamp passes the
+    # gradient where the input is inside the bounds (inclusive, as torch.clamp's backward does).
+    d_gate = tl.where(gate <= limit, dh * (up_c + 1.0) * (sig + alpha * gate_c * sig * (1.0 - sig)), 0.0)
+    d_up = tl.where((up >= -limit) & (up <= limit), dh * glu, 0.0)
+    ty = dpre_ptr.dtype.element_ty
+    _store_pairs(dpre_ptr, rows64, stride_dpre, col0, row_mask, n_inter, d_gate.to(ty), d_up.to(ty), BLOCK_M, BLOCK_N)
+    if WRITE_HW:
+        tl.store(
+            hw_ptr + rows64[:, None] * stride_hw + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty), mask=mask
+        )
+
+
+@triton.jit
+def _scatter_add_rows_kernel(
+    dst_ptr,  # [T, N] fp32 accumulator
+    src_ptr,  # [R, N]
+    index_ptr,  # [R] destination row of each source row
+    w_ptr,  # [R] fp32 row scale (when HAS_W)
+    bias_ptr,  # [E, N] (when HAS_BIAS)
+    expert_ptr,  # [R] (when HAS_BIAS)
+    n_rows,
+    n_cols,
+    stride_dst,
+    stride_src,
+    stride_bias,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    rows64 = rows.to(tl.int64)
+    value = tl.load(src_ptr + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        expert = tl.load(expert_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        value += tl.load(bias_ptr + expert[:, None] * stride_bias + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+    if HAS_W:
+        value *= tl.load(w_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    dst_row = tl.load(index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    tl.atomic_add(dst_ptr + dst_row[:, None] * stride_dst + cols[None, :], value, mask=mask)
+
+
+def gate_forward(
+    pre: torch.Tensor,
+    bias: torch.Tensor,
+    expert: torch.Tensor,
+    alpha: float,
+    limit: float,
+    write_h: bool = True,
+    store_pre: bool = True,
+) -> torch.Tensor | None:
+    """Return the gated activation `[R, I]` (or None); with `store_pre`, add the expert bias to `pre` in place."""
+    n_rows, two_inter = pre.shape
+    n_inter = two_inter // 2
+    h = torch.empty(n_rows, n_inter, device=pre.device, dtype=pre.dtype) if write_h else pre
+    if n_rows == 0:
+        return h if write_h else None
+    block_m, block_n = 32, 64
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_inter, block_n))
+    _gate_forward_kernel[grid](
+        pre, bias, expert, h, n_rows, n_inter, pre.stride(0), bias.stride(0), h.stride(0),
+        float(alpha), float(limit), STORE_PRE=store_pre, WRITE_H=write_h, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return h if write_h else None
+
+
+def gate_backward(
+    pre: torch.Tensor,
+    g: torch.Tensor,
+    w: torch.Tensor,
+    alpha: float,
+    limit: float,
+    write_hw: bool,
+    write_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Return (dpre `[R, 2I]`, w*h `[R, I]` or None, rowsum(g*h) `[R]` fp32 or None)."""
+    n_rows, two_inter = pre.shape
+    n_inter = two_inter // 2
+    dpre = torch.empty_like(pre)
+    hw = torch.empty(n_rows, n_inter, device=pre.device, dtype=pre.dtype) if write_hw else None
+    if n_rows == 0:
+        return dpre, hw, (torch.zeros(0, device=pre.device) if write_dw else None)
+    block_m, block_n = 32, 64
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_inter, block_n))
+    dw_parts = torch.empty(grid[1], n_rows, device=pre.device, dtype=torch.float32) if write_dw else None
+    _gate_backward_kernel[grid](
+        pre, g, w, dpre, hw if write_hw else dpre, dw_parts if write_dw else w, n_rows, n_inter,
+        pre.stride(0), g.stride(0), dpre.stride(0), hw.stride(0) if write_hw else 0,
+        float(alpha), float(limit), WRITE_HW=write_hw, WRITE_DW=write_dw, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return dpre, hw, (dw_parts.sum(0) if write_dw else None)
+
+
+def scatter_add_rows(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    index: torch.Tensor,
+    w: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    expert: torch.Tensor | None = None,
+) -> None:
+    """dst[index[r]] += w[r] * (src[r] + bias[expert[r]]), accumulated in fp32 (`dst` must be fp32)."""
+    n_rows, n_cols = src.shape
+    if n_rows == 0:
+        return
+    block_m, block_n = 32, 128
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _scatter_add_rows_kernel[grid](
+        dst, src, index, w if w is not None else src, bias if bias is not None else src,
+        expert if expert is not None else index, n_rows, n_cols, dst.stride(0), src.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        HAS_W=w is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip

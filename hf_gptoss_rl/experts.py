@@ -1,0 +1,464 @@
+"""Memory-efficient GPT-OSS experts, registered as ``experts_implementation="memory_efficient"``.
+
+Importing this module registers :func:`memory_efficient_experts_forward` in transformers'
+``ALL_EXPERTS_FUNCTIONS``; select it with ``from_pretrained(..., experts_implementation="memory_efficient")``
+or ``model.set_experts_implementation("memory_efficient")``.
+
+It computes exactly GPT-OSS's experts (``GptOssExperts``): per-expert biases, the interleaved gate/up
+projection, ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``
+and the router's top-k softmax weights, with ``alpha``/``limit`` read from the module (5.22+: from
+``config.swiglu_alpha/swiglu_limit``; 5.17 hard-codes 1.702 / 7.0).
+
+How it saves memory (S = tokens × top_k token-expert pairs):
+
+- The pairs are sorted by expert once (one host sync to learn the expert boundaries) and processed in
+  chunks of at most ``chunk_rows`` pairs. A chunk gathers its token rows, runs the up projection, the gate
+  and the down projection, and scatter-adds ``w * (y + b_down)`` into an fp32 ``[T, H]`` accumulator. No
+  ``[S, H]`` or ``[S, 2I]`` tensor exists in the no-grad pass, and expert weights are sliced, never copied.
+- Training goes through :class:`MemoryEfficientExpertsFunction`, which saves only the biased up-projection
+  output (``[S, 2I]``, or nothing with ``recompute_gate_up=True``) and recomputes the gate activations in
+  the backward. Weight and bias gradients are skipped when the experts are frozen (PEFT LoRA on attention),
+  the routing-weight gradient when the router is frozen.
+- EP sentinel indices (``>= num_experts``) are sorted to the tail and never processed: they contribute
+  nothing to the output and get a zero routing-weight gradient, as transformers' ``grouped_mm`` does.
+
+Backends: on CUDA the gate, bias and combine steps run in fused Triton kernels (``hf_gptoss_rl._experts_triton``)
+and, with bf16 weights, the matmuls in ``torch._grouped_mm``; elsewhere (CPU, fp32 matmuls) a per-expert
+``torch.mm`` loop over the same chunks and the same math in PyTorch, exact in fp32. Environment overrides (read
+at call time): ``HF_GPTOSS_RL_EXPERTS_BACKEND=torch|triton`` (``triton`` on CPU needs TRITON_INTERPRET=1 set
+before triton is imported) and ``HF_GPTOSS_RL_EXPERTS_GROUPED_MM=1`` (use ``torch._grouped_mm`` on CPU too).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+try:  # Triton is optional: the PyTorch path covers CPU and any device Triton cannot drive.
+    from . import _experts_triton
+except Exception:  # pragma: no cover - triton missing or unusable on this machine
+    _experts_triton = None
+
+__all__ = [
+    "DEFAULT_CHUNK_ROWS",
+    "MemoryEfficientExpertsFunction",
+    "memory_efficient_experts_forward",
+]
+
+#: Token-expert pairs processed per chunk. At gpt-oss-20b size (H = I = 2880, bf16) a chunk's
+#: intermediates take about 30 KiB per row, so 8192 rows ≈ 0.25 GiB whatever the sequence length.
+DEFAULT_CHUNK_ROWS = 8192
+#: Experts one chunk may span (bounds the per-chunk weight-gradient temporaries: 8 × 32 MiB at 20b size).
+MAX_EXPERTS_PER_CHUNK = 8
+
+_DEFAULT_ALPHA = 1.702
+_DEFAULT_LIMIT = 7.0
+
+
+# --------------------------------------------------------------------------------------------------------
+# Routing plan: sort once, then chunk on the host.
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Chunk:
+    start: int  # first sorted pair of the chunk
+    stop: int  # one past the last sorted pair
+    expert_lo: int  # experts [expert_lo, expert_hi) own the chunk's rows
+    expert_hi: int
+    ends: list[int]  # cumulative row ends of those experts, local to the chunk (host copy)
+    offs: torch.Tensor  # the same on the device, int32 (what torch._grouped_mm wants)
+
+
+@dataclass
+class _RoutingPlan:
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    perm: torch.Tensor  # [S] flat (token * top_k + slot) index of each sorted pair
+    token: torch.Tensor  # [S] token of each sorted pair
+    expert: torch.Tensor  # [S] expert of each sorted pair (sentinels keep their value; never read)
+    num_valid: int  # pairs routed to a real expert (the sorted prefix)
+    chunks: list[_Chunk]
+
+
+def _plan_routing(top_k_index: torch.Tensor, num_experts: int, chunk_rows: int) -> _RoutingPlan:
+    if top_k_index.dim() != 2:
+        raise ValueError(f"top_k_index must be [num_tokens, top_k], got shape {tuple(top_k_index.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    num_tokens, top_k = top_k_index.shape
+    device = top_k_index.device
+    flat = top_k_index.reshape(-1)
+    sorted_expert, perm = torch.sort(flat, stable=True)
+    # bounds[e] = first sorted pair with expert >= e; pairs >= bounds[E] are EP sentinels.
+    bounds = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device, dtype=flat.dtype))
+    bounds = bounds.tolist()  # the one host sync of the layer
+    if bounds[0] != 0:
+        raise ValueError(f"top_k_index holds {bounds[0]} negative expert indices; expected 0 <= index")
+    num_valid = bounds[num_experts]
+
+    chunks: list[_Chunk] = []
+    all_ends: list[int] = []
+    start = 0
+    while start < num_valid:
+        # experts whose row range [bounds[e], bounds[e+1]) intersects [start, stop); empty ones in between stay.
+        lo = next(e for e in range(num_experts) if bounds[e + 1] > start)
+        # A chunk also spans at most MAX_EXPERTS_PER_CHUNK experts: its weight-gradient matmul writes an
+        # [experts, H, 2I] temporary, which must stay small when few tokens spread over many experts.
+        stop = min(start + chunk_rows, num_valid, bounds[min(lo + MAX_EXPERTS_PER_CHUNK, num_experts)])
+        hi = next(e for e in range(lo, num_experts) if bounds[e + 1] >= stop) + 1
+        ends = [min(bounds[e + 1], stop) - start for e in range(lo, hi)]
+        chunks.append(_Chunk(start, stop, lo, hi, ends, None))  # type: ignore[arg-type]
+        all_ends.extend(ends)
+        start = stop
+    if chunks:
+        offs = torch.tensor(all_ends, dtype=torch.int32).to(device, non_blocking=True)
+        position = 0
+        for chunk in chunks:
+            chunk.offs = offs[position : position + len(chunk.ends)]
+            position += len(chunk.ends)
+    return _RoutingPlan(
+        num_tokens=num_tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        perm=perm,
+        token=torch.div(perm, top_k, rounding_mode="floor"),
+        expert=sorted_expert,
+        num_valid=num_valid,
+        chunks=chunks,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Grouped matmuls over one chunk.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _grouped_mm_supported(t: torch.Tensor) -> bool:
+    """`torch._grouped_mm` on CUDA bf16 (SM90 for torch < 2.9, SM80+ after), as transformers gates it."""
+    if os.environ.get("HF_GPTOSS_RL_EXPERTS_GROUPED_MM") == "1":  # tests: force it on CPU (torch >= 2.9)
+        return hasattr(torch, "_grouped_mm")
+    if not (t.is_cuda and t.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    major, minor = torch.cuda.get_device_capability(t.device)
+    torch_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (8, 0) if torch_version >= (2, 9) else major == 9
+
+
+def _segments(chunk: _Chunk):
+    start = 0
+    for i, end in enumerate(chunk.ends):
+        yield i, start, end
+        start = end
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, chunk: _Chunk, use_grouped_mm: bool) -> torch.Tensor:
+    """Rows of `a` [R, K] times their expert's `b[i]` [K, N] (b: [E_c, K, N]) -> [R, N]."""
+    if use_grouped_mm:
+        return torch._grouped_mm(a, b, offs=chunk.offs)
+    out = torch.empty(a.shape[0], b.shape[-1], device=a.device, dtype=a.dtype)
+    for i, start, end in _segments(chunk):
+        if end > start:
+            torch.mm(a[start:end], b[i], out=out[start:end])
+    return out
+
+
+def _gmm_weight_grad(a_t: torch.Tensor, d: torch.Tensor, chunk: _Chunk, use_grouped_mm: bool) -> torch.Tensor:
+    """Per-expert `a_t[:, rows] @ d[rows]` (a_t: [K, R], d: [R, N]) -> [E_c, K, N]; empty experts get zeros."""
+    if use_grouped_mm:
+        out = torch._grouped_mm(a_t, d, offs=chunk.offs)
+        empty = [i for i, start, end in _segments(chunk) if end == start]
+        if empty:  # do not rely on the kernel writing zeros for an empty K range
+            out[empty] = 0
+        return out
+    out = torch.zeros(len(chunk.ends), a_t.shape[0], d.shape[1], device=d.device, dtype=d.dtype)
+    for i, start, end in _segments(chunk):
+        if end > start:
+            torch.mm(a_t[:, start:end], d[start:end], out=out[i])
+    return out
+
+
+def _segment_sum(d: torch.Tensor, chunk: _Chunk, expert: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """Per-expert sum of the rows of `d` [R, N] (each scaled by `w`) -> [E_c, N], as one small matmul."""
+    local = expert - chunk.expert_lo
+    one_hot = local.unsqueeze(0) == torch.arange(len(chunk.ends), device=d.device, dtype=local.dtype).unsqueeze(1)
+    one_hot = one_hot.to(d.dtype) if w is None else one_hot * w.to(d.dtype).unsqueeze(0)
+    return one_hot.to(d.dtype) @ d
+
+
+# --------------------------------------------------------------------------------------------------------
+# Gate and combine: Triton on CUDA, the same math in PyTorch elsewhere.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """Triton on CUDA; on CPU only when asked (`HF_GPTOSS_RL_EXPERTS_BACKEND=triton` with TRITON_INTERPRET=1)."""
+    backend = os.environ.get("HF_GPTOSS_RL_EXPERTS_BACKEND", "auto")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"HF_GPTOSS_RL_EXPERTS_BACKEND must be auto, torch or triton, got {backend!r}")
+    if backend == "torch" or _experts_triton is None:
+        if backend == "triton":
+            raise RuntimeError("HF_GPTOSS_RL_EXPERTS_BACKEND=triton but triton could not be imported")
+        return False
+    return t.is_cuda or backend == "triton"
+
+
+def _gate_forward(pre, bias, expert, alpha, limit, write_h=True, store_pre=True):
+    """Return the gated activation of `pre` + bias; `store_pre`: keep the biased `pre` (rounded) in place."""
+    if _use_triton(pre):
+        return _experts_triton.gate_forward(pre, bias, expert, alpha, limit, write_h, store_pre)
+    pre.add_(bias.index_select(0, expert))
+    if not write_h:
+        return None
+    gate, up = pre[:, 0::2].float(), pre[:, 1::2].float()
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(pre.dtype)
+
+
+def _gate_backward(pre, g, w, alpha, limit, write_hw, write_dw):
+    if _use_triton(pre):
+        return _experts_triton.gate_backward(pre, g, w, alpha, limit, write_hw, write_dw)
+    gate, up = pre[:, 0::2].float(), pre[:, 1::2].float()
+    g = g.float()
+    gate_c = gate.clamp(max=limit)
+    up_c = up.clamp(min=-limit, max=limit)
+    sig = torch.sigmoid(alpha * gate_c)
+    glu = gate_c * sig
+    h = (up_c + 1) * glu
+    dh = g * w.unsqueeze(1)
+    d_gate = torch.where(gate <= limit, dh * (up_c + 1) * (sig + alpha * gate_c * sig * (1 - sig)), 0.0)
+    d_up = torch.where((up >= -limit) & (up <= limit), dh * glu, 0.0)
+    dpre = torch.stack((d_gate, d_up), dim=-1).reshape(pre.shape).to(pre.dtype)
+    hw = (h * w.unsqueeze(1)).to(pre.dtype) if write_hw else None
+    dw = (g * h).sum(1) if write_dw else None
+    return dpre, hw, dw
+
+
+def _scatter_add_rows(dst, src, index, w=None, bias=None, expert=None):
+    """dst[index[r]] += w[r] * (src[r] + bias[expert[r]]) in fp32."""
+    if _use_triton(src):
+        return _experts_triton.scatter_add_rows(dst, src, index, w, bias, expert)
+    value = src.float()
+    if bias is not None:
+        value = value + bias.index_select(0, expert).float()
+    if w is not None:
+        value = value * w.unsqueeze(1)
+    dst.index_add_(0, index, value)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Forward over chunks, and the autograd function.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, alpha, limit, save_pre):
+    """Return (fp32 [T, H] output, list of biased pre-activation chunks when `save_pre`)."""
+    use_grouped_mm = _grouped_mm_supported(x)
+    out = torch.zeros(plan.num_tokens, x.shape[1], device=x.device, dtype=torch.float32)
+    saved = []
+    for chunk in plan.chunks:
+        token = plan.token[chunk.start : chunk.stop]
+        expert = plan.expert[chunk.start : chunk.stop]
+        x_chunk = x.index_select(0, token)
+        pre = _gmm(x_chunk, gate_up[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)
+        del x_chunk
+        h = _gate_forward(pre, gate_up_bias, expert, alpha, limit, store_pre=save_pre)
+        if save_pre:
+            saved.append(pre)
+        del pre
+        y = _gmm(h, down[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)
+        del h
+        _scatter_add_rows(out, y, token, w_sorted[chunk.start : chunk.stop], down_bias, expert)
+    return out, saved
+
+
+class MemoryEfficientExpertsFunction(torch.autograd.Function):
+    """GPT-OSS experts with a chunked forward and a backward that recomputes the gate activations.
+
+    Saves the input, the sorted routing plan and the biased up-projection output ``[S, 2I]`` (or, with
+    ``recompute_gate_up``, nothing of size S: the backward re-runs the up projection chunk by chunk).
+    Gradients are computed only for the inputs that need them.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden_states: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        plan: _RoutingPlan,
+        gate_up_proj: torch.Tensor,
+        gate_up_proj_bias: torch.Tensor,
+        down_proj: torch.Tensor,
+        down_proj_bias: torch.Tensor,
+        alpha: float,
+        limit: float,
+        recompute_gate_up: bool,
+    ) -> torch.Tensor:
+        w_sorted = _sorted_weights(top_k_weights, plan)
+        out, saved = _experts_forward(
+            hidden_states, w_sorted, plan, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+            alpha, limit, save_pre=not recompute_gate_up,
+        )  # fmt: skip
+        ctx.plan, ctx.alpha, ctx.limit, ctx.recompute = plan, alpha, limit, recompute_gate_up
+        ctx.weights_dtype = top_k_weights.dtype
+        ctx.save_for_backward(hidden_states, w_sorted, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, *saved)
+        return out.to(hidden_states.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        x, w_sorted, gate_up, gate_up_bias, down, down_bias, *saved = ctx.saved_tensors
+        plan, alpha, limit = ctx.plan, ctx.alpha, ctx.limit
+        need_x, need_w, _, need_gu, need_gub, need_d, need_db = ctx.needs_input_grad[:7]
+        use_grouped_mm = _grouped_mm_supported(x)
+        grad_out = grad_out.to(x.dtype).contiguous()
+
+        grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32) if need_x else None
+        grad_w_sorted = torch.zeros(plan.perm.shape[0], device=x.device, dtype=torch.float32) if need_w else None
+        # Expert weight gradients are written chunk by chunk: copied where an expert is first seen, added only
+        # for the one expert a chunk boundary splits; experts no chunk touches are zeroed.
+        grad_gu = torch.empty_like(gate_up) if need_gu else None
+        grad_gub = torch.zeros_like(gate_up_bias) if need_gub else None
+        grad_d = torch.empty_like(down) if need_d else None
+        grad_db = torch.zeros_like(down_bias) if need_db else None
+        written_hi = 0  # experts [0, written_hi) hold a gradient already
+
+        for index, chunk in enumerate(plan.chunks):
+            lo, hi = chunk.expert_lo, chunk.expert_hi
+            split_expert = lo < written_hi
+            for grad in (grad_gu, grad_d):
+                if grad is not None and lo > written_hi:  # empty experts between two chunks
+                    grad[written_hi:lo].zero_()
+            token = plan.token[chunk.start : chunk.stop]
+            expert = plan.expert[chunk.start : chunk.stop]
+            w = w_sorted[chunk.start : chunk.stop]
+            x_chunk = x.index_select(0, token) if (need_gu or ctx.recompute) else None
+            if ctx.recompute:
+                pre = _gmm(x_chunk, gate_up[lo:hi], chunk, use_grouped_mm)
+                _gate_forward(pre, gate_up_bias, expert, alpha, limit, write_h=False)
+            else:
+                pre = saved[index]
+            dy = grad_out.index_select(0, token)
+            g = _gmm(dy, down[lo:hi].transpose(1, 2), chunk, use_grouped_mm)  # dOut @ W_downᵀ, unweighted
+            dpre, hw, dw = _gate_backward(pre, g, w, alpha, limit, write_hw=need_d, write_dw=need_w)
+            del g, pre
+            if need_w:
+                # d w = dOut · (h @ W_down + b_down) = rowsum(g * h) + dOut · b_down
+                local = (expert - lo).unsqueeze(1)
+                dw += (dy @ down_bias[lo:hi].t()).gather(1, local).squeeze(1).float()
+                grad_w_sorted[chunk.start : chunk.stop] = dw
+            if need_d:
+                _write_weight_grad(grad_d, _gmm_weight_grad(hw.t(), dy, chunk, use_grouped_mm), lo, split_expert)
+            del hw
+            if need_db:
+                grad_db[lo:hi] += _segment_sum(dy, chunk, expert, w)
+            del dy
+            if need_gu:
+                _write_weight_grad(grad_gu, _gmm_weight_grad(x_chunk.t(), dpre, chunk, use_grouped_mm), lo, split_expert)
+            del x_chunk
+            if need_gub:
+                grad_gub[lo:hi] += _segment_sum(dpre, chunk, expert, None)
+            if need_x:
+                dx = _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)
+                _scatter_add_rows(grad_x, dx, token)
+                del dx
+            del dpre
+            written_hi = hi
+
+        for grad in (grad_gu, grad_d):
+            if grad is not None:
+                grad[written_hi:].zero_()  # empty experts after the last chunk (or all, with no chunk)
+        grad_weights = None
+        if need_w:
+            flat = torch.zeros_like(grad_w_sorted)
+            flat[plan.perm] = grad_w_sorted  # sentinel pairs keep a zero gradient
+            grad_weights = flat.view(plan.num_tokens, plan.top_k).to(ctx.weights_dtype)
+        if grad_x is not None:
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_weights, None, grad_gu, grad_gub, grad_d, grad_db, None, None, None
+
+
+def _write_weight_grad(grad: torch.Tensor, part: torch.Tensor, lo: int, split_expert: bool) -> None:
+    """grad[lo:lo+len(part)] = part, except the expert a chunk boundary split (the first), which is added."""
+    if split_expert:
+        grad[lo] += part[0]
+        grad[lo + 1 : lo + part.shape[0]].copy_(part[1:])
+    else:
+        grad[lo : lo + part.shape[0]].copy_(part)
+
+
+def _sorted_weights(top_k_weights: torch.Tensor, plan: _RoutingPlan) -> torch.Tensor:
+    return top_k_weights.reshape(-1).float().index_select(0, plan.perm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The registered experts forward.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _check_gptoss_experts(module: torch.nn.Module) -> None:
+    missing = [n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if not hasattr(module, n)]
+    layout_ok = getattr(module, "is_transposed", True) and not getattr(module, "is_concatenated", False)
+    if missing or not layout_ok:
+        raise NotImplementedError(
+            f'experts_implementation="memory_efficient" implements GPT-OSS experts only (biased, interleaved '
+            f"gate/up, [E, H, 2I] weights); {type(module).__name__} "
+            + (f"lacks {missing}" if missing else "has a different weight layout")
+        )
+
+
+def memory_efficient_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Experts forward for `GptOssExperts`, registered as ``"memory_efficient"`` in ``ALL_EXPERTS_FUNCTIONS``.
+
+    Args:
+        self: the `GptOssExperts` module (weights `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]` and biases).
+        hidden_states: `[T, H]` router inputs.
+        top_k_index: `[T, k]` expert of each (token, slot); values `>= num_experts` are EP sentinels and are
+            skipped.
+        top_k_weights: `[T, k]` routing weights (the router's top-k softmax).
+
+    Returns:
+        `[T, H]` in the dtype of `hidden_states`.
+
+    Per-module knobs (plain attributes, optional): `experts_chunk_rows` (pairs per chunk, default
+    `DEFAULT_CHUNK_ROWS`) and `experts_recompute_gate_up` (save no `[S, 2I]` activation, recompute the up
+    projection in the backward; default False).
+    """
+    _check_gptoss_experts(self)
+    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"expected hidden_states [T, H], top_k_index and top_k_weights [T, k]; got {tuple(hidden_states.shape)}, "
+            f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}"
+        )
+    config = getattr(self, "config", None)
+    alpha = float(getattr(self, "alpha", getattr(config, "swiglu_alpha", _DEFAULT_ALPHA)))
+    limit = float(getattr(self, "limit", getattr(config, "swiglu_limit", _DEFAULT_LIMIT)))
+    chunk_rows = int(getattr(self, "experts_chunk_rows", DEFAULT_CHUNK_ROWS))
+    recompute = bool(getattr(self, "experts_recompute_gate_up", False))
+
+    weights = (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
+    # Like transformers' grouped_mm: compute in the weights' dtype (autocast can hand us fp32 activations).
+    x = hidden_states.to(self.gate_up_proj.dtype).contiguous()
+    plan = _plan_routing(top_k_index, self.num_experts, chunk_rows)
+
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or top_k_weights.requires_grad or any(p.requires_grad for p in weights)
+    )
+    if needs_grad:
+        out = MemoryEfficientExpertsFunction.apply(x, top_k_weights, plan, *weights, alpha, limit, recompute)
+    else:
+        out, _ = _experts_forward(x, _sorted_weights(top_k_weights, plan), plan, *weights, alpha, limit, False)
+    return out.to(hidden_states.dtype)
+
+
+ALL_EXPERTS_FUNCTIONS.register("memory_efficient", memory_efficient_experts_forward)

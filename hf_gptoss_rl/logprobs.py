@@ -1,0 +1,242 @@
+"""Memory-efficient per-token log-probabilities (and entropies) of a causal LM head.
+
+GPT-OSS has a 201,088-token vocabulary: the float32 logits of one 32k-token sequence take 25.7 GB, and autograd would
+keep them for the backward pass. Here the LM head is applied to `chunk_size` tokens at a time; each chunk's logits are
+reduced to a log-sum-exp and the target logit, then freed. The backward pass recomputes one chunk at a time and
+turns it into the gradients of the hidden states, the head weight and its bias, so the peak extra memory is one
+`[chunk_size, vocab]` float32 tile whatever the sequence length.
+
+Math, with `z = (h W^T + b) / T` for one token, `p = softmax(z)`, `lse = logsumexp(z)`, target `t`:
+    log p_t = z_t - lse                          d log p_t / dz = onehot(t) - p
+    H       = lse - sum_j p_j z_j                dH / dz        = -p * (z - (lse - H))
+and dz/dlogits = 1/T. Only torch is needed (no TRL, no Triton), so this runs wherever the model runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+__all__ = [
+    "ChunkedLogProbs",
+    "ChunkedLogProbOutput",
+    "add_chunked_logprob_head",
+    "causal_lm_token_logprobs",
+    "chunked_logprobs",
+]
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` with a float32 result that was never rounded to bf16/fp16 (logits feed log-prob differences)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)  # fp32 output of a half-precision GEMM
+        except (RuntimeError, TypeError):
+            pass
+    return a.float() @ b.float()
+
+
+def _chunk_logits(hidden, weight, bias, temperature):
+    logits = _mm_fp32(hidden, weight.t())
+    if bias is not None:
+        logits = logits + bias.float()
+    return logits / temperature
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """`log_softmax(hidden @ weight.T + bias) / T)[target]` and the entropy, chunked over tokens.
+
+    hidden `[N, H]`, weight `[V, H]`, bias `[V]` or None, targets `[N]` (int64) → log-probs `[N]`, entropy `[N]`
+    (both float32).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int):
+        n = hidden.shape[0]
+        logps = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        entropy = torch.empty_like(logps)
+        lse = torch.empty_like(logps)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            z = _chunk_logits(hidden[start:end], weight, bias, temperature)
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            p = torch.exp(z - chunk_lse.unsqueeze(-1))
+            lse[start:end] = chunk_lse
+            logps[start:end] = z.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            entropy[start:end] = chunk_lse - (p * z).sum(-1)
+            del z, p
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if (need_b and bias is not None) else None
+        n = hidden.shape[0]
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            h = hidden[start:end]
+            z = _chunk_logits(h, weight, bias, temperature)
+            p = torch.exp(z - lse[start:end].unsqueeze(-1))
+            grad_z = torch.zeros_like(z)
+            if grad_logps is not None:
+                g = grad_logps[start:end].float()
+                grad_z -= p * g.unsqueeze(-1)
+                grad_z.scatter_add_(-1, targets[start:end].unsqueeze(-1), g.unsqueeze(-1))
+            if grad_entropy is not None:
+                mean_z = (lse[start:end] - entropy[start:end]).unsqueeze(-1)
+                grad_z -= p * (z - mean_z) * grad_entropy[start:end].float().unsqueeze(-1)
+            grad_logits = grad_z / temperature  # [C, V] float32
+            del z, p, grad_z
+            if grad_hidden is not None:
+                # each token's hidden gradient is one matmul over the vocabulary (accumulated in fp32 by the GEMM)
+                grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).float()
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ h.float()  # summed over chunks: keep fp32
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies of `targets` under the head `(weight, bias)` at `temperature`.
+
+    `hidden` is `[..., H]` and `targets` `[...]` (any leading shape); returns two float32 tensors of `targets`' shape.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree")
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} != head input size {weight.shape[-1]}")
+    lead = targets.shape
+    vocab = weight.shape[0]
+    flat_targets = targets.reshape(-1).long()
+    if flat_targets.numel() and (flat_targets.min() < 0 or flat_targets.max() >= vocab):
+        raise ValueError(f"targets must lie in [0, {vocab}); mask ignored positions before calling")
+    logps, entropy = ChunkedLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, float(temperature), int(chunk_size)
+    )
+    return logps.view(lead), entropy.view(lead)
+
+
+def causal_lm_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    logits_to_keep: int | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    **model_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies `[B, logits_to_keep]` of the last `logits_to_keep` tokens of `input_ids`.
+
+    Runs the model's backbone (`model.base_model`, e.g. `GptOssModel`), never its full-vocabulary head: position `i`
+    of the result scores `input_ids[:, -logits_to_keep + i]` from the hidden state just before it. Works with a
+    PEFT-wrapped model (the adapters stay active).
+    """
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    keep = input_ids.shape[1] - 1 if logits_to_keep is None else int(logits_to_keep)
+    if not 0 < keep < input_ids.shape[1]:
+        raise ValueError(f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}], got {keep}")
+    outputs = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
+    hidden = outputs.last_hidden_state[:, -keep - 1 : -1]
+    head = model.get_output_embeddings()
+    return chunked_logprobs(
+        hidden, head.weight, input_ids[:, -keep:], bias=head.bias, temperature=temperature, chunk_size=chunk_size
+    )
+
+
+@dataclass
+class ChunkedLogProbOutput(ModelOutput):
+    """What a model patched by `add_chunked_logprob_head` returns for `model(..., labels=, fused_lm_head=True)`.
+
+    `log_probs` / `entropy` are `[B, S-1]` (position `j` scores token `j+1`; 0 where the label is -100), `loss` the
+    mean negative log-prob of the labelled tokens, `aux_loss` the MoE load-balancing loss when router logits were
+    requested.
+    """
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def add_chunked_logprob_head(model: nn.Module, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Patch `model.forward` so that `model(..., labels=labels, fused_lm_head=True)` returns per-token log-probs.
+
+    The same call contract as TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`), so a TRL trainer can use
+    either; this one only needs torch, scores *only* the labelled positions (prompt positions cost nothing, on every
+    device) with `ChunkedLogProbs`, and leaves every other call (generation, plain forward) untouched. The call goes
+    through `model.forward`, so DDP / FSDP wrappers see a normal forward.
+    """
+    original_forward = type(model).forward
+    text_config = model.config.get_text_config()
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, fused_lm_head: bool = False, labels=None, **kwargs):
+        if not fused_lm_head:
+            if labels is not None:
+                kwargs["labels"] = labels
+            return original_forward(self, *args, **kwargs)
+        kwargs["use_cache"] = False
+        outputs = self.base_model(*args, **kwargs)
+        hidden = outputs.last_hidden_state[:, :-1]
+        targets = labels[:, 1:].to(hidden.device)
+        mask = targets != -100
+        head = self.get_output_embeddings()
+        logps, entropy = ChunkedLogProbs.apply(
+            hidden[mask], head.weight, head.bias, targets[mask], float(temperature), int(chunk_size)
+        )
+        # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero)
+        log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
+        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        aux_loss = None
+        if kwargs.get("output_router_logits") and getattr(outputs, "router_logits", None) is not None:
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            aux_loss = load_balancing_loss_func(
+                outputs.router_logits,
+                text_config.num_local_experts,
+                text_config.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
+        loss = -logps.sum() / mask.sum().clamp(min=1)
+        return ChunkedLogProbOutput(loss=loss, log_probs=log_probs, entropy=entropy, aux_loss=aux_loss)
+
+    model.forward = types.MethodType(forward, model)
+    return model

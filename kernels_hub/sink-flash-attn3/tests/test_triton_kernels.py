@@ -1,0 +1,261 @@
+"""Direct tests of the Triton kernels (``triton_kernels.sink_attention_forward/backward``) against fp64.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1``.  ``triton.jit`` decides interpreted vs compiled when a
+function is decorated, and triton's own library (``tl.zeros``...) is decorated when triton is first imported, so
+the variable must be set before anything imports triton.  This module sets it (CPU-only machines) before its
+imports; if triton was already imported compiled in this process (another test module, torch.compile...), the
+interpreter tests re-run this file in a fresh subprocess instead.  Shapes are tiny (the interpreter runs numpy per block); the
+kernels use 16x16 blocks on CPU, so lengths of 20-40 tokens already cover edge blocks, full blocks, skipped
+blocks and several programs per sequence.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+KERNEL_FILE = Path(__file__).resolve().parents[1] / "torch-ext" / "sink_flash_attn3" / "triton_kernels.py"
+
+triton = pytest.importorskip("triton")
+
+
+def _triton_is_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton.language.standard.zeros, InterpretedFunction)
+
+
+INTERPRETED = _triton_is_interpreted()
+
+
+def _load_kernels(interpret: bool):
+    """A private copy of triton_kernels.py, decorated with TRITON_INTERPRET set as asked."""
+    name = f"_sink_flash_attn3_triton_kernels_{'interp' if interpret else 'cuda'}"
+    if name in sys.modules:
+        return sys.modules[name]
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec = importlib.util.spec_from_file_location(name, KERNEL_FILE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+@pytest.fixture(scope="module")
+def tk():
+    if not INTERPRETED:
+        pytest.skip("triton was imported compiled in this process: test_interpreter_in_subprocess runs these")
+    return _load_kernels(interpret=True)
+
+
+def test_interpreter_in_subprocess():
+    """Runs this file's interpreter tests in a fresh process when this one cannot interpret kernels."""
+    if INTERPRETED:
+        pytest.skip("this process runs the interpreter tests itself")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+                             str(Path(__file__).resolve())], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fp64 reference: explicit masks, the sink as one more logit, autograd for every gradient
+# ----------------------------------------------------------------------------------------------------------
+def reference(q, k, v, sinks, cu_q, cu_k, scale, causal, window_left, window_right, dout):
+    q, k, v, dout = (t.detach().double().requires_grad_(t is not dout) for t in (q, k, v, dout))
+    s_ref = sinks.detach().double().requires_grad_() if sinks is not None else None
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        lq, lk = qs.shape[0], ks.shape[0]
+        kr, vr = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)  # [lk, Hq, D]
+        scores = scale * torch.einsum("ihd,jhd->hij", qs, kr)
+        pos = torch.arange(lq)[:, None] + (lk - lq)
+        j = torch.arange(lk)[None, :]
+        visible = torch.ones(lq, lk, dtype=torch.bool)
+        if causal:
+            visible &= j <= pos
+        if window_left >= 0:
+            visible &= j >= pos - window_left
+        if window_right >= 0:
+            visible &= j <= pos + window_right
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if s_ref is not None:
+            logits = torch.cat([scores, s_ref[:, None, None].expand(-1, lq, 1)], dim=-1)
+        else:
+            logits = scores
+        lse = torch.logsumexp(logits, dim=-1)  # [H, lq]; -inf for empty rows without sink
+        probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
+        probs = probs.masked_fill(~visible, 0.0)
+        outs.append(torch.einsum("hij,jhd->ihd", probs, vr))
+        lses.append(lse)
+    out = torch.cat(outs)
+    lse = torch.cat(lses, dim=1)
+    (out * dout).sum().backward()
+    return (out.detach(), lse.detach(), q.grad, k.grad, v.grad, None if s_ref is None else s_ref.grad)
+
+
+def rel_err(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_case(seqlens_q, seqlens_k, hq, hkv, d, dtype=torch.float32, sink_scale=1.0, with_sink=True, seed=0,
+              device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk_ = sum(seqlens_q), sum(seqlens_k)
+    q = torch.randn(tq, hq, d, generator=g)
+    k = torch.randn(tk_, hkv, d, generator=g)
+    v = torch.randn(tk_, hkv, d, generator=g)
+    dout = torch.randn(tq, hq, d, generator=g)
+    sinks = (torch.randn(hq, generator=g) * sink_scale) if with_sink else None
+    cu_q = torch.tensor([0, *torch.tensor(seqlens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(seqlens_k).cumsum(0).tolist()], dtype=torch.int32)
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return dict(q=to(q), k=to(k), v=to(v), dout=to(dout), sinks=None if sinks is None else sinks.to(device),
+                cu_q=cu_q.to(device), cu_k=cu_k.to(device), max_q=max(seqlens_q), max_k=max(seqlens_k))
+
+
+def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4, scale=None):
+    q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = tk.sink_attention_forward(q, k, v, sinks, case["cu_q"], case["cu_k"], case["max_q"], case["max_k"],
+                                         scale, causal, window_left, window_right)
+    dq, dk, dv, dsink = tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, case["cu_q"], case["cu_k"],
+                                                   case["max_q"], case["max_k"], scale, causal, window_left,
+                                                   window_right, False)
+    cu_q, cu_k = case["cu_q"].tolist(), case["cu_k"].tolist()
+    r_out, r_lse, r_dq, r_dk, r_dv, r_dsink = reference(q.cpu(), k.cpu(), v.cpu(), None if sinks is None else
+                                                        sinks.cpu(), cu_q, cu_k, scale, causal, window_left,
+                                                        window_right, dout.cpu())
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
+    for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"NaN in {name}"
+    assert dk.shape == k.shape and dv.shape == v.shape and dq.shape == q.shape
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(r_lse)), "empty rows must get lse = -inf exactly"
+    finite = torch.isfinite(r_lse)
+    errs = {
+        "out": rel_err(out.cpu(), r_out),
+        "lse": rel_err(lse.cpu()[finite], r_lse[finite]) if finite.any() else 0.0,
+        "dq": rel_err(dq.cpu(), r_dq),
+        "dk": rel_err(dk.cpu(), r_dk),
+        "dv": rel_err(dv.cpu(), r_dv),
+    }
+    if sinks is not None:
+        assert dsink.dtype == torch.float32 and dsink.shape == sinks.shape
+        errs["dsink"] = rel_err(dsink.cpu(), r_dsink)
+    else:
+        assert dsink is None
+    bad = {name: e for name, e in errs.items() if not e <= tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
+    return errs, (out, lse, dq, dk, dv, dsink)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Interpreter (CPU) tests, fp32, tolerance 1e-4
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "seqlens, hq, hkv, d, causal, window",
+    [
+        ([37], 2, 2, 64, True, (-1, -1)),                # GQA 1, odd length, full causal
+        ([33, 17, 40], 4, 1, 64, True, (-1, -1)),        # varlen, GQA 4
+        ([41], 8, 1, 64, True, (7, 0)),                  # GQA 8, window much smaller than S
+        ([29, 35], 2, 1, 128, True, (100, 0)),           # head_dim 128, window larger than S
+        ([34], 2, 2, 64, False, (-1, -1)),               # non-causal
+        ([38, 21], 2, 1, 64, False, (5, 9)),             # two-sided window, non-causal
+    ],
+)
+def test_matches_fp64(tk, seqlens, hq, hkv, d, causal, window):
+    case = make_case(seqlens, seqlens, hq, hkv, d, seed=len(seqlens) * 100 + hq + d)
+    run_and_compare(tk, case, causal, *window)
+
+
+def test_decode_shorter_queries_bottom_right(tk):
+    # len_q < len_k (KV cache): causal aligned bottom-right, with a window and a 1-token decode sequence
+    case = make_case([5, 1, 19], [37, 23, 19], 4, 2, 64, seed=3)
+    run_and_compare(tk, case, True)
+    run_and_compare(tk, case, True, 9, 0)
+
+
+def test_no_sink(tk):
+    case = make_case([35, 18], [35, 18], 4, 2, 64, with_sink=False, seed=4)
+    run_and_compare(tk, case, True)
+    run_and_compare(tk, case, True, 6, 0)
+
+
+@pytest.mark.parametrize("sink_value", [30.0, -30.0])
+def test_large_sinks(tk, sink_value):
+    case = make_case([33], [33], 2, 1, 64, seed=5)
+    case["sinks"] = torch.tensor([sink_value, -sink_value / 3])
+    run_and_compare(tk, case, True)
+
+
+def test_fully_masked_rows(tk):
+    # queries longer than keys with a causal mask: the first len_q - len_k rows see no key at all
+    case = make_case([20], [6], 2, 1, 64, seed=6)
+    errs, (out, lse, *_rest) = run_and_compare(tk, case, True)
+    empty = slice(0, 14)
+    assert torch.all(out[empty] == 0)
+    assert torch.allclose(lse[:, empty], case["sinks"][:, None].expand(-1, 14))
+    nosink = dict(case, sinks=None)
+    _, (out, lse, *_rest) = run_and_compare(tk, nosink, True)
+    assert torch.all(out[empty] == 0) and torch.all(lse[:, empty] == float("-inf"))
+
+
+def test_strided_views_and_deterministic(tk):
+    # q/k/v as views of one packed qkv buffer (non-contiguous token/head strides); two backward runs agree bitwise
+    g = torch.Generator().manual_seed(7)
+    t, hq, hkv, d = 30, 4, 2, 64
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    case = make_case([t], [t], hq, hkv, d, seed=7)
+    case.update(q=q, k=k, v=v)
+    _, first = run_and_compare(tk, case, True)
+    cu = case["cu_q"]
+    out, lse = first[0], first[1]
+    again = tk.sink_attention_backward(case["dout"], q, k, v, out, lse, case["sinks"], cu, cu, t, t,
+                                       d ** -0.5, True, -1, -1, True)
+    for a, b in zip(first[2:], again):
+        assert torch.equal(a, b)
+
+
+def test_atomic_dq_path(tk, monkeypatch):
+    # the optional non-deterministic backward (dQ through fp32 atomics in the dK/dV kernel) is exact too
+    monkeypatch.setattr(tk, "ATOMIC_DQ", True)
+    case = make_case([37, 20], [37, 20], 4, 1, 64, seed=9)
+    run_and_compare(tk, case, True)
+    run_and_compare(tk, case, True, 8, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA (compiled kernels), bf16 and fp32
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [(-1, -1), (128, 0)])
+def test_cuda_matches_fp64(dtype, tol, window):
+    tk_cuda = _load_kernels(interpret=False)
+    case = make_case([700, 1029, 64], [700, 1029, 64], 16, 2, 64, dtype=dtype, seed=8, device="cuda")
+    run_and_compare(tk_cuda, case, True, *window, tol=tol)

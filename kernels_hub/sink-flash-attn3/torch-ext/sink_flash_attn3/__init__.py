@@ -1,0 +1,17 @@
+"""Sink-aware flash attention (GPT-OSS learnable attention sinks) with the sink gradient.
+
+FlashAttention-compatible entry points, as transformers calls them:
+
+- ``flash_attn_func(q, k, v, ..., s_aux=None)`` on ``[batch, seqlen, heads, head_dim]``;
+- ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ..., s_aux=None)``
+  on ``[total_tokens, heads, head_dim]``.
+
+CUDA tensors run the Triton kernels; CPU tensors run a plain PyTorch path (or the Triton kernels under
+``TRITON_INTERPRET=1``). See ``interface.py`` for the dispatch rules and the ``SINK_FLASH_ATTN3_BACKEND`` override.
+"""
+
+from .interface import BACKEND_ENV_VAR, flash_attn_func, flash_attn_varlen_func, resolve_backend
+
+__version__ = "0.1.0"
+
+__all__ = ["BACKEND_ENV_VAR", "flash_attn_func", "flash_attn_varlen_func", "resolve_backend"]

@@ -1,0 +1,398 @@
+"""Public API: FlashAttention-compatible functions with learnable attention sinks (``s_aux``) and their gradient.
+
+Design: the FlashAttention signatures users know, argument checks up front, and one differentiable torch custom
+op (forward op + backward op, both with fake/meta implementations, joined by ``register_autograd``) that both
+entry points call, so ``torch.compile(fullgraph=True)`` traces forward and backward with no graph break. (An
+``autograd.Function`` per entry point, as in FlashAttention, would break the graph: dynamo cannot trace
+``Function.apply`` when one tensor feeds two inputs, and transformers passes the same ``cu_seqlens`` tensor for
+queries and keys.) The op namespace is derived from the name this package was imported under, so two loaded
+copies (e.g. the Hub kernel loaded by ``kernels`` under its hashed module name, and the copy shipped inside
+``hf_gptoss_rl``) never clash.
+
+Backend dispatch (per call, from the tensors' device):
+
+- CUDA tensors -> Triton kernels (``triton_kernels.py``);
+- CPU tensors -> plain PyTorch (``reference.py``), or the Triton kernels when ``TRITON_INTERPRET=1`` is set
+  (the interpreter runs them on CPU tensors, so CI exercises the real kernel code);
+- override with the ``backend=`` argument or the ``SINK_FLASH_ATTN3_BACKEND`` environment variable
+  (``"auto"`` | ``"triton"`` | ``"torch"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+from types import ModuleType
+
+import torch
+
+BACKEND_ENV_VAR = "SINK_FLASH_ATTN3_BACKEND"
+_BACKENDS = ("auto", "triton", "torch")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backend selection
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _triton_interpret_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """The backend (``"triton"`` or ``"torch"``) that runs attention on ``device``.
+
+    ``backend`` (or, when it is None, the ``SINK_FLASH_ATTN3_BACKEND`` environment variable) forces a choice;
+    ``"auto"`` picks Triton on CUDA, and on CPU only when ``TRITON_INTERPRET=1``.
+    """
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    if choice not in _BACKENDS:
+        raise ValueError(f"sink_flash_attn3: backend must be one of {_BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and _triton_interpret_enabled()):
+            return "triton"
+        return "torch"
+    if choice == "triton" and device.type == "cpu" and not _triton_interpret_enabled():
+        raise RuntimeError(
+            "sink_flash_attn3: the Triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
+            "imported; use backend='torch' for the plain PyTorch path"
+        )
+    return choice
+
+
+def _backend_module(backend: str) -> ModuleType:
+    # Imported lazily: Triton is optional on CPU-only machines, and TRITON_INTERPRET must be set before the
+    # kernels are decorated.
+    name = "triton_kernels" if backend == "triton" else "reference"
+    return importlib.import_module(f".{name}", __package__)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _op_namespace() -> str:
+    """A torch.library namespace unique to this copy of the package (its import name, made an identifier)."""
+    base = re.sub(r"\W", "_", __package__ or "sink_flash_attn3")
+    if not (base[0].isalpha() or base[0] == "_"):
+        base = f"_{base}"
+    if "sink_flash_attn3" not in base:
+        base = f"sink_flash_attn3_{base}"
+    namespace, suffix = base, 1
+    while hasattr(getattr(torch.ops, namespace), "fwd"):  # same package imported twice (e.g. a reload)
+        suffix += 1
+        namespace = f"{base}_{suffix}"
+    return namespace
+
+
+OPS_NAMESPACE = _op_namespace()
+
+
+@torch.library.custom_op(f"{OPS_NAMESPACE}::fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``out [Tq, Hq, D]`` (q's dtype) and the sink-inclusive ``lse [Hq, Tq]`` (fp32).
+
+    ``deterministic`` only matters to the backward; it is an input so the autograd formula can see it.
+    """
+    sinks = sinks.float() if sinks is not None else None  # the backends take fp32 sink logits
+    return _backend_module(backend).sink_attention_forward(
+        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, window_left, window_right,
+    )  # fmt: skip
+
+
+@_fwd_op.register_fake
+def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      window_left, window_right, deterministic, backend):  # fmt: skip
+    total_q, num_heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((num_heads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{OPS_NAMESPACE}::bwd", mutates_args=())
+def _bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: ``dq, dk, dv`` (input dtypes) and ``dsink [Hq]`` fp32 (an empty tensor without sinks)."""
+    sinks = sinks.float() if sinks is not None else None
+    dq, dk, dv, dsink = _backend_module(backend).sink_attention_backward(
+        dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, window_left, window_right, deterministic,
+    )  # fmt: skip
+    if dsink is None:  # custom ops return tensors only: an empty tensor stands for "no sink gradient"
+        dsink = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dsink
+
+
+@_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      causal, window_left, window_right, deterministic, backend):  # fmt: skip
+    dsink_shape = (q.shape[1],) if sinks is not None else (0,)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(dsink_shape, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
+    ctx.params = params  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left/right, deterministic, backend
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv, dsink = _bwd_op(dout.contiguous(), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params)
+    dsink = dsink.to(sinks.dtype) if sinks is not None else None  # the sink gradient in the sink's own dtype
+    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None
+
+
+# The op is its own autograd unit (rather than an autograd.Function around it): dynamo cannot trace
+# autograd.Function.apply when one tensor feeds two inputs, and transformers passes the same tensor as
+# cu_seqlens_q and cu_seqlens_k. A differentiable custom op traces with torch.compile(fullgraph=True).
+torch.library.register_autograd(f"{OPS_NAMESPACE}::fwd", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, window_size, dropout_p, softcap, alibi_slopes,
+                  return_attn_probs, varlen: bool) -> tuple[int, int]:  # fmt: skip
+    """Validates the arguments up front; returns ``(window_left, window_right)``."""
+    expected = "[total_tokens, heads, head_dim]" if varlen else "[batch, seqlen, heads, head_dim]"
+    ndim = 3 if varlen else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"sink_flash_attn3: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"sink_flash_attn3: {name} must be {expected}, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"sink_flash_attn3: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"sink_flash_attn3: q is on {q.device} but {name} is on {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"sink_flash_attn3: {name} must have a contiguous last (head_dim) dimension")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"sink_flash_attn3: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"sink_flash_attn3: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if not varlen and (q.shape[0] != k.shape[0]):
+        raise ValueError(f"sink_flash_attn3: q and k batch sizes differ ({q.shape[0]} vs {k.shape[0]})")
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_kv_heads = k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"sink_flash_attn3: q head_dim {head_dim} differs from k/v head_dim {k.shape[-1]}")
+    if head_dim > _MAX_HEAD_DIM or head_dim % 8 != 0:
+        raise ValueError(
+            f"sink_flash_attn3: head_dim must be a multiple of 8 and at most {_MAX_HEAD_DIM}, got {head_dim}"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"sink_flash_attn3: the number of query heads ({num_heads}) must be a multiple of the number of "
+            f"key/value heads ({num_kv_heads})"
+        )
+    if s_aux is not None:
+        if not isinstance(s_aux, torch.Tensor):
+            raise TypeError(
+                f"sink_flash_attn3: s_aux must be a tensor of shape [{num_heads}], got {type(s_aux).__name__}"
+            )
+        if s_aux.shape != (num_heads,):
+            raise ValueError(
+                f"sink_flash_attn3: s_aux (sinks) must have shape [num_heads] = [{num_heads}], got {tuple(s_aux.shape)}"
+            )
+        if s_aux.dtype not in _DTYPES:
+            raise TypeError(f"sink_flash_attn3: s_aux must be float16, bfloat16 or float32, got {s_aux.dtype}")
+        if s_aux.device != q.device:
+            raise ValueError(f"sink_flash_attn3: q is on {q.device} but s_aux is on {s_aux.device}")
+    if varlen:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+                raise ValueError(
+                    f"sink_flash_attn3: {name} must be a 1-D int32 tensor [batch + 1], got "
+                    f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}"
+                )
+            if cu.device != q.device:
+                raise ValueError(f"sink_flash_attn3: q is on {q.device} but {name} is on {cu.device}")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(
+                f"sink_flash_attn3: cu_seqlens_q and cu_seqlens_k must have the same length [batch + 1], got "
+                f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
+            )
+    if dropout_p:
+        raise NotImplementedError("sink_flash_attn3: attention dropout is not supported (dropout_p must be 0.0)")
+    if softcap:
+        raise NotImplementedError("sink_flash_attn3: logit softcapping is not supported (softcap must be 0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("sink_flash_attn3: ALiBi slopes are not supported")
+    if return_attn_probs:
+        raise NotImplementedError("sink_flash_attn3: return_attn_probs=True is not supported (no dense probabilities)")
+    if window_size is None:
+        window_size = (-1, -1)
+    if len(window_size) != 2 or any(int(w) < -1 for w in window_size):
+        raise ValueError(f"sink_flash_attn3: window_size must be (left, right) with -1 = unbounded, got {window_size}")
+    return int(window_size[0]), int(window_size[1])
+
+
+_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _select_backend(q: torch.Tensor, backend: str | None) -> str:
+    """Resolves the backend and checks what only the Triton kernels restrict (head_dim is a tile dimension)."""
+    resolved = resolve_backend(q.device, backend)
+    if resolved == "triton" and q.shape[-1] not in _TRITON_HEAD_DIMS:
+        raise ValueError(
+            f"sink_flash_attn3: the Triton kernels support head_dim in {_TRITON_HEAD_DIMS}, got {q.shape[-1]}; "
+            "use backend='torch' (or SINK_FLASH_ATTN3_BACKEND=torch) for other sizes"
+        )
+    return resolved
+
+
+def _as_int(value):
+    # transformers may hand max_seqlen over as a 0-dim tensor (packed batches from position_ids)
+    return int(value.item()) if isinstance(value, torch.Tensor) else value
+
+
+# --------------------------------------------------------------------------------------------------------------
+# FlashAttention entry points
+# --------------------------------------------------------------------------------------------------------------
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    s_aux: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_softmax_lse: bool = False,
+    backend: str | None = None,
+):
+    """Sink attention on fixed-length batches, FlashAttention's ``flash_attn_func`` signature.
+
+    Args:
+        q: ``[batch, seqlen_q, num_heads, head_dim]``.
+        k, v: ``[batch, seqlen_k, num_kv_heads, head_dim]``; ``num_heads`` must be a multiple of ``num_kv_heads``
+            (GQA/MQA without repeating K/V).
+        dropout_p, softcap, alibi_slopes, return_attn_probs: accepted for signature compatibility; anything but
+            the defaults raises ``NotImplementedError``.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        causal: causal mask aligned to the bottom-right corner (query i sits at key ``i + seqlen_k - seqlen_q``),
+            so decoding with a KV cache (``seqlen_q < seqlen_k``) works.
+        window_size: ``(left, right)`` sliding window, -1 = unbounded: key j is visible from aligned query
+            position i iff ``i - left <= j <= i + right``.
+        s_aux: learnable sink logits ``[num_heads]`` (fp32, bf16 or fp16); receives a gradient in its own dtype.
+        deterministic: deterministic backward (the sink gradient is always deterministic).
+        return_softmax_lse: also return the sink-inclusive log-sum-exp ``[batch, num_heads, seqlen_q]`` (fp32).
+        backend: ``"auto"`` (default, see module docstring), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``out [batch, seqlen_q, num_heads, head_dim]`` in q's dtype (and the LSE if requested).
+    """
+    window_left, window_right = _check_inputs(
+        q, k, v, s_aux, None, None, window_size, dropout_p, softcap, alibi_slopes, return_attn_probs, varlen=False
+    )
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    # A fixed-length batch is the varlen problem with equal lengths: flatten the batch into the token axis.
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    cu_seqlens_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32, device=q.device)
+    out, lse = _fwd_op(
+        q.reshape(batch * seqlen_q, num_heads, head_dim).contiguous(),
+        k.reshape(batch * seqlen_k, *k.shape[2:]).contiguous(),
+        v.reshape(batch * seqlen_k, *v.shape[2:]).contiguous(),
+        s_aux, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, scale, bool(causal), window_left, window_right,
+        bool(deterministic), _select_backend(q, backend),
+    )  # fmt: skip
+    out = out.view(batch, seqlen_q, num_heads, head_dim)
+    lse = lse.view(num_heads, batch, seqlen_q).transpose(0, 1)  # [B, H, S] like FlashAttention's softmax_lse
+    return (out, lse) if return_softmax_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    s_aux: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_softmax_lse: bool = False,
+    backend: str | None = None,
+):
+    """Sink attention on packed variable-length sequences, FlashAttention's ``flash_attn_varlen_func`` signature.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]``; k, v: ``[total_k, num_kv_heads, head_dim]``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` cumulative sequence lengths (sequence b owns rows
+            ``cu[b]:cu[b+1]``); query and key lengths may differ per sequence (causal mask bottom-right aligned).
+        max_seqlen_q, max_seqlen_k: longest query / key sequence (int or 0-dim tensor).
+        The other arguments are as in :func:`flash_attn_func`; the LSE, if requested, is ``[num_heads, total_q]``.
+
+    Returns:
+        ``out [total_q, num_heads, head_dim]`` in q's dtype (and the LSE if requested).
+    """
+    window_left, window_right = _check_inputs(
+        q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, window_size, dropout_p, softcap, alibi_slopes,
+        return_attn_probs, varlen=True,
+    )  # fmt: skip
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _fwd_op(
+        q.contiguous(), k.contiguous(), v.contiguous(), s_aux, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q),
+        _as_int(max_seqlen_k), scale, bool(causal), window_left, window_right, bool(deterministic),
+        _select_backend(q, backend),
+    )  # fmt: skip
+    return (out, lse) if return_softmax_lse else out

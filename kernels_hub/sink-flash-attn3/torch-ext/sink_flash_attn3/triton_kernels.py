@@ -1,0 +1,556 @@
+"""Triton forward/backward kernels of sink-aware flash attention (varlen, GQA, causal, sliding window).
+
+Layout: ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` (last dim contiguous, other strides arbitrary), sequences
+packed along the token axis and delimited by ``cu_seqlens_q/k`` (int32 ``[B + 1]``).  One program handles one
+(block of rows, head, sequence); the grid runs over ``max_seqlen`` and programs past the end of a shorter
+sequence exit at once.
+
+Math (per query row i of head h, with the learnable sink logit s_h, FACTS §2)::
+
+    S_ij   = scale * q_i . k_j                       (only visible j: causal / window band, j < len_k)
+    LSE_i  = log(sum_j exp(S_ij) + exp(s_h))         (the sink joins the normaliser but carries no value)
+    P_ij   = exp(S_ij - LSE_i),   O_i = sum_j P_ij V_j
+    D_i    = rowsum(dO_i * O_i),  dS_ij = P_ij (dP_ij - D_i),  dP = dO V^T
+    dQ = scale dS K,  dK = scale dS^T Q,  dV = P^T dO,  dsink_h = -sum_i exp(s_h - LSE_i) D_i
+
+The kernels work in base 2: ``log2(e)`` is folded into the score scale (``exp2`` is one MUFU op), the online
+softmax starts from the sink (running max m = s_h log2 e, running sum l = 1), and the backward reloads the
+sink-inclusive LSE in base 2, so dQ/dK/dV come out exact with no sink-specific term.
+
+Causal masks are aligned bottom-right like FlashAttention: query i of a sequence sits at key position
+``i + len_k - len_q``.  The window follows FA's convention (-1 = unbounded): key j is visible from the
+aligned query position a iff ``a - window_left <= j <= a + window_right`` (and ``j <= a`` when causal).
+Each program only visits key (or query) blocks that intersect that band — sliding layers cost O(S * W) —
+and splits them into blocks fully inside the band (no mask arithmetic) and edge blocks (masked), like the
+Triton fused-attention tutorial.
+
+The backward is deterministic with no atomics at all: dK/dV are accumulated by one program per key block
+that loops over every query head of its KV group (GQA needs no repeated K/V and no reduction afterwards),
+dQ by one program per query block that loops over key blocks, and dsink by one program per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sink_attention_forward", "sink_attention_backward", "KERNEL_CONFIGS"]
+
+LOG2E = 1.4426950408889634
+# constexpr copies for use inside kernels (compiled Triton only reads constexpr globals)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+# "Unbounded" window side: far beyond any sequence, small enough that a +/- seq_len stays in int32.
+_UNBOUNDED = 1 << 30
+
+# Block sizes / launch parameters per (kernel, head_dim), measured on the H200 (benchmarks/attention.py,
+# notes in benchmarks/notes/attention.md).  The benchmark may override entries to sweep configurations.
+KERNEL_CONFIGS: dict[tuple[str, int], dict[str, int]] = {
+    ("fwd", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dkdv", 128): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+    ("dq", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("dq", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+}
+KERNEL_CONFIGS[("dkdv_atomic", 64)] = dict(KERNEL_CONFIGS[("dkdv", 64)])
+KERNEL_CONFIGS[("dkdv_atomic", 128)] = dict(KERNEL_CONFIGS[("dkdv", 128)])
+# Non-deterministic dQ through fp32 atomics in the dK/dV kernel (only when deterministic=False); see notes.
+ATOMIC_DQ = False
+_INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+
+
+def _config(kernel: str, head_dim: int, device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":  # TRITON_INTERPRET=1 on CPU tensors: small blocks keep numpy fast
+        return dict(_INTERPRET_CONFIG)
+    cfg = KERNEL_CONFIGS.get((kernel, head_dim))
+    if cfg is None:  # other head dims: the D=128 settings with smaller tiles for D=256
+        cfg = dict(KERNEL_CONFIGS[(kernel, 128)])
+        if head_dim > 128:
+            cfg.update(BLOCK_M=64, BLOCK_N=32, num_stages=1)
+    return dict(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Band arithmetic shared by the kernels.  All bounds are in-sequence indices; `shift = len_k - len_q`.
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Key blocks seen by query rows [start_m, start_m + BLOCK_M): returns (lo, full_lo, full_hi, hi).
+
+    [lo, full_lo) and [full_hi, hi) are edge blocks (need the mask); [full_lo, full_hi) are blocks whose every
+    key is visible from every valid row of the block (and < len_k), so no mask is computed there."""
+    a_min = start_m + shift  # aligned positions of the first / last valid row
+    a_max = tl.minimum(start_m + BLOCK_M, len_q) - 1 + shift
+    lo_raw = tl.maximum(a_min - win_left, 0)
+    hi = tl.minimum(len_k, a_max + win_right + 1)
+    lo = (lo_raw // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)  # empty band -> empty loops
+    end = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(tl.maximum(a_max - win_left, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), end)
+    full_hi = (tl.maximum(tl.minimum(len_k, a_min + win_right + 1), 0) // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """Query blocks that see keys [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi, hi) as above; the full
+    blocks have every row valid (< len_q) and seeing every key of the block."""
+    n_max = tl.minimum(start_n + BLOCK_N, len_k) - 1
+    # row i (aligned a = i + shift) sees key j iff j - win_right <= a <= j + win_left
+    lo_raw = tl.maximum(start_n - win_right - shift, 0)
+    hi = tl.minimum(len_q, n_max + win_left - shift + 1)
+    lo = (lo_raw // BLOCK_M) * BLOCK_M
+    hi = tl.maximum(hi, lo)
+    end = tl.cdiv(hi, BLOCK_M) * BLOCK_M
+    full_lo = tl.cdiv(tl.maximum(n_max - win_right - shift, 0), BLOCK_M) * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), end)
+    full_hi = (tl.maximum(tl.minimum(len_q, start_n + win_left - shift + 1), 0) // BLOCK_M) * BLOCK_M
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return lo, full_lo, full_hi, hi
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo, hi,
+               len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    # only scalar 64-bit pointers are carried by the loop; tile offsets are int32 (keeps registers free)
+    k_tile = offs_n0[:, None] * stride_kt + offs_d[None, :]
+    v_tile = offs_n0[:, None] * stride_vt + offs_d[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kt + k_tile
+        v_ptrs = v_base + start_n.to(tl.int64) * stride_vt + v_tile
+        if MASK:
+            k = tl.load(k_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        # scores in base 2: s * log2(e)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASK:
+            visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
+                       & (offs_n[None, :] <= row_pos[:, None] + win_right)
+                       & (offs_n[None, :] < len_k))
+            qk = tl.where(visible, qk, float("-inf"))
+        # online softmax: m_i never drops below its start (sink, or a finite floor), so no inf - inf
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(v_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _sink_attn_fwd(Q, K, V, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                   stride_lse_h, qk_scale, win_left, win_right,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    off_h = tl.program_id(0)  # heads fastest: programs sharing K/V (a GQA group) run together
+    pid_m = tl.program_id(1)
+    off_b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + off_b)
+    len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = tl.load(cu_seqlens_k + off_b)
+    len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
+    # last query blocks first: under a causal mask they are the longest, so the tail of the grid is short
+    start_m = (tl.num_programs(1) - 1 - pid_m) * BLOCK_M
+    if start_m >= len_q:
+        return
+    off_kh = off_h // GROUP
+    shift = len_k - len_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < len_q
+    q_ptrs = (Q + q_start.to(tl.int64) * stride_qt + off_h * stride_qh
+              + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_base = K + k_start.to(tl.int64) * stride_kt + off_kh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + off_kh * stride_vh
+
+    if HAS_SINK:  # the sink is one more logit in the normaliser: start from it
+        sink = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:  # finite floor instead of -inf: a row with no visible key never computes -inf - (-inf)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    row_pos = offs_m + shift
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
+                                                 BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d,
+                               row_pos, lo, full_lo, len_k, win_left, win_right, qk_scale, BLOCK_N, True,
+                               DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d,
+                               row_pos, full_lo, full_hi, len_k, win_left, win_right, qk_scale, BLOCK_N, False,
+                               DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d,
+                               row_pos, full_hi, hi, len_k, win_left, win_right, qk_scale, BLOCK_N, True,
+                               DOT_PRECISION)
+
+    # l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
+    o_ptrs = (Out + q_start.to(tl.int64) * stride_ot + off_h * stride_oh
+              + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + off_h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lse_h,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0)."""
+    off_h = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_t < T
+    o = tl.load(Out + offs_t[:, None].to(tl.int64) * stride_ot + off_h * stride_oh + offs_d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs_t[:, None].to(tl.int64) * stride_dot + off_h * stride_doh + offs_d[None, :],
+                 mask=ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    lse = tl.load(Lse + off_h * stride_lse_h + offs_t, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    tl.store(Delta + off_h * T + offs_t, delta, mask=ok)
+    tl.store(Lse2 + off_h * T + offs_t, lse2, mask=ok)
+
+
+@triton.jit
+def _bwd_dsink(Sinks, Lse2, Delta, DSink, cu_seqlens_q, T, NUM_SEQS, BLOCK: tl.constexpr):
+    """dsink_h = -sum_i exp(s_h - LSE_i) D_i over every row of head h: one program per head, fixed order."""
+    off_h = tl.program_id(0)
+    sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
+    first = tl.load(cu_seqlens_q)
+    last = tl.load(cu_seqlens_q + NUM_SEQS)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(first, last, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < last
+        lse2 = tl.load(Lse2 + off_h * T + offs, mask=ok, other=float("inf"))
+        delta = tl.load(Delta + off_h * T + offs, mask=ok, other=0.0)
+        acc += tl.math.exp2(sink2 - lse2) * delta
+    tl.store(DSink + off_h, -tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt, stride_dot,
+                    stride_dqt, offs_m0, offs_n, offs_d, lo, hi, len_q, shift, win_left, win_right, qk_scale,
+                    sm_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    ATOMIC_DQ: tl.constexpr):
+    # works on transposed tiles (keys x queries) so the accumulators stay [BLOCK_N, D]
+    q_tile = offs_m0[:, None] * stride_qt + offs_d[None, :]
+    do_tile = offs_m0[:, None] * stride_dot + offs_d[None, :]
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_m0
+        q_ptrs = q_base + start_m.to(tl.int64) * stride_qt + q_tile
+        do_ptrs = do_base + start_m.to(tl.int64) * stride_dot + do_tile
+        if MASK:  # rows past len_q: q = dO = 0 and LSE = +inf, so they contribute exactly nothing
+            row_ok = offs_m < len_q
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(lse2_base + offs_m, mask=row_ok, other=float("inf"))
+        else:
+            q = tl.load(q_ptrs)
+            lse2 = tl.load(lse2_base + offs_m)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        pT = tl.math.exp2(qkT - lse2[None, :])
+        if MASK:
+            row_pos = offs_m + shift
+            visible = ((offs_n[:, None] >= row_pos[None, :] - win_left)
+                       & (offs_n[:, None] <= row_pos[None, :] + win_right))
+            pT = tl.where(visible, pT, 0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            do = tl.load(do_ptrs)
+            delta = tl.load(delta_base + offs_m)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:  # non-deterministic mode: dQ += scale * dS K straight into an fp32 buffer
+            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale
+            dq_ptrs = dq_base + start_m.to(tl.int64) * stride_dqt + offs_m0[:, None] * stride_dqt + offs_d[None, :]
+            if MASK:
+                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, cu_seqlens_q, cu_seqlens_k,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, T_q, qk_scale,
+                        sm_scale, win_left, win_right, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        ATOMIC_DQ: tl.constexpr):
+    off_kh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    off_b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + off_b)
+    len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = tl.load(cu_seqlens_k + off_b)
+    len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
+    start_n = pid_n * BLOCK_N  # first key blocks first: under a causal mask they see the most queries
+    if start_n >= len_k:
+        return
+    shift = len_k - len_q
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < len_k
+    k = tl.load(K + (k_start + offs_n)[:, None].to(tl.int64) * stride_kt + off_kh * stride_kh + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + (k_start + offs_n)[:, None].to(tl.int64) * stride_vt + off_kh * stride_vh + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right,
+                                                   BLOCK_M, BLOCK_N)
+    # GQA: the KV head's gradient is the sum over its query heads, accumulated here in a fixed order
+    for g in range(GROUP):
+        off_h = off_kh * GROUP + g
+        q_base = Q + q_start.to(tl.int64) * stride_qt + off_h * stride_qh
+        do_base = DO + q_start.to(tl.int64) * stride_dot + off_h * stride_doh
+        lse2_base = Lse2 + off_h * T_q + q_start
+        delta_base = Delta + off_h * T_q + q_start
+        dq_base = DQ32 + q_start.to(tl.int64) * stride_dqt + off_h * stride_dqh
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt,
+                                 stride_dot, stride_dqt,
+                                 offs_m0, offs_n, offs_d, lo, full_lo, len_q, shift, win_left, win_right,
+                                 qk_scale, sm_scale, BLOCK_M, True, DOT_PRECISION, ATOMIC_DQ)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt,
+                                 stride_dot, stride_dqt,
+                                 offs_m0, offs_n, offs_d, full_lo, full_hi, len_q, shift, win_left, win_right,
+                                 qk_scale, sm_scale, BLOCK_M, False, DOT_PRECISION, ATOMIC_DQ)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt,
+                                 stride_dot, stride_dqt,
+                                 offs_m0, offs_n, offs_d, full_hi, hi, len_q, shift, win_left, win_right,
+                                 qk_scale, sm_scale, BLOCK_M, True, DOT_PRECISION, ATOMIC_DQ)
+    dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
+    dk_ptrs = DK + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkt + off_kh * stride_dkh + offs_d[None, :]
+    dv_ptrs = DV + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvt + off_kh * stride_dvh + offs_d[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo,
+                  hi, len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    k_tile = offs_n0[:, None] * stride_kt + offs_d[None, :]
+    v_tile = offs_n0[:, None] * stride_vt + offs_d[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kt + k_tile
+        v_ptrs = v_base + start_n.to(tl.int64) * stride_vt + v_tile
+        if MASK:
+            k = tl.load(k_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASK:
+            visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
+                       & (offs_n[None, :] <= row_pos[:, None] + win_right)
+                       & (offs_n[None, :] < len_k))
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _sink_attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                      stride_dqt, stride_dqh, T_q, qk_scale, sm_scale, win_left, win_right,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    off_h = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    off_b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + off_b)
+    len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = tl.load(cu_seqlens_k + off_b)
+    len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
+    start_m = (tl.num_programs(1) - 1 - pid_m) * BLOCK_M
+    if start_m >= len_q:
+        return
+    off_kh = off_h // GROUP
+    shift = len_k - len_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < len_q
+    q = tl.load(Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + off_h * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + (q_start + offs_m)[:, None].to(tl.int64) * stride_dot + off_h * stride_doh
+                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(Lse2 + off_h * T_q + q_start + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + off_h * T_q + q_start + offs_m, mask=row_ok, other=0.0)
+    k_base = K + k_start.to(tl.int64) * stride_kt + off_kh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + off_kh * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    row_pos = offs_m + shift
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
+                                                 BLOCK_M, BLOCK_N)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos,
+                       lo, full_lo, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos,
+                       full_lo, full_hi, len_k, win_left, win_right, qk_scale, BLOCK_N, False, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos,
+                       full_hi, hi, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + (q_start + offs_m)[:, None].to(tl.int64) * stride_dqt + off_h * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host wrappers (the contract used by the package's autograd functions / custom ops)
+# ----------------------------------------------------------------------------------------------------------
+def _window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
+    """FA window convention (-1 = unbounded) -> finite (left, right) extents; causal caps right at 0."""
+    left = _UNBOUNDED if window_left is None or window_left < 0 else int(window_left)
+    right = _UNBOUNDED if window_right is None or window_right < 0 else int(window_right)
+    if causal:
+        right = min(right, 0)
+    return left, right
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products (no TF32) so that fp32 results match an fp64 reference to ~1e-6
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_token_major(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 3 or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be [tokens, heads, head_dim] with a contiguous last dim, "
+                         f"got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_left, window_right):
+    """Sink-aware attention forward on packed sequences.
+
+    q ``[Tq, Hq, D]``; k, v ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``; sinks ``[Hq]`` (float32) or None;
+    cu_seqlens int32 ``[B + 1]``.  Returns ``out [Tq, Hq, D]`` in q's dtype and the sink-inclusive natural-log
+    ``lse [Hq, Tq]`` float32.  A row with no visible key gets out = 0 and lse = sink (or -inf without sink).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_token_major(name, t)
+    T_q, H_q, D = q.shape
+    H_kv = k.shape[1]
+    if H_q % H_kv:
+        raise ValueError(f"number of query heads {H_q} must be a multiple of KV heads {H_kv}")
+    num_seqs = cu_seqlens_q.numel() - 1
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty((H_q, T_q), device=q.device, dtype=torch.float32)
+    if T_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        lse.fill_(float("-inf"))
+        return out.zero_(), lse
+    left, right = _window_bounds(causal, window_left, window_right)
+    cfg = _config("fwd", D, q.device)
+    block_m = cfg.pop("BLOCK_M")
+    grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
+    has_sink = sinks is not None
+    _sink_attn_fwd[grid](
+        q, k, v, sinks if has_sink else q, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), float(softmax_scale) * LOG2E, left, right,
+        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=block_m, HAS_SINK=has_sink,
+        DOT_PRECISION=_dot_precision(q.dtype), **cfg)
+    return out, lse
+
+
+def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic):
+    """Gradients of :func:`sink_attention_forward`: ``dq [Tq,Hq,D]``, ``dk, dv [Tk,Hkv,D]`` (input dtype,
+    summed over each KV group's query heads) and ``dsink [Hq]`` float32 (None without sinks).
+
+    By default every gradient is written by exactly one program in a fixed order (no atomics): bitwise
+    reproducible.  With ``ATOMIC_DQ`` set and ``deterministic=False``, dQ is instead accumulated with fp32
+    atomics inside the dK/dV kernel (one kernel fewer, run-to-run rounding differences in dQ only)."""
+    for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
+        _check_token_major(name, t)
+    T_q, H_q, D = q.shape
+    T_k, H_kv, _ = k.shape
+    num_seqs = cu_seqlens_q.numel() - 1
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
+    if T_q == 0 or num_seqs == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsink
+    lse = lse.contiguous()
+    left, right = _window_bounds(causal, window_left, window_right)
+    qk_scale = float(softmax_scale) * LOG2E
+    precision = _dot_precision(q.dtype)
+    group = H_q // H_kv
+
+    delta = torch.empty((H_q, T_q), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    pre_block = 64 if q.device.type == "cuda" else 16
+    _bwd_preprocess[(triton.cdiv(T_q, pre_block), H_q)](
+        out, dout, lse, delta, lse2, T_q, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+        lse.stride(0), HEAD_DIM=D, BLOCK=pre_block)
+    if sinks is not None:
+        _bwd_dsink[(H_q,)](sinks, lse2, delta, dsink, cu_seqlens_q, T_q, num_seqs,
+                           BLOCK=1024 if q.device.type == "cuda" else 64)
+
+    atomic_dq = ATOMIC_DQ and not deterministic
+    dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
+    cfg = _config("dkdv_atomic" if atomic_dq else "dkdv", D, q.device)
+    block_n = cfg.pop("BLOCK_N")
+    grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
+    if T_k > 0 and int(max_seqlen_k) > 0:
+        _sink_attn_bwd_dkdv[grid](
+            q, k, v, dout, lse2, delta, dk, dv, dq32, cu_seqlens_q, cu_seqlens_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+            dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq32.stride(0), dq32.stride(1),
+            T_q, qk_scale, float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n,
+            DOT_PRECISION=precision, ATOMIC_DQ=atomic_dq, **cfg)
+    if atomic_dq:
+        dq.copy_(dq32)
+        return dq, dk, dv, dsink
+    cfg = _config("dq", D, q.device)
+    block_m = cfg.pop("BLOCK_M")
+    grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
+    _sink_attn_bwd_dq[grid](
+        q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+        dout.stride(1), dq.stride(0), dq.stride(1), T_q, qk_scale, float(softmax_scale), left, right,
+        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, **cfg)
+    return dq, dk, dv, dsink

@@ -1,0 +1,193 @@
+"""EmbeddedEngine: exact temperature-scaled log-probs, stop tokens, batching under concurrency, weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import GptOssForCausalLM
+
+from hf_gptoss_rl.testing import tiny_gptoss_config
+from trl_ext.rollout import EmbeddedEngine, GenerationOutput, SamplingParams, SGLangOfflineEngine
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GptOssForCausalLM(tiny_gptoss_config(vocab_size=VOCAB)).float().eval()
+
+
+def teacher_forced_logprobs(model, prompt, output, temperature):
+    """log_softmax(logits / T) of ``output`` given ``prompt`` in one unpadded forward (the trainer's computation)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].double()
+    logits = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def gather(engine, prompts, samplings):
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, samplings)))
+
+    return asyncio.run(main())
+
+
+def test_logprobs_equal_teacher_forced_forward(model):
+    engine = EmbeddedEngine(model, seed=1)
+    prompts = [[1, 2, 3], list(range(10, 31)), [7] * 12, [100, 5]]
+    samplings = [
+        SamplingParams(max_new_tokens=12, temperature=0.7, stop_token_ids=()),
+        SamplingParams(max_new_tokens=9, temperature=1.0, top_p=0.8, stop_token_ids=()),
+        SamplingParams(max_new_tokens=14, temperature=1.3, top_k=5, stop_token_ids=()),
+        SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.9, top_k=20, stop_token_ids=()),
+    ]
+    outs = gather(engine, prompts, samplings)
+    assert engine.max_batch_seen > 1  # the padded batched path is what is checked
+    for prompt, sampling, out in zip(prompts, samplings, outs):
+        assert out.finish_reason == "length" and len(out.output_ids) == sampling.max_new_tokens
+        ref = teacher_forced_logprobs(model, prompt, out.output_ids, sampling.temperature)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref, rtol=0, atol=2e-5)
+        assert out.weight_version == 0
+    engine.shutdown()
+
+
+def test_greedy_and_top_k_1_follow_argmax(model):
+    engine = EmbeddedEngine(model)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    greedy, topk1 = gather(
+        engine,
+        [prompt, prompt],
+        [SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=()),
+         SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, stop_token_ids=())],
+    )
+    ids = list(prompt)
+    for _ in range(10):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert greedy.output_ids == ids[len(prompt):] == topk1.output_ids
+    # temperature 0: unscaled log-probs; top-k never renormalises the reported log-probs
+    torch.testing.assert_close(torch.tensor(greedy.logprobs, dtype=torch.float64),
+                               teacher_forced_logprobs(model, prompt, greedy.output_ids, 1.0), rtol=0, atol=2e-5)
+    assert max(topk1.logprobs) < -1e-3
+    engine.shutdown()
+
+
+def test_stop_tokens_kept_and_honoured(model):
+    engine = EmbeddedEngine(model, seed=3)
+    stop = tuple(range(0, VOCAB, 3))  # a third of the vocabulary: stops within a few tokens
+    outs = gather(engine, [[1, 2]] * 6, [SamplingParams(max_new_tokens=40, stop_token_ids=stop)] * 6)
+    for out in outs:
+        assert out.finish_reason == "stop"
+        assert out.output_ids[-1] in stop and not set(out.output_ids[:-1]) & set(stop)
+        assert len(out.logprobs) == len(out.output_ids)
+    engine.shutdown()
+
+
+def test_concurrent_requests_are_batched_and_padding_free(model):
+    engine = EmbeddedEngine(model, max_batch_size=8, batch_wait_s=0.05)
+    prompts = [list(range(1, 2 + i)) for i in range(12)]  # 12 different lengths
+    # different budgets: rows leave the batch (and the KV cache) at different steps
+    samplings = [SamplingParams(max_new_tokens=2 + i % 5, temperature=0.0, stop_token_ids=()) for i in range(12)]
+    outs = gather(engine, prompts, samplings)
+    assert engine.num_batches < len(prompts) and engine.max_batch_seen > 1
+    solo = EmbeddedEngine(model, max_batch_size=1)
+    for prompt, sampling, out in zip(prompts, samplings, outs):  # padding/compaction must not change a row
+        assert len(out.output_ids) == sampling.max_new_tokens
+        alone = gather(solo, [prompt], [sampling])[0]
+        assert alone.output_ids == out.output_ids
+        torch.testing.assert_close(alone.logprobs, out.logprobs, rtol=0, atol=2e-5)
+    engine.shutdown()
+    solo.shutdown()
+
+
+def test_engine_works_across_event_loops_and_threads(model):
+    engine = EmbeddedEngine(model)
+    sampling = SamplingParams(max_new_tokens=3, stop_token_ids=())
+    first = asyncio.run(engine.generate([1, 2], sampling))
+    second = asyncio.run(engine.generate([1, 2], sampling))  # a new loop: the worker thread is loop-agnostic
+    third = engine.submit([1, 2], sampling).result(timeout=60)  # plain threads (the HTTP server) too
+    assert all(isinstance(o, GenerationOutput) and len(o.output_ids) == 3 for o in (first, second, third))
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([1], sampling)
+
+
+def test_from_policy_copy_and_update_weights(model):
+    policy = GptOssForCausalLM(tiny_gptoss_config(vocab_size=VOCAB)).float()
+    policy.load_state_dict(model.state_dict())
+    engine = EmbeddedEngine.from_policy(policy)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=())
+    prompt = [5, 6, 7]
+    before = gather(engine, [prompt], [sampling])[0]
+    with torch.no_grad():  # a training step on the policy: the engine's copy must not move
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert gather(engine, [prompt], [sampling])[0].output_ids == before.output_ids
+
+    asyncio.run(engine.update_weights(policy.state_dict().items(), version=7))
+    after = gather(engine, [prompt], [sampling])[0]
+    reference = EmbeddedEngine(policy)  # the updated policy itself
+    expected = gather(reference, [prompt], [sampling])[0]
+    assert after.output_ids == expected.output_ids != before.output_ids
+    assert after.weight_version == 7 == engine.weight_version
+
+    with pytest.raises(KeyError, match="unknown parameter"):
+        engine.load_weights([("not.a.param", torch.zeros(1))], version=8)
+    name, tensor = next(iter(policy.state_dict().items()))
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([(name, torch.zeros(tensor.numel() + 1))], version=8)
+    assert engine.weight_version == 7  # nothing loaded on error
+    engine.shutdown()
+    reference.shutdown()
+
+
+def test_abort_and_shutdown_resolve_requests(model):
+    engine = EmbeddedEngine(model, max_batch_size=2)
+
+    async def main():
+        long = SamplingParams(max_new_tokens=20000, stop_token_ids=())
+        tasks = [asyncio.ensure_future(engine.generate([1, 2, 3], long)) for _ in range(4)]
+        for _ in range(200):  # wait until the first batch is decoding
+            if engine.num_batches:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        engine.abort_all()  # aborts the running batch
+        await asyncio.to_thread(engine.shutdown)  # queued requests resolve with "abort"
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(main())
+    assert any(o.finish_reason == "abort" for o in outs)
+    for o in outs:
+        assert len(o.output_ids) == len(o.logprobs) and len(o.output_ids) < 20000
+
+
+def test_bad_inputs_are_rejected(model):
+    engine = EmbeddedEngine(model)
+    sampling = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], sampling)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.submit([VOCAB], sampling)
+    with pytest.raises(TypeError):
+        engine.submit([1], {"max_new_tokens": 2})
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=2, temperature=-1), dict(max_new_tokens=2, top_p=0),
+                dict(max_new_tokens=2, top_k=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="log-probs"):
+        GenerationOutput([1, 2], [0.0], "stop")
+    engine.shutdown()
+
+
+def test_offline_sglang_engine_needs_sglang():
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="sglang"):
+            SGLangOfflineEngine(model_path="unused")
+    else:  # pragma: no cover - GPU machines with sglang
+        pytest.skip("sglang installed: the offline engine is exercised on GPU only")

@@ -1,0 +1,339 @@
+"""AgenticGRPOTrainer: real training steps of a tiny GPT-OSS on tool-calling harmony trajectories (CPU).
+
+A scripted engine makes the trajectories deterministic (turn 1 calls the `add` tool, or answers at once; turn 2
+answers right or wrong) while its log-probs are the real ones of its own copy of the policy, perturbed per token
+to emulate a different inference kernel. It receives the trainer's weight syncs like any engine. Separate tests
+run the real embedded engine and the SGLang-protocol HTTP server.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import GptOssForCausalLM
+
+from hf_gptoss_rl.harmony import CALL, load_gptoss_tokenizer
+from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
+from hf_gptoss_rl.testing import tiny_gptoss_config
+from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_ext.rollout import EmbeddedEngine, GenerationOutput, RolloutEngine
+from trl_ext.tools import FunctionTool
+
+PERTURBATION = 0.05  # |log p_rollout - log p_engine_model| per token
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_gptoss_tokenizer()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first addend
+        b: second addend
+    """
+    return a + b
+
+
+def tiny_model(seed: int = 0) -> GptOssForCausalLM:
+    torch.manual_seed(seed)
+    config = tiny_gptoss_config(num_hidden_layers=2, hidden_size=32, intermediate_size=32, head_dim=8)
+    config._attn_implementation = "eager"
+    return GptOssForCausalLM(config)
+
+
+def dataset(n: int = 4) -> Dataset:
+    rows = [{"prompt": [{"role": "user", "content": f"What is 2 + 3? (variant {i})"}], "answer": "5"} for i in range(n)]
+    return Dataset.from_list(rows)
+
+
+def reward_correct(completions, final_text, answer, num_tool_calls, **kwargs):
+    """1 for the right boxed answer, plus a little for each tool call (so every group has reward variance)."""
+    return [float(f.strip() == f"\\boxed{{{a}}}") + 0.1 * n for f, a, n in zip(final_text, answer, num_tool_calls)]
+
+
+class ScriptedEngine(RolloutEngine):
+    """Deterministic harmony outputs, real (perturbed) log-probs from its own copy of the policy."""
+
+    def __init__(self, model, tokenizer):
+        self.model = copy.deepcopy(model).eval()
+        self.model.__dict__.pop("forward", None)
+        self.tok = tokenizer
+        self._version = 0
+        self.calls = 0
+        self.updates: list[int] = []
+
+    @property
+    def weight_version(self):
+        return self._version
+
+    async def health(self):
+        return True
+
+    async def update_weights(self, named_tensors, *, version):
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                state[name].copy_(tensor)
+        self._version = version
+        self.updates.append(version)
+        self.calls = 0
+
+    async def generate(self, input_ids, sampling):
+        rng = torch.Generator().manual_seed(1000 * int(self._version) + self.calls)
+        self.calls += 1
+        coin = torch.rand(2, generator=rng).tolist()
+        if CALL not in input_ids and coin[0] < 0.7:
+            text = (
+                "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 3}<|call|>'
+            )
+        else:
+            answer = "5" if coin[1] < 0.5 else "7"
+            text = f"<|channel|>final<|message|>\\boxed{{{answer}}}<|return|>"
+        ids = self.tok.encode(text, add_special_tokens=False)[: sampling.max_new_tokens]
+        full = torch.tensor([list(input_ids) + ids])
+        with torch.no_grad():
+            logps, _ = causal_lm_token_logprobs(
+                self.model, full, logits_to_keep=len(ids), temperature=sampling.temperature or 1.0
+            )
+        signs = torch.tensor([(-1.0) ** i for i in range(len(ids))])
+        logps = (logps[0] + PERTURBATION * signs).tolist()
+        return GenerationOutput(ids, logps, "stop", self._version)
+
+
+def make_config(tmp_path, **overrides) -> AgenticGRPOConfig:
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        learning_rate=1e-2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=64,
+        max_turns=3,
+        beta=0.0,
+        loss_type="dapo",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        rollout_concurrency=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return AgenticGRPOConfig(**kwargs)
+
+
+class RecordingTrainer(AgenticGRPOTrainer):
+    """Records each policy forward (log-probs with their grad) and each loss call's inputs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forwards: list[torch.Tensor] = []
+        self.loss_inputs: list[dict] = []
+        self.loss_weights: list[torch.Tensor | None] = []
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        logps, ent, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if logps.requires_grad:
+            logps.retain_grad()
+        self.forwards.append(logps)
+        return logps, ent, aux
+
+    def _compute_loss(self, model, inputs):
+        self.loss_inputs.append(inputs)
+        self.last_importance_weights = None
+        loss = super()._compute_loss(model, inputs)
+        self.loss_weights.append(self.last_importance_weights)
+        return loss
+
+
+def scripted_trainer(tmp_path, tokenizer, cls=RecordingTrainer, model=None, **overrides):
+    model = model if model is not None else tiny_model()
+    engine = ScriptedEngine(model, tokenizer)
+    trainer = cls(
+        model=model,
+        reward_funcs=reward_correct,
+        args=make_config(tmp_path, **overrides),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        tools=[FunctionTool(add)],
+        rollout_engine=engine,
+    )
+    return trainer, engine
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_on_policy_steps_with_tool_calls(tmp_path, tokenizer):
+    trainer, engine = scripted_trainer(tmp_path, tokenizer, max_steps=2)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+
+    assert all(math.isfinite(x) for x in _logged(trainer, "loss"))
+    # one policy forward per micro-batch: no second "old log-probs" pass on-policy
+    assert len(trainer.forwards) == len(trainer.loss_inputs) == 2
+    for inputs, logps in zip(trainer.loss_inputs, trainer.forwards):
+        assert "old_per_token_logps" not in inputs
+        tool_mask, completion_mask = inputs["tool_mask"], inputs["completion_mask"]
+        assert (tool_mask == 0).any(), "the trajectories must contain tool tokens"
+        policy = (completion_mask * tool_mask).bool()
+        # tool tokens (and padding) have exactly zero weight in the loss
+        assert torch.all(logps.grad[~policy] == 0)
+        # rollout log-probs are aligned with the completion ids (0 on tool tokens)
+        assert torch.all(inputs["sampling_per_token_logps"][tool_mask == 0] == 0)
+    assert any(logps.grad.abs().sum() > 0 for logps in trainer.forwards)  # a learning signal reached the policy
+    # ratio is exactly 1 on-policy: nothing is clipped
+    assert _logged(trainer, "clip_ratio/region_mean") == [0.0, 0.0]
+    # tool use and mismatch metrics are logged every step
+    assert all(x > 0 for x in _logged(trainer, "rollout/tool_calls_mean"))
+    for key in ("mismatch/prob_diff_mean", "mismatch/prob_diff_max", "mismatch/k3_kl", "mismatch/log_ppl_diff"):
+        assert len(_logged(trainer, key)) == 2
+    # the engine log-probs are the policy's own (step 1) perturbed by +-PERTURBATION
+    k3 = _logged(trainer, "mismatch/k3_kl")[0]
+    expected_k3 = (math.expm1(PERTURBATION) - PERTURBATION + math.expm1(-PERTURBATION) + PERTURBATION) / 2
+    assert k3 == pytest.approx(expected_k3, rel=0.2)
+    # weights were synced to the engine after each optimizer step
+    assert engine.updates == [1, 2] and engine.weight_version == trainer.state.global_step == 2
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    for name, tensor in engine.model.state_dict().items():
+        torch.testing.assert_close(tensor, after[name])
+
+
+def test_token_tis_weights_match_hand_computation(tmp_path, tokenizer):
+    model = tiny_model()
+    snapshot = copy.deepcopy(model.state_dict())
+    trainer, _ = scripted_trainer(
+        tmp_path, tokenizer, model=model, max_steps=1, mismatch_correction="token_tis", mismatch_tis_cap=1.03
+    )
+    trainer.train()
+    inputs, weights = trainer.loss_inputs[0], trainer.loss_weights[0]
+    assert weights is not None
+
+    # Hand computation: log-probs of the sampled tokens under the pre-step policy, in fp32, by an independent path
+    reference = tiny_model()
+    reference.load_state_dict(snapshot)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        train_logps, _ = causal_lm_token_logprobs(reference, ids, attn, logits_to_keep=inputs["completion_ids"].shape[1])
+    mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+    expected = torch.ones_like(train_logps)
+    ratio = torch.exp(train_logps - inputs["sampling_per_token_logps"])
+    expected[mask] = ratio[mask].clamp(max=1.03)
+    torch.testing.assert_close(weights, expected, rtol=1e-4, atol=1e-5)
+    assert (weights[mask] < 1.03).any() and (weights[mask] == 1.03).any()  # both regimes exercised
+    # still on-policy: ratio 1, no clipping, one forward
+    assert _logged(trainer, "clip_ratio/region_mean") == [0.0]
+    assert len(trainer.forwards) == 1
+    assert len(_logged(trainer, "mismatch/is_weight_mean")) == 1
+    assert _logged(trainer, "mismatch/frac_tokens_truncated")[0] > 0
+    # the weight reaches the gradient: d loss / d logp = -A * w / N on policy tokens (DAPO, ratio 1)
+    logps = trainer.forwards[0]
+    adv = inputs["advantages"].unsqueeze(1).expand_as(logps)
+    n = inputs["num_items_in_batch"]
+    torch.testing.assert_close(logps.grad[mask], (-adv * weights)[mask] / n, rtol=1e-5, atol=1e-7)
+
+
+def test_off_policy_keeps_standard_path(tmp_path, tokenizer):
+    trainer, _ = scripted_trainer(tmp_path, tokenizer, max_steps=2, num_iterations=2, mismatch_correction="token_mask")
+    trainer.train()
+    assert all("old_per_token_logps" in x for x in trainer.loss_inputs)
+    # one extra no-grad forward per generation (the old log-probs), then one per loss call
+    assert len(trainer.forwards) == len(trainer.loss_inputs) + 1
+    assert all(math.isfinite(x) for x in _logged(trainer, "loss"))
+    assert len(_logged(trainer, "mismatch/frac_tokens_masked")) == 2
+
+
+def test_resume_continues_identically(tmp_path, tokenizer):
+    straight, _ = scripted_trainer(tmp_path / "a", tokenizer, cls=AgenticGRPOTrainer, max_steps=4)
+    straight.train()
+
+    first, _ = scripted_trainer(
+        tmp_path / "b", tokenizer, cls=AgenticGRPOTrainer, max_steps=4, save_strategy="steps", save_steps=2
+    )
+    first.train()
+    resumed, engine = scripted_trainer(tmp_path / "b", tokenizer, cls=AgenticGRPOTrainer, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+
+    assert engine.updates[0] == 2  # the engine received the checkpoint's weights, as version 2, before step 3
+    for name, tensor in straight.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, rtol=0, atol=0)
+    for key in ("reward", "loss", "mismatch/k3_kl"):
+        assert _logged(resumed, key) == pytest.approx(_logged(straight, key)[2:], rel=1e-6)
+
+
+def test_embedded_engine_real_sampling(tmp_path, tokenizer):
+    """The default backend: an in-process copy of the policy samples; weights follow every optimizer step."""
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model(),
+        reward_funcs=reward_correct,
+        args=make_config(tmp_path, max_steps=2, max_completion_length=24, rollout_concurrency=8),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        tools=[FunctionTool(add)],
+    )
+    assert isinstance(trainer.rollout_engine, EmbeddedEngine)
+    trainer.train()
+    assert all(math.isfinite(x) for x in _logged(trainer, "loss"))
+    assert trainer.rollout_engine.weight_version == 2
+    for name, tensor in trainer.rollout_engine.model.state_dict().items():
+        torch.testing.assert_close(tensor, trainer.model.state_dict()[name])
+    # same weights, same temperature: only numerics separate the engine's log-probs from the trainer's
+    assert max(_logged(trainer, "mismatch/prob_diff_max")) < 1e-3
+
+
+def test_sglang_protocol_server_with_weight_sync(tmp_path, tokenizer):
+    from trl_ext.rollout.protocol_server import SGLangProtocolServer
+
+    model = tiny_model()
+    server = SGLangProtocolServer(EmbeddedEngine(copy.deepcopy(model), seed=0)).start()
+    try:
+        trainer = AgenticGRPOTrainer(
+            model=model,
+            reward_funcs=reward_correct,
+            args=make_config(
+                tmp_path, max_steps=2, max_completion_length=24, rollout_backend="sglang", sglang_urls=[server.url]
+            ),
+            train_dataset=dataset(),
+            processing_class=tokenizer,
+            tools=[FunctionTool(add)],
+        )
+        trainer.train()
+        assert all(math.isfinite(x) for x in _logged(trainer, "loss"))
+        assert server.request_counts.get("/update_weights_from_disk", 0) == 2
+        assert trainer.rollout_engine.weight_version == 2
+        served = server.engine.model.state_dict()
+        for name, tensor in trainer.model.state_dict().items():
+            torch.testing.assert_close(served[name], tensor)
+        assert max(_logged(trainer, "mismatch/prob_diff_max")) < 1e-3
+    finally:
+        server.stop()
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="sglang_urls"):
+        make_config(tmp_path, rollout_backend="sglang")
+    with pytest.raises(ValueError, match="mismatch_correction"):
+        make_config(tmp_path, mismatch_correction="tis")
+    with pytest.raises(ValueError, match="mismatch_mask_low"):
+        make_config(tmp_path, mismatch_correction="token_mask", mismatch_mask_low=1.5)
+    with pytest.raises(ValueError, match="use_vllm"):
+        make_config(tmp_path, use_vllm=True)
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        make_config(tmp_path, reasoning_effort="max")
+    config = make_config(tmp_path, rollout_backend="sglang", sglang_urls="http://a:1, http://b:2")
+    assert config.sglang_urls == ["http://a:1", "http://b:2"]
+    assert make_config(tmp_path).is_on_policy
+    assert not make_config(tmp_path, num_iterations=2).is_on_policy

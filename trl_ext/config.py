@@ -1,0 +1,166 @@
+"""`AgenticGRPOConfig`: TRL's `GRPOConfig` plus the knobs of multi-turn, tool-calling GRPO on GPT-OSS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+ROLLOUT_BACKENDS = ("embedded", "sglang")
+WEIGHT_SYNC_MODES = ("disk", "distributed", "tensor")
+MISMATCH_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
+REASONING_EFFORTS = ("low", "medium", "high")
+LOGPROBS_IMPLEMENTATIONS = ("auto", "chunked", "trl")
+
+
+@dataclass
+class AgenticGRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`AgenticGRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the following.
+
+    > Rollouts
+
+        rollout_backend (`str`, defaults to `"embedded"`):
+            `"embedded"`: an inference copy of the policy inside the training process (CPU, notebooks, small runs).
+            `"sglang"`: one or more SGLang servers reached over their native HTTP API (`sglang_urls`).
+        sglang_urls (`list[str]`, *optional*):
+            Base URLs of the SGLang servers (e.g. `["http://localhost:30000"]`). Required with `rollout_backend="sglang"`.
+        weight_sync_mode (`str`, defaults to `"disk"`):
+            How trained weights reach SGLang after each optimizer step: `"disk"` (`/update_weights_from_disk`),
+            `"distributed"` (NCCL broadcast, `/update_weights_from_distributed`) or `"tensor"` (CUDA IPC, same node).
+            The embedded engine always copies tensors in memory.
+        weight_sync_dir (`str`, *optional*):
+            Folder the `"disk"` sync writes to (defaults to `<output_dir>/rollout_weights`). Must be visible to the
+            SGLang server.
+        max_turns (`int`, defaults to `8`):
+            Most assistant turns per trajectory (each tool call starts a new turn).
+        tool_timeout_s (`float`, defaults to `30.0`):
+            Wall-clock limit of one tool call; a timed-out call returns an error message to the model.
+        max_tool_output_chars (`int`, defaults to `4096`):
+            Tool output longer than this is truncated before it is rendered back to the model.
+        rollout_concurrency (`int`, defaults to `64`):
+            Most trajectories generating at once per process.
+        reasoning_effort (`str`, defaults to `"medium"`):
+            GPT-OSS reasoning effort written into the harmony system message (`"low"`, `"medium"`, `"high"`).
+        developer_instructions (`str`, *optional*):
+            Harmony developer message (instructions) put before the user turn.
+
+    > Rollout/training mismatch
+
+        mismatch_correction (`str`, defaults to `"none"`):
+            Correction of the rollout engine's sampling distribution against the trainer's, with the per-token weight
+            `w = exp(logp_train - logp_rollout)` computed from the *same* forward pass the loss uses:
+            `"none"`; `"token_tis"` (truncated importance sampling: `min(w, mismatch_tis_cap)` per token);
+            `"token_mask"` (masked importance sampling: tokens with `w` outside `[mismatch_mask_low,
+            mismatch_mask_high]` get weight 0, others 1); `"sequence_mask"` (the geometric mean of `w` over a
+            sequence's policy tokens decides: outside the bounds the whole sequence is dropped).
+        mismatch_tis_cap (`float`, defaults to `2.0`):
+            Cap C of `token_tis`.
+        mismatch_mask_low (`float`, defaults to `0.5`), mismatch_mask_high (`float`, defaults to `2.0`):
+            Bounds of `token_mask` / `sequence_mask`.
+        mismatch_token_threshold (`float`, defaults to `0.1`):
+            A token counts in `mismatch/frac_tokens_over_threshold` when `|p_rollout - p_train| > threshold`.
+
+    > Model implementation
+
+        attn_implementation (`str`, *optional*):
+            Attention backend set on the policy before training, e.g. `"hf-gptoss-rl/sink-flash-attn3"` (the project's
+            kernel) or `"eager"`. `None` keeps the model's own choice.
+        experts_implementation (`str`, *optional*):
+            Experts backend, e.g. `"memory_efficient"`. `None` keeps the model's own choice.
+        sequence_parallel_size (`int`, defaults to `1`):
+            Ulysses sequence-parallel degree (the sequence of each sample is split across this many ranks).
+        logprobs_implementation (`str`, defaults to `"auto"`):
+            How the loss gets per-token log-probs without full-vocabulary float logits: `"chunked"`
+            (`hf_gptoss_rl.logprobs`: only completion positions are scored, `logprobs_chunk_size` tokens at a time),
+            `"trl"` (TRL's fused LM head, Triton on GPUs) or `"auto"` (`"trl"` where Triton runs, else `"chunked"`).
+        logprobs_chunk_size (`int`, defaults to `512`):
+            Tokens per `[chunk, vocab]` float32 tile of the `"chunked"` implementation (201,088 × 512 × 4 B = 412 MB).
+    """
+
+    rollout_backend: str = field(
+        default="embedded", metadata={"help": "Rollout engine: 'embedded' (in-process) or 'sglang' (HTTP)."}
+    )
+    sglang_urls: list[str] | None = field(
+        default=None, metadata={"help": "Base URLs of the SGLang servers (rollout_backend='sglang')."}
+    )
+    weight_sync_mode: str = field(
+        default="disk", metadata={"help": "SGLang weight sync: 'disk', 'distributed' or 'tensor'."}
+    )
+    weight_sync_dir: str | None = field(
+        default=None, metadata={"help": "Folder for 'disk' weight sync (default <output_dir>/rollout_weights)."}
+    )
+    max_turns: int = field(default=8, metadata={"help": "Most assistant turns per trajectory."})
+    tool_timeout_s: float = field(default=30.0, metadata={"help": "Wall-clock limit of one tool call (seconds)."})
+    max_tool_output_chars: int = field(default=4096, metadata={"help": "Tool output truncation length."})
+    rollout_concurrency: int = field(default=64, metadata={"help": "Concurrent trajectories per process."})
+    reasoning_effort: str = field(default="medium", metadata={"help": "Harmony reasoning effort: low|medium|high."})
+    developer_instructions: str | None = field(default=None, metadata={"help": "Harmony developer instructions."})
+    mismatch_correction: str = field(
+        default="none", metadata={"help": "none | token_tis | token_mask | sequence_mask."}
+    )
+    mismatch_tis_cap: float = field(default=2.0, metadata={"help": "Cap of token-level TIS."})
+    mismatch_mask_low: float = field(default=0.5, metadata={"help": "Lower bound of token/sequence masking."})
+    mismatch_mask_high: float = field(default=2.0, metadata={"help": "Upper bound of token/sequence masking."})
+    mismatch_token_threshold: float = field(
+        default=0.1, metadata={"help": "|p_rollout - p_train| threshold of mismatch/frac_tokens_over_threshold."}
+    )
+    attn_implementation: str | None = field(default=None, metadata={"help": "Attention backend of the policy."})
+    experts_implementation: str | None = field(default=None, metadata={"help": "Experts backend of the policy."})
+    sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel degree."})
+    logprobs_implementation: str = field(default="auto", metadata={"help": "auto | chunked | trl."})
+    logprobs_chunk_size: int = field(default=512, metadata={"help": "Tokens per tile of the chunked log-probs."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout_backend must be one of {ROLLOUT_BACKENDS}, got {self.rollout_backend!r}.")
+        if isinstance(self.sglang_urls, str):  # the CLI passes a comma-separated string
+            self.sglang_urls = [u.strip() for u in self.sglang_urls.split(",") if u.strip()]
+        if self.rollout_backend == "sglang" and not self.sglang_urls:
+            raise ValueError("rollout_backend='sglang' needs sglang_urls (e.g. ['http://localhost:30000']).")
+        if self.rollout_backend == "embedded" and self.sglang_urls:
+            raise ValueError("sglang_urls is set but rollout_backend='embedded'; set rollout_backend='sglang'.")
+        if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"weight_sync_mode must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync_mode!r}.")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}.")
+        if self.tool_timeout_s <= 0:
+            raise ValueError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}.")
+        if self.max_tool_output_chars < 1:
+            raise ValueError(f"max_tool_output_chars must be >= 1, got {self.max_tool_output_chars}.")
+        if self.rollout_concurrency < 1:
+            raise ValueError(f"rollout_concurrency must be >= 1, got {self.rollout_concurrency}.")
+        if self.reasoning_effort not in REASONING_EFFORTS:
+            raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {self.reasoning_effort!r}.")
+        if self.mismatch_correction not in MISMATCH_CORRECTIONS:
+            raise ValueError(
+                f"mismatch_correction must be one of {MISMATCH_CORRECTIONS}, got {self.mismatch_correction!r}."
+            )
+        if self.mismatch_tis_cap <= 0:
+            raise ValueError(f"mismatch_tis_cap must be > 0, got {self.mismatch_tis_cap}.")
+        if not 0 <= self.mismatch_mask_low < 1 < self.mismatch_mask_high:
+            raise ValueError(
+                "token/sequence masking needs 0 <= mismatch_mask_low < 1 < mismatch_mask_high, got "
+                f"[{self.mismatch_mask_low}, {self.mismatch_mask_high}]."
+            )
+        if self.mismatch_token_threshold <= 0:
+            raise ValueError(f"mismatch_token_threshold must be > 0, got {self.mismatch_token_threshold}.")
+        if self.sequence_parallel_size < 1:
+            raise ValueError(f"sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}.")
+        if self.logprobs_implementation not in LOGPROBS_IMPLEMENTATIONS:
+            raise ValueError(
+                f"logprobs_implementation must be one of {LOGPROBS_IMPLEMENTATIONS}, got {self.logprobs_implementation!r}."
+            )
+        if self.logprobs_chunk_size < 1:
+            raise ValueError(f"logprobs_chunk_size must be >= 1, got {self.logprobs_chunk_size}.")
+        if self.use_vllm:
+            raise ValueError(
+                "AgenticGRPOTrainer generates with its own rollout engine (rollout_backend); set use_vllm=False."
+            )
+
+    @property
+    def is_on_policy(self) -> bool:
+        """True when each generation batch is consumed by exactly one optimizer step (no stale policy)."""
+        generate_every = self.steps_per_generation * self.num_iterations
+        return self.num_iterations == 1 and self.gradient_accumulation_steps % generate_every == 0

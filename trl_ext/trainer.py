@@ -1,0 +1,411 @@
+"""`AgenticGRPOTrainer`: TRL's `GRPOTrainer` with multi-turn, tool-calling GPT-OSS rollouts.
+
+What changes against TRL 1.16 (and why), each through the smallest hook:
+
+- Rollouts (`rollout_func`, TRL's own extension point): prompts are rendered in harmony and run through
+  `trl_ext.rollout.AgentLoop` on a `RolloutEngine` (embedded or SGLang). The sampled ids are kept exactly as
+  sampled (history is never re-tokenized); tool messages are part of the completion with `env_mask = 0`, so TRL's
+  `tool_mask` takes them out of the loss; the engine's per-token log-probs travel as `sampling_per_token_logps`.
+- On-policy ratio: when each generation is consumed by one optimizer step, TRL (without vLLM) skips the second
+  "old log-probs" forward and uses `per_token_logps.detach()`: the PPO ratio is exactly 1 and nothing is clipped.
+  TRL forces that second forward whenever its (vLLM-only) importance-sampling correction is on; here the correction
+  reuses the loss's own forward instead (`_get_per_token_logps_and_entropies`), so the on-policy ratio stays 1
+  under MoE routing noise.
+- Mismatch metrics and TIS / MIS (`trl_ext.mismatch`) compare the rollout log-probs with the training log-probs of
+  the same forward (on-policy) or with TRL's recomputed old log-probs (off-policy). The correction weight `w` is
+  folded into the advantages (`A -> A * w`, a detached `[B, T]` tensor, which TRL's loss supports): for the clipped
+  objective `min(r A w, clip(r) A w) = w min(r A, clip(r) A)` as `w >= 0`, exactly TRL's "loss × IS ratio".
+- Weight sync: after every optimizer step (and on resume) the policy's weights — LoRA merged, names as in the base
+  model's `state_dict` — go to the engine (`RolloutEngine.update_weights`) with the global step as version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import PreTrainedModel, TrainerCallback
+from trl import GRPOTrainer
+
+from .config import AgenticGRPOConfig
+from .mismatch import importance_weights, mismatch_metrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AgenticGRPOTrainer"]
+
+
+class _RolloutWeightSync(TrainerCallback):
+    """Pushes the policy to the rollout engine after each optimizer step, and once on resume."""
+
+    def __init__(self, trainer: AgenticGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A resumed run loaded checkpoint weights the engine has never seen; a fresh run's engine already serves
+        # the initial policy (the embedded engine is built from it; an SGLang server is launched from the same
+        # checkpoint).
+        if state.global_step > 0 and self.trainer.rollout_engine.weight_version != state.global_step:
+            self.trainer.sync_rollout_weights()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.sync_rollout_weights()
+
+
+class AgenticGRPOTrainer(GRPOTrainer):
+    """GRPO for agentic GPT-OSS: multi-turn tool-calling rollouts, rollout/training mismatch control.
+
+    Args:
+        model: a model id/path (loaded by TRL with `args.model_init_kwargs`) or a `PreTrainedModel` (GPT-OSS).
+        reward_funcs: TRL reward functions. Besides TRL's `prompts`, `completions`, `completion_ids` and the dataset
+            columns, each receives the per-trajectory lists `final_text` (the final-channel answer, `""` when
+            none), `num_turns`, `num_tool_calls`, `tool_errors` and `finish_reason`.
+        args: an [`AgenticGRPOConfig`].
+        train_dataset / eval_dataset: datasets with a `prompt` column (a string or a list of chat messages).
+        processing_class: tokenizer; defaults to the offline GPT-OSS tokenizer (`load_gptoss_tokenizer()`).
+        tools: `trl_ext.tools.Tool` objects (or plain callables, wrapped in `FunctionTool`) the model may call.
+        rollout_engine: a ready `RolloutEngine`; by default one is built from `args.rollout_backend`.
+        peft_config: a `peft.LoraConfig` to train an adapter (merged for the weight sync).
+    """
+
+    _tag_names = ["trl", "grpo", "agentic", "gpt-oss"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs,
+        args: AgenticGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        tools: list | None = None,
+        rollout_engine=None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        if args is None:
+            args = AgenticGRPOConfig(output_dir="agentic-grpo")
+        if not isinstance(args, AgenticGRPOConfig):
+            raise TypeError(f"args must be an AgenticGRPOConfig, got {type(args).__name__}")
+        if args.min_p is not None or args.repetition_penalty != 1.0:
+            raise ValueError("min_p and repetition_penalty are not supported by the rollout engines; unset them.")
+        if processing_class is None:
+            from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+
+            processing_class = load_gptoss_tokenizer()
+        model = self._apply_model_implementations(model, args)
+
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
+        if args.sequence_parallel_size > 1:
+            self._setup_sequence_parallel()
+        if self._use_chunked_logprobs():
+            from hf_gptoss_rl.logprobs import add_chunked_logprob_head
+
+            # Replaces TRL's fused head with the same call contract (`fused_lm_head=True`); see the config field.
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            add_chunked_logprob_head(
+                unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped,
+                temperature=self.temperature,
+                chunk_size=args.logprobs_chunk_size,
+            )
+
+        from .rollout import AgentLoop, SamplingParams
+        from .tools import FunctionTool, Tool
+
+        self.agent_tools = [t if isinstance(t, Tool) else FunctionTool(t) for t in (tools or [])]
+        self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
+        sampling = SamplingParams(
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k if args.top_k and args.top_k > 0 else -1,
+        )
+        self.agent_loop = AgentLoop(
+            self.rollout_engine,
+            self.agent_tools,
+            sampling=sampling,
+            max_turns=args.max_turns,
+            max_completion_tokens=args.max_completion_length,
+            max_tool_output_chars=args.max_tool_output_chars,
+            tool_timeout_s=args.tool_timeout_s,
+            max_concurrency=args.rollout_concurrency,
+        )
+        # TRL's `_generate` calls `rollout_func(prompts, trainer)` and maps `env_mask` to its `tool_mask`. Set after
+        # `super().__init__` so TRL's "experimental rollout_func" warning is not raised for our own use of it.
+        self.rollout_func = _agent_rollout
+        self._loss_inputs: dict[str, Any] | None = None  # inputs of the `_compute_loss` call in flight
+        self.last_importance_weights: torch.Tensor | None = None  # the latest correction weights (for inspection)
+        self.add_callback(_RolloutWeightSync(self))
+
+    # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _apply_model_implementations(model, args: AgenticGRPOConfig):
+        """Select the attention kernel / experts implementation requested in the config."""
+        if args.attn_implementation is None and args.experts_implementation is None:
+            return model
+        if args.attn_implementation is not None and "hf-gptoss-rl" in args.attn_implementation:
+            import hf_gptoss_rl  # noqa: F401  (registers the kernel id with transformers)
+        if args.experts_implementation == "memory_efficient":
+            import hf_gptoss_rl  # noqa: F401,F811
+        if isinstance(model, str):
+            init_kwargs = dict(args.model_init_kwargs or {})
+            if args.attn_implementation is not None:
+                init_kwargs["attn_implementation"] = args.attn_implementation
+            if args.experts_implementation is not None:
+                init_kwargs["experts_implementation"] = args.experts_implementation
+            args.model_init_kwargs = init_kwargs
+            return model
+        if args.attn_implementation is not None:
+            model.set_attn_implementation(args.attn_implementation)
+        if args.experts_implementation is not None:
+            model.set_experts_implementation(args.experts_implementation)
+        return model
+
+    def _use_chunked_logprobs(self) -> bool:
+        choice = self.args.logprobs_implementation
+        if choice == "auto":
+            return self.accelerator.device.type not in ("cuda", "xpu")  # TRL's Triton head runs there
+        return choice == "chunked"
+
+    def _setup_sequence_parallel(self):
+        raise NotImplementedError(
+            "sequence_parallel_size > 1 is not wired into AgenticGRPOTrainer yet; use hf_gptoss_rl.sequence_parallel "
+            "directly (examples/sequence_parallel example) or set sequence_parallel_size=1."
+        )
+
+    def _build_rollout_engine(self):
+        args = self.args
+        if args.rollout_backend == "embedded":
+            from .rollout import EmbeddedEngine
+
+            policy = self.accelerator.unwrap_model(self.model)
+            # The engine needs its own copy (a separate inference server, in-process). PEFT: serve the merged policy.
+            engine_model = copy.deepcopy(policy)
+            if is_peft_model(engine_model):
+                engine_model = engine_model.merge_and_unload()
+            # TRL patched the policy's `forward` (fused LM head) with a closure over the *original* model; the copy
+            # must use its class forward, or it would silently sample from the live policy.
+            engine_model.__dict__.pop("forward", None)
+            seed = args.seed + self.accelerator.process_index
+            return EmbeddedEngine(engine_model, pad_token_id=self._tokenizer.pad_token_id, seed=seed)
+        from .rollout import SGLangEngine
+
+        return SGLangEngine(
+            args.sglang_urls,
+            sync_mode=args.weight_sync_mode,
+            max_concurrency=args.rollout_concurrency,
+            weight_dir=args.weight_sync_dir or os.path.join(args.output_dir, "rollout_weights"),
+            model_config=self.accelerator.unwrap_model(self.model).config,
+        )
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _render_prompt(self, prompt) -> list[int]:
+        from hf_gptoss_rl.harmony import render_prompt
+
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return render_prompt(
+            messages,
+            tools=[t.spec() for t in self.agent_tools] or None,
+            reasoning_effort=self.args.reasoning_effort,
+            developer_instructions=self.args.developer_instructions,
+        )
+
+    def _run_coroutine(self, coro):
+        """Run a coroutine to completion from synchronous trainer code (also inside a running notebook loop)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        # A running loop (Jupyter): run on a private loop in a worker thread.
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, coro).result()
+
+    def _rollout(self, prompts: list) -> dict[str, list]:
+        prompt_ids = [self._render_prompt(p) for p in prompts]
+        trajectories = self._run_coroutine(self.agent_loop.run_batch(prompt_ids))
+        pad_id = self._tokenizer.pad_token_id
+        out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "finish_reason", "weight_version"):
+            out[key] = []
+        for traj in trajectories:
+            traj.check_alignment()
+            ids, mask, logps = list(traj.completion_ids), list(traj.completion_mask), list(traj.rollout_logprobs)
+            if not ids:  # an aborted request can return nothing; TRL needs one token: a pad that is never trained
+                ids, mask, logps = [pad_id], [0], [0.0]
+            out["prompt_ids"].append(list(traj.prompt_ids))
+            out["completion_ids"].append(ids)
+            out["env_mask"].append(mask)
+            out["logprobs"].append(logps)
+            out["final_text"].append(traj.final_text or "")
+            out["num_turns"].append(traj.num_turns)
+            out["num_tool_calls"].append(traj.num_tool_calls)
+            out["tool_errors"].append(sum(1 for c in traj.tool_calls if c.error) + len(traj.errors))
+            out["finish_reason"].append(traj.finish_reason)
+            out["weight_version"].append(traj.weight_version)
+        self._log_rollout_metrics(out)
+        return out
+
+    def _log_rollout_metrics(self, out: dict[str, list]) -> None:
+        mode = "train" if self.model.training else "eval"
+        device = self.accelerator.device
+        n = len(out["num_turns"])
+        local = torch.tensor(
+            [
+                n,
+                sum(out["num_turns"]),
+                sum(out["num_tool_calls"]),
+                sum(1 for c in out["num_tool_calls"] if c > 0),
+                sum(out["tool_errors"]),
+                sum(1 for t in out["final_text"] if t),
+                sum(1 for r in out["finish_reason"] if r == "length"),
+                sum(1 for r in out["finish_reason"] if r == "abort"),
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        total = self.accelerator.reduce(local, reduction="sum").tolist()
+        count = max(total[0], 1.0)
+        metrics = self._metrics[mode]
+        metrics["rollout/turns_mean"].append(total[1] / count)
+        metrics["rollout/tool_calls_mean"].append(total[2] / count)
+        metrics["rollout/frac_with_tool_call"].append(total[3] / count)
+        metrics["rollout/tool_errors_per_call"].append(total[4] / max(total[2], 1.0))
+        metrics["rollout/frac_final_answer"].append(total[5] / count)
+        metrics["rollout/frac_truncated"].append(total[6] / count)
+        metrics["rollout/frac_aborted"].append(total[7] / count)
+
+    # ------------------------------------------------------------------ loss: mismatch metrics and correction
+
+    def _compute_loss(self, model, inputs):
+        # Shallow copy: the correction replaces `advantages` for this call only (buffered inputs are reused).
+        self._loss_inputs = dict(inputs)
+        try:
+            return super()._compute_loss(model, self._loss_inputs)
+        finally:
+            self._loss_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *a, **kw
+        )
+        inputs = self._loss_inputs
+        # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
+        if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
+            self._apply_rollout_correction(logps, inputs)
+        return logps, entropies, aux_loss
+
+    def _apply_rollout_correction(self, per_token_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
+        mode = "train" if self.model.training else "eval"
+        args = self.args
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        rollout_logps = inputs["sampling_per_token_logps"]
+        # On-policy, the training log-probs of the sampled tokens are this very forward's; off-policy, TRL's old
+        # log-probs (recomputed right after generation) are the trainer's view of the sampling policy.
+        old = inputs.get("old_per_token_logps")
+        train_logps = (per_token_logps if old is None else old).detach()
+
+        stats = mismatch_metrics(train_logps, rollout_logps, mask, threshold=args.mismatch_token_threshold)
+        gather = self.accelerator.gather
+        metrics = self._metrics[mode]
+        metrics["mismatch/prob_diff_max"].append(gather(stats["prob_diff_max"]).max().item())
+        for key in ("prob_diff_mean", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold"):
+            metrics[f"mismatch/{key}"].append(gather(stats[key]).mean().item())
+
+        if args.mismatch_correction == "none":
+            return
+        weights = importance_weights(
+            train_logps,
+            rollout_logps,
+            mask,
+            args.mismatch_correction,
+            tis_cap=args.mismatch_tis_cap,
+            mask_low=args.mismatch_mask_low,
+            mask_high=args.mismatch_mask_high,
+        )
+        self.last_importance_weights = weights
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        inputs["advantages"] = advantages * weights  # [B, T], see the module docstring
+        on_tokens = weights[mask.bool()]
+        if on_tokens.numel() == 0:
+            on_tokens = weights.new_ones(1)
+        metrics["mismatch/is_weight_mean"].append(gather(on_tokens.mean()).mean().item())
+        metrics["mismatch/is_weight_min"].append(gather(on_tokens.min()).min().item())
+        metrics["mismatch/is_weight_max"].append(gather(on_tokens.max()).max().item())
+        if args.mismatch_correction == "token_tis":
+            clipped = (torch.exp(train_logps - torch.nan_to_num(rollout_logps)) > args.mismatch_tis_cap)[mask.bool()]
+            metrics["mismatch/frac_tokens_truncated"].append(gather(clipped.float().mean()).mean().item())
+        else:
+            metrics["mismatch/frac_tokens_masked"].append(gather((on_tokens == 0).float().mean()).mean().item())
+
+    # ------------------------------------------------------------------ weight sync
+
+    @contextmanager
+    def _merged_weights(self) -> Iterator[Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+        """Yield a function listing `(name, tensor)` of the policy as the base model names them (LoRA merged)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if self.is_fsdp_enabled:
+            state_dict = self.accelerator.get_state_dict(self.model)  # collective: every rank takes part
+            yield lambda: ((k, v) for k, v in state_dict.items())
+            return
+        if not is_peft_model(model):
+            yield lambda: ((k, v.detach()) for k, v in model.state_dict().items())
+            return
+        # PEFT: merge the adapters into the base weights for the export, then unmerge (TRL's vLLM sync does the same)
+        prefix = model.prefix  # "lora_"
+        with torch.no_grad():
+            model.merge_adapter()
+            try:
+
+                def named():
+                    for name, tensor in model.state_dict().items():
+                        if prefix in name:  # adapter tensors: already merged into the base weights
+                            continue
+                        yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor.detach()
+
+                yield named
+            finally:
+                model.unmerge_adapter()
+
+    def _push_weights(self, engine, version: int) -> None:
+        with self._merged_weights() as named:
+            if self.args.rollout_backend == "sglang" and not self.accelerator.is_main_process:
+                return  # one process talks to the SGLang servers
+            self._run_coroutine(engine.update_weights(list(named()), version=version))
+
+    def sync_rollout_weights(self) -> None:
+        """Send the current policy to the rollout engine, versioned by the global step."""
+        self._push_weights(self.rollout_engine, version=self.state.global_step)
+        if self.args.rollout_backend == "sglang":
+            self.accelerator.wait_for_everyone()
+        self._metrics["train"]["rollout/weight_version"].append(float(self.state.global_step))
+
+
+def _agent_rollout(prompts: list, trainer: AgenticGRPOTrainer) -> dict[str, list]:
+    """TRL `rollout_func`: one agentic trajectory per prompt (the sampler already repeats each prompt G times)."""
+    return trainer._rollout(prompts)
