@@ -132,6 +132,9 @@ def flex(S, window, inputs):
             renorm = torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1)
             return (out * renorm).to(q.dtype)
 
+        # one graph per (S, mask, grad mode): past the default limit of 8, dynamo falls back to the unfused
+        # eager flex, which materialises the S x S scores (256 GiB at 32k)
+        torch._dynamo.config.recompile_limit = 64
         _FLEX["fn"] = torch.compile(flex_sink, dynamic=False)
     fn = _FLEX["fn"]
 
@@ -370,9 +373,17 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks")))
     parser.add_argument("--seqlens", default="4096,16384,32768")
     parser.add_argument("--skip-flex", action="store_true")
+    parser.add_argument("--flex-max-s", type=int, default=16384, help="flex compiles per shape: cap its S")
+    parser.add_argument("--from-json", help="only rewrite attention.md/.png from a saved attention.json")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        write_markdown(result, out_dir / "attention.md")
+        write_plot(result["rows"], out_dir / "attention.png")
+        print_summary(result["rows"])
+        return
     TK = load_kernels()
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(env, flush=True)
@@ -404,6 +415,8 @@ def main():
             for name, make in variants.items():
                 if name.startswith("eager") and S > 4096:
                     continue  # O(S^2): 128.6 GiB at 16k (FACTS)
+                if name.startswith("flex") and S > args.flex_max_s:
+                    continue
                 if name.startswith("SDPA") and window is not None:
                     continue  # flash backend has no sliding window
                 inputs = make_inputs(S)
@@ -423,10 +436,11 @@ def main():
                 print(f"[time] S={S} window={window} {name}: fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms, "
                       f"peak {mem:.2f} GiB", flush=True)
                 torch.cuda.empty_cache()
-    result = dict(env=env, accuracy=accuracy, configs=configs, sweep=sweep_log, rows=rows,
-                  wall_s=time.time() - t0)
-    (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
-    write_markdown(result, out_dir / "attention.md")
+                # written after every row, so a run stopped at its time limit still leaves its table
+                result = dict(env=env, accuracy=accuracy, configs=configs, sweep=sweep_log, rows=rows,
+                              wall_s=time.time() - t0)
+                (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
+                write_markdown(result, out_dir / "attention.md")
     try:
         write_plot(rows, out_dir / "attention.png")
     except Exception as exc:  # matplotlib missing on the image: the table and json are still written
@@ -448,10 +462,12 @@ def write_markdown(result, path):
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}).",
         "GPT-OSS shapes: B=1, 64 query heads, 8 KV heads, head_dim 64, bf16, causal; `window 128` = GPT-OSS",
         "sliding layers (the token and the 127 before it). Medians of `triton.testing.do_bench`; fwd+bwd",
-        "computes the gradients of q, k, v and the sinks (SDPA: q, k, v; it has no sinks). TFLOP/s count the",
-        "visible query-key pairs, backward as 2.5x forward. Peak = `max_memory_allocated` over one fwd+bwd,",
-        "inputs included. FA4 rows are quoted from `FACTS.md` §6 (same GPU kind, earlier run) unless FA4 was",
-        "importable here.",
+        "computes the gradients of q, k, v and the sinks (SDPA: q, k, v; it has no sinks); fwd runs under",
+        "no_grad. flex is compiled once per shape with its block mask built once, outside the timing; it runs",
+        "up to S=16k (`--flex-max-s`: every shape is a fresh compile) and eager up to 4k (O(S^2) memory:",
+        "128.6 GiB at 16k, FACTS). TFLOP/s count the visible query-key pairs, backward as 2.5x forward. Peak =",
+        "`max_memory_allocated` over one fwd+bwd, inputs included. FA4 is not installed on the GPU image: its",
+        "rows are quoted from `FACTS.md` §6 (same GPU kind, an earlier session, not this run).",
         "",
         "| S | mask | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB |"
         " flex / this (fwd+bwd) |",
@@ -491,6 +507,8 @@ def write_markdown(result, path):
     lines.append(f"| FA4 bf16 S=1024 causal (FACTS §6, not this run) | {f4['out']:.1e} | {f4['dq']:.1e} | "
                  f"{f4['dk']:.1e} | {f4['dv']:.1e} | {f4['dsink']:.1e} | - |")
     lines += ["", "Kernel block configurations used: `" + json.dumps(result["configs"]) + "`", ""]
+    if result.get("notes"):
+        lines += ["## Notes on this run", "", *[f"- {note}" for note in result["notes"]], ""]
     path.write_text("\n".join(lines))
 
 
@@ -501,11 +519,13 @@ def write_plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    all_impls = list(dict.fromkeys(r["impl"] for r in rows))  # same colour for one implementation in both panels
     for ax, w in zip(axes, (None, 128)):
-        impls = sorted({r["impl"] for r in rows if r["window"] == w})
-        for impl in impls:
+        for impl in all_impls:
             pts = sorted((r["S"], r["fwd_bwd_ms"]) for r in rows if r["window"] == w and r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl,
+                        color=f"C{all_impls.index(impl)}")
         fa = sorted((S, v[1]) for (S, ww), v in FA4_FACTS.items() if ww == w)
         if fa and not any(r["impl"].startswith("FA4") for r in rows):
             ax.plot([p[0] for p in fa], [p[1] for p in fa], "k*", ms=10, ls="none",

@@ -12,13 +12,16 @@ On its defaults this script needs nothing but a CPU and runs in minutes:
 
     python examples/grpo_retool.py                      # or: accelerate launch examples/grpo_retool.py
 
-The same script trains the real thing on GPUs (see docs/quickstart.md):
+The same script trains the real thing on GPUs (the full recipe, SGLang servers included, is in docs/quickstart.md):
 
-    accelerate launch --config_file fsdp2.yaml examples/grpo_retool.py \
-        --model openai/gpt-oss-20b --rollout-backend sglang --sglang-urls http://localhost:30000 \
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/grpo_retool.py \
+        --model /checkpoints/gpt-oss-20b-bf16 --bf16 \
+        --rollout-backend sglang --sglang-urls http://localhost:30000 \
         --dataset BytedTsinghua-SIA/DAPO-Math-17k --eval-dataset yentinglin/aime_2025 \
         --attn-implementation hf-gptoss-rl/sink-flash-attn3 --experts-implementation memory_efficient \
-        --mismatch-correction token_tis --max-completion-length 16384 --max-turns 16 --bf16 --lora
+        --mismatch-correction token_tis --max-completion-length 16384 --max-turns 16
+
+(`--lora` trains an adapter under DDP instead; `--model openai/gpt-oss-20b` loads the MXFP4 release dequantized.)
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--cold-start-steps", type=int, default=None, help="default: 40 for 'tiny', 0 otherwise")
+    p.add_argument("--cold-start-steps", type=int, default=None, help="default: 60 for 'tiny', 0 otherwise")
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--resume-from-checkpoint", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -123,10 +126,14 @@ def boxed_format_reward(completions, final_text, **kwargs) -> list[float]:
 # %% Model ---------------------------------------------------------------------------------------------------------------
 def build_model(args):
     if args.model != "tiny":
-        from transformers import Mxfp4Config
+        from transformers import AutoConfig, Mxfp4Config
 
-        # the released GPT-OSS checkpoints store experts in MXFP4: dequantize to bf16 for training
-        return args.model, {"dtype": torch.bfloat16, "quantization_config": Mxfp4Config(dequantize=True)}
+        init_kwargs = {"dtype": torch.bfloat16}
+        quantization = getattr(AutoConfig.from_pretrained(args.model), "quantization_config", None) or {}
+        if quantization.get("quant_method") == "mxfp4":
+            # the released GPT-OSS checkpoints store the experts in MXFP4: train bf16 weights
+            init_kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+        return args.model, init_kwargs
     from transformers import GptOssForCausalLM
 
     torch.manual_seed(args.seed)
@@ -218,7 +225,7 @@ def main(argv=None):
     tool = CodeInterpreterTool() if args.sandbox_url is None else _sandbox_fusion_tool(args.sandbox_url)
 
     model, model_init_kwargs = build_model(args)
-    cold_start_steps = args.cold_start_steps if args.cold_start_steps is not None else (40 if tiny else 0)
+    cold_start_steps = args.cold_start_steps if args.cold_start_steps is not None else (60 if tiny else 0)
     if tiny and args.resume_from_checkpoint is None:
         cold_start(model, tokenizer, train_dataset, tool, cold_start_steps)
 
@@ -276,7 +283,10 @@ def main(argv=None):
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if trainer.accelerator.is_main_process:
-        print(f"done: {trainer.state.global_step} steps in {time.perf_counter() - start:.1f} s; metrics in {metrics_path}")
+        print(
+            f"done: {trainer.state.global_step} steps in {time.perf_counter() - start:.1f} s "
+            f"(world size {trainer.accelerator.num_processes}); metrics in {metrics_path}"
+        )
     return trainer
 
 

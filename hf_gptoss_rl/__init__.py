@@ -14,6 +14,7 @@ from .sequence_parallel import (  # registers attn_implementation="ulysses_sp" (
     enable_sequence_parallel,
     gather_outputs,
     get_sequence_parallel_group,
+    sequence_parallel_disabled,
     sequence_parallel_logprobs,
     sequence_parallel_mesh,
     shard_inputs,

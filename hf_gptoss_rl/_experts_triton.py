@@ -139,9 +139,8 @@ def _gate_backward_kernel(
     ty = dpre_ptr.dtype.element_ty
     _store_pairs(dpre_ptr, rows64, stride_dpre, col0, row_mask, n_inter, d_gate.to(ty), d_up.to(ty), BLOCK_M, BLOCK_N)
     if WRITE_HW:
-        tl.store(
-            hw_ptr + rows64[:, None] * stride_hw + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty), mask=mask
-        )
+        hw = (h * w[:, None]).to(hw_ptr.dtype.element_ty)
+        tl.store(hw_ptr + rows64[:, None] * stride_hw + cols[None, :], hw, mask=mask)
 
 
 @triton.jit

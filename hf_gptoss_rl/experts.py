@@ -306,7 +306,9 @@ class MemoryEfficientExpertsFunction(torch.autograd.Function):
         )  # fmt: skip
         ctx.plan, ctx.alpha, ctx.limit, ctx.recompute = plan, alpha, limit, recompute_gate_up
         ctx.weights_dtype = top_k_weights.dtype
-        ctx.save_for_backward(hidden_states, w_sorted, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, *saved)
+        ctx.save_for_backward(
+            hidden_states, w_sorted, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, *saved
+        )
         return out.to(hidden_states.dtype)
 
     @staticmethod
@@ -359,7 +361,9 @@ class MemoryEfficientExpertsFunction(torch.autograd.Function):
                 grad_db[lo:hi] += _segment_sum(dy, chunk, expert, w)
             del dy
             if need_gu:
-                _write_weight_grad(grad_gu, _gmm_weight_grad(x_chunk.t(), dpre, chunk, use_grouped_mm), lo, split_expert)
+                part = _gmm_weight_grad(x_chunk.t(), dpre, chunk, use_grouped_mm)
+                _write_weight_grad(grad_gu, part, lo, split_expert)
+                del part
             del x_chunk
             if need_gub:
                 grad_gub[lo:hi] += _segment_sum(dpre, chunk, expert, None)
@@ -402,7 +406,8 @@ def _sorted_weights(top_k_weights: torch.Tensor, plan: _RoutingPlan) -> torch.Te
 
 
 def _check_gptoss_experts(module: torch.nn.Module) -> None:
-    missing = [n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if not hasattr(module, n)]
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    missing = [n for n in names if not hasattr(module, n)]
     layout_ok = getattr(module, "is_transposed", True) and not getattr(module, "is_concatenated", False)
     if missing or not layout_ok:
         raise NotImplementedError(
@@ -435,7 +440,11 @@ def memory_efficient_experts_forward(
     projection in the backward; default False).
     """
     _check_gptoss_experts(self)
-    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+    if (
+        hidden_states.dim() != 2
+        or top_k_index.shape != top_k_weights.shape
+        or top_k_index.shape[0] != hidden_states.shape[0]
+    ):
         raise ValueError(
             f"expected hidden_states [T, H], top_k_index and top_k_weights [T, k]; got {tuple(hidden_states.shape)}, "
             f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}"
@@ -454,10 +463,13 @@ def memory_efficient_experts_forward(
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or top_k_weights.requires_grad or any(p.requires_grad for p in weights)
     )
-    if needs_grad:
-        out = MemoryEfficientExpertsFunction.apply(x, top_k_weights, plan, *weights, alpha, limit, recompute)
-    else:
-        out, _ = _experts_forward(x, _sorted_weights(top_k_weights, plan), plan, *weights, alpha, limit, False)
+    # Everything runs in the weights' dtype on purpose: autocast must not recast the chunk matmuls.
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        if needs_grad:
+            out = MemoryEfficientExpertsFunction.apply(x, top_k_weights, plan, *weights, alpha, limit, recompute)
+        else:
+            w_sorted = _sorted_weights(top_k_weights, plan)
+            out, _ = _experts_forward(x, w_sorted, plan, *weights, alpha, limit, False)
     return out.to(hidden_states.dtype)
 
 

@@ -34,8 +34,8 @@ DEFAULT_CHUNK_SIZE = 512
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b` with a float32 result that was never rounded to bf16/fp16 (logits feed log-prob differences)."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
+    """`a @ b` with a float32 (or float64) result never rounded to bf16/fp16 (logits feed log-prob differences)."""
+    if a.dtype in (torch.float32, torch.float64) and a.dtype == b.dtype:
         return a @ b
     if a.is_cuda:
         try:
@@ -48,31 +48,32 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _chunk_logits(hidden, weight, bias, temperature):
     logits = _mm_fp32(hidden, weight.t())
     if bias is not None:
-        logits = logits + bias.float()
+        logits = logits + bias.to(logits.dtype)
     return logits / temperature
 
 
 class ChunkedLogProbs(torch.autograd.Function):
-    """`log_softmax(hidden @ weight.T + bias) / T)[target]` and the entropy, chunked over tokens.
+    """`log_softmax((hidden @ weight.T + bias) / T)[target]` and the entropy, chunked over tokens.
 
     hidden `[N, H]`, weight `[V, H]`, bias `[V]` or None, targets `[N]` (int64) → log-probs `[N]`, entropy `[N]`
-    (both float32).
+    (float32; float64 for float64 inputs).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int):
         n = hidden.shape[0]
-        logps = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        logps = torch.empty(n, device=hidden.device, dtype=acc)
         entropy = torch.empty_like(logps)
         lse = torch.empty_like(logps)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            z = _chunk_logits(hidden[start:end], weight, bias, temperature)
+            z = _chunk_logits(hidden[start:end], weight, bias, temperature)  # [C, V] float32
             chunk_lse = torch.logsumexp(z, dim=-1)
-            p = torch.exp(z - chunk_lse.unsqueeze(-1))
             lse[start:end] = chunk_lse
             logps[start:end] = z.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1) - chunk_lse
-            entropy[start:end] = chunk_lse - (p * z).sum(-1)
+            p = torch.exp(z - chunk_lse.unsqueeze(-1))
+            entropy[start:end] = chunk_lse - p.mul_(z).sum(-1)  # in place: one [C, V] temporary besides z
             del z, p
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature = temperature
@@ -84,30 +85,37 @@ class ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if (need_b and bias is not None) else None
+        acc = lse.dtype  # float32, or float64 for float64 inputs
+        grad_hidden = torch.zeros_like(hidden, dtype=acc) if need_h else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_w else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if (need_b and bias is not None) else None
         n = hidden.shape[0]
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             h = hidden[start:end]
-            z = _chunk_logits(h, weight, bias, temperature)
+            z = _chunk_logits(h, weight, bias, temperature)  # [C, V] float32
             p = torch.exp(z - lse[start:end].unsqueeze(-1))
-            grad_z = torch.zeros_like(z)
-            if grad_logps is not None:
-                g = grad_logps[start:end].float()
-                grad_z -= p * g.unsqueeze(-1)
-                grad_z.scatter_add_(-1, targets[start:end].unsqueeze(-1), g.unsqueeze(-1))
+            # d loss / dz = p * (-g_logp - g_H * (z - E_p[z])) + onehot(target) * g_logp, built in z's buffer
+            g_lp = grad_logps[start:end].to(acc).unsqueeze(-1) if grad_logps is not None else None
             if grad_entropy is not None:
                 mean_z = (lse[start:end] - entropy[start:end]).unsqueeze(-1)
-                grad_z -= p * (z - mean_z) * grad_entropy[start:end].float().unsqueeze(-1)
-            grad_logits = grad_z / temperature  # [C, V] float32
-            del z, p, grad_z
+                coef = z.sub_(mean_z).mul_(-grad_entropy[start:end].to(acc).unsqueeze(-1))
+                if g_lp is not None:
+                    coef.sub_(g_lp)
+            elif g_lp is not None:
+                coef = z.copy_(-g_lp.expand_as(z))
+            else:
+                coef = z.zero_()
+            grad_logits = coef.mul_(p)
+            del p
+            if g_lp is not None:
+                grad_logits.scatter_add_(-1, targets[start:end].unsqueeze(-1), g_lp)
+            grad_logits.div_(temperature)  # dz/dlogits = 1/T
             if grad_hidden is not None:
                 # each token's hidden gradient is one matmul over the vocabulary (accumulated in fp32 by the GEMM)
-                grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).float()
+                grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(acc)
             if grad_weight is not None:
-                grad_weight += grad_logits.t() @ h.float()  # summed over chunks: keep fp32
+                grad_weight += grad_logits.t() @ h.to(acc)  # summed over chunks: keep fp32
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
         return (
@@ -185,7 +193,8 @@ def causal_lm_token_logprobs(
 class ChunkedLogProbOutput(ModelOutput):
     """What a model patched by `add_chunked_logprob_head` returns for `model(..., labels=, fused_lm_head=True)`.
 
-    `log_probs` / `entropy` are `[B, S-1]` (position `j` scores token `j+1`; 0 where the label is -100), `loss` the
+    `log_probs` / `entropy` are `[B, S-1]` (position `j` scores token `j+1`; 0 where the label is -100; `[B, S]` scoring
+    `shift_labels[:, j]` when pre-shifted labels are passed), `loss` the
     mean negative log-prob of the labelled tokens, `aux_loss` the MoE load-balancing loss when router logits were
     requested.
     """
@@ -208,20 +217,28 @@ def add_chunked_logprob_head(model: nn.Module, *, temperature: float = 1.0, chun
     text_config = model.config.get_text_config()
 
     @functools.wraps(original_forward)
-    def forward(self, *args, fused_lm_head: bool = False, labels=None, **kwargs):
+    def forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None, **kwargs):
         if not fused_lm_head:
             if labels is not None:
                 kwargs["labels"] = labels
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
             return original_forward(self, *args, **kwargs)
         kwargs["use_cache"] = False
         outputs = self.base_model(*args, **kwargs)
-        hidden = outputs.last_hidden_state[:, :-1]
-        targets = labels[:, 1:].to(hidden.device)
+        if shift_labels is None:
+            hidden = outputs.last_hidden_state[:, :-1]
+            targets = labels[:, 1:].to(hidden.device)
+        else:  # pre-shifted (sequence parallelism: the target of a shard's last token lives on the next rank)
+            hidden = outputs.last_hidden_state
+            targets = shift_labels.to(hidden.device)
         mask = targets != -100
         head = self.get_output_embeddings()
-        logps, entropy = ChunkedLogProbs.apply(
-            hidden[mask], head.weight, head.bias, targets[mask], float(temperature), int(chunk_size)
-        )
+        # the head math runs in float32 even under autocast (a bf16 logit is off by ~0.03 at |logit| ~ 10)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            logps, entropy = ChunkedLogProbs.apply(
+                hidden[mask], head.weight, head.bias, targets[mask], float(temperature), int(chunk_size)
+            )
         # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero)
         log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)

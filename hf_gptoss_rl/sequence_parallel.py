@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -50,6 +51,7 @@ __all__ = [
     "ULYSSES_ATTENTION",
     "enable_sequence_parallel",
     "disable_sequence_parallel",
+    "sequence_parallel_disabled",
     "is_sequence_parallel_enabled",
     "shard_inputs",
     "gather_outputs",
@@ -329,6 +331,11 @@ class _SPState:
     _full: dict = field(default_factory=dict)
     _masks: dict = field(default_factory=dict)
 
+    def __deepcopy__(self, memo):
+        # A deep-copied model (e.g. TRL's reference model) shares the group (process groups cannot be copied); the
+        # cache depends only on the inputs, so sharing it is harmless.
+        return self
+
     def full_inputs(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, bsz: int) -> dict:
         source = (position_ids, attention_mask)
         if len(self._source) != 2 or any(a is not b for a, b in zip(self._source, source)):
@@ -557,13 +564,10 @@ def enable_sequence_parallel(model: nn.Module, group: Any = None) -> nn.Module:
         raise TypeError(f"{type(base).__name__} has no attention module to parallelise")
     for module in attention_modules:
         module._sequence_parallel = state
-    hooks = [
-        sub.register_forward_pre_hook(_check_sharded_call, with_kwargs=True)
-        for sub in base.modules()
-        if isinstance(sub, PreTrainedModel)
-    ]
+    for sub in base.modules():
+        if isinstance(sub, PreTrainedModel):
+            sub.register_forward_pre_hook(_check_sharded_call, with_kwargs=True)
     base._sequence_parallel = state
-    base._sequence_parallel_hooks = hooks
     base.set_attn_implementation(ULYSSES_ATTENTION)
     return model
 
@@ -574,18 +578,42 @@ def disable_sequence_parallel(model: nn.Module) -> nn.Module:
     state: _SPState | None = getattr(base, "_sequence_parallel", None)
     if state is None:
         return model
-    for hook in base._sequence_parallel_hooks:
-        hook.remove()
+    for sub in base.modules():
+        # Found by identity rather than through stored handles, so this also works on a deep copy of the model.
+        for key in [k for k, hook in sub._forward_pre_hooks.items() if hook is _check_sharded_call]:
+            del sub._forward_pre_hooks[key]
+            sub._forward_pre_hooks_with_kwargs.pop(key, None)
     for module in _attention_modules(base):
         module.__dict__.pop("_sequence_parallel", None)
-    del base._sequence_parallel, base._sequence_parallel_hooks
+    del base._sequence_parallel
     base.set_attn_implementation(state.inner)
     return model
+
+
+@contextmanager
+def sequence_parallel_disabled(model: nn.Module):
+    """Run ``model`` as a plain single-process model inside the block (e.g. ``model.generate`` for an embedded
+    rollout), then re-enable SP on the same group. No weights are touched; a no-op if SP is not enabled."""
+    state: _SPState | None = getattr(_pretrained_model(model), "_sequence_parallel", None)
+    if state is None:
+        yield model
+        return
+    disable_sequence_parallel(model)
+    try:
+        yield model
+    finally:
+        enable_sequence_parallel(model, state.group)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Log-probs for RL trainers
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+def _is_wrapped_for_data_parallel(model: nn.Module) -> bool:
+    """DDP / FSDP1 wrappers, or FSDP2 ``fully_shard`` modules anywhere in the model."""
+    wrappers = ("DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule")
+    return any(cls.__name__ in wrappers for module in model.modules() for cls in type(module).__mro__)
 
 
 def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_size: int):
@@ -609,7 +637,7 @@ def sequence_parallel_logprobs(
     *,
     return_entropy: bool = False,
     chunk_size: int = 512,
-    through_model_forward: bool = False,
+    through_model_forward: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of full sequences, computed sequence-parallel and gathered on every rank.
 
@@ -627,8 +655,9 @@ def sequence_parallel_logprobs(
       ``chunk_size`` tokens at a time (``hf_gptoss_rl.logprobs.chunked_logprobs``): no ``[S/P, vocab]`` logits are
       ever materialised. That reads the head weight outside the model's own forward, which a DDP wrapper (gradient
       hooks armed by its forward) or FSDP2 (the root's parameters are sharded outside its forward) does not allow:
-      there pass ``through_model_forward=True``, which calls ``model(**shard)`` and reduces its ``[B, S/P, vocab]``
-      logits ``chunk_size`` tokens at a time;
+      there ``through_model_forward=True`` calls ``model(**shard)`` and reduces its ``[B, S/P, vocab]`` logits
+      ``chunk_size`` tokens at a time. The default (``None``) picks it when ``model`` is DDP/FSDP-wrapped or holds
+      FSDP2 (``fully_shard``) modules;
     - differentiable: backprop a loss computed from the result (identically on every rank, which is automatic
       since the result is identical) and each rank's parameter gradients are its share; their SUM over the group
       is the single-process gradient. DDP / FSDP2 average gradients over all ranks, so there multiply the loss
@@ -650,6 +679,8 @@ def sequence_parallel_logprobs(
     model_batch["targets"] = targets
     shard = shard_inputs(model_batch, group)
     local_targets = shard.pop("targets")
+    if through_model_forward is None:
+        through_model_forward = _is_wrapped_for_data_parallel(model)
     if through_model_forward:
         logits = model(**shard).logits
         local_logps, local_entropy = _logprobs_from_logits(logits, local_targets, temperature, chunk_size)

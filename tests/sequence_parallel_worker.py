@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hf_gptoss_rl.sequence_parallel import (
     disable_sequence_parallel,
+    sequence_parallel_disabled,
     enable_sequence_parallel,
     gather_outputs,
     sequence_parallel_logprobs,
@@ -120,7 +121,7 @@ def _wrapped_scenarios(state_dict, batch, group):
             for layer in model.model.layers:
                 fully_shard(layer)
             wrapped = fully_shard(model)
-        logps = sequence_parallel_logprobs(wrapped, batch, group, temperature=0.7, through_model_forward=True)
+        logps = sequence_parallel_logprobs(wrapped, batch, group, temperature=0.7)  # detects the wrapper
         ((logps * target_mask).sum() * sp_size).backward()
         out[wrapper] = {
             n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
@@ -167,6 +168,13 @@ def run(rank: int, world: int, init_file: str, state_path: str, out_dir: str) ->
         results["mask_cache_entries"] = len(model._sequence_parallel._masks)
         results["packed"] = _lm_scenario(model, inputs["packed"], group)
         results["padded"] = _logprob_scenario(model, inputs["padded"], group)
+        # Temporarily off (generation in an embedded rollout): a plain model, then SP again on the same group.
+        with sequence_parallel_disabled(model), torch.no_grad():
+            results["disabled_block"] = {
+                "logits": model(input_ids=inputs["single"]["input_ids"]).logits,
+                "attn_implementation": model.config._attn_implementation,
+            }
+        results["after_block"] = model.config._attn_implementation
         # Gradient checkpointing: the backward recomputes attention, all-to-alls included.
         model.gradient_checkpointing_enable()
         results["single_ckpt"] = _lm_scenario(model, inputs["single"], group)
@@ -178,6 +186,7 @@ def run(rank: int, world: int, init_file: str, state_path: str, out_dir: str) ->
             results["missing_position_ids_error"] = ""
         except ValueError as err:
             results["missing_position_ids_error"] = str(err)
+        sp_group = group
         if world == 4:
             # Two SP groups of 2 (dp=2 x sp=2): the group comes from the mesh, not the world.
             mesh = sequence_parallel_mesh(2, device_type="cpu")
@@ -187,10 +196,32 @@ def run(rank: int, world: int, init_file: str, state_path: str, out_dir: str) ->
                 "dp_ranks": dist.get_process_group_ranks(mesh.get_group("dp")),
                 "fsdp_ranks": dist.get_process_group_ranks(mesh.get_group("dp_shard_cp")),
             }
+            # From an accelerate ParallelismConfig: the same layout, built once and stored as its device_mesh.
+            from accelerate.parallelism_config import ParallelismConfig
+
+            from hf_gptoss_rl.sequence_parallel import get_sequence_parallel_group
+
+            pc = ParallelismConfig(dp_shard_size=2, sp_size=2)
+            pc_group = get_sequence_parallel_group(pc, device_type="cpu")
+            results["mesh"]["from_parallelism_config"] = {
+                "sp_ranks": dist.get_process_group_ranks(pc_group),
+                "mesh_dims": list(pc.device_mesh.mesh_dim_names),
+                "reused": get_sequence_parallel_group(pc) is pc_group,
+            }
             enable_sequence_parallel(model, mesh)  # switches the group
             results["mesh_single"] = _lm_scenario(model, inputs["single"], sp_group)
+        # A deep copy (TRL's reference model) keeps SP on, sharing the group; disabling the copy leaves the original.
+        import copy
+
+        twin = copy.deepcopy(model)
+        results["twin_single"] = _lm_scenario(twin, inputs["single"], sp_group)
+        disable_sequence_parallel(twin)
+        results["twin_after_disable"] = (twin.config._attn_implementation, model.config._attn_implementation)
         disable_sequence_parallel(model)
         results["after_disable"] = model.config._attn_implementation
+        # With SP off, the same weights are plain single-process eager again.
+        with torch.no_grad():
+            results["after_disable_logits"] = model(input_ids=inputs["single"]["input_ids"]).logits
     except Exception:  # surfaced by the test, which otherwise only sees a dead process
         results["error"] = traceback.format_exc()
     if rank in (0, world - 1):

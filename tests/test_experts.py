@@ -185,6 +185,22 @@ def test_experts_against_fp64_reference_with_sentinels(dtype, chunk_rows, max_ex
     torch.testing.assert_close(out_no_grad, out.detach(), rtol=0, atol=0)
 
 
+def test_inference_mode_and_autocast():
+    model = _tiny_model(top_k=2)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(ids).logits
+    _set_experts(model, "memory_efficient", chunk_rows=5)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    # fp32 weights under bf16 autocast: the experts still compute in the weights' dtype and train
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids).logits
+    logits.float().mean().backward()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad.dtype == torch.float32
+    assert torch.isfinite(model.model.layers[0].mlp.experts.gate_up_proj.grad).all()
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_gradient_checkpointing_matches_eager(use_reentrant):
     model = _tiny_model(top_k=2)

@@ -135,6 +135,9 @@ def test_tokenizer_round_trips_special_tokens(tok, enc):
     assert ids[0] == START and ids[-1] == RETURN and CHANNEL in ids and MESSAGE in ids
     assert tok.decode(ids) == text
     assert tok.decode(ids, skip_special_tokens=True) == "assistantfinalThe answer is 4."
+    assert tok("hi there").input_ids == tok.encode("hi there", add_special_tokens=False)  # no BOS/EOS added
+    batch = tok(["a", "a longer text"], padding=True)
+    assert batch.input_ids[0][-1] == ENDOFTEXT and batch.attention_mask[0][-1] == 0
     # special-token text is plain text for encode_text (a tool output cannot inject control tokens)
     assert START not in encode_text(text)
 
@@ -297,16 +300,30 @@ def _harmony_dicts(enc, completion):
     return out
 
 
-@pytest.mark.parametrize("form", ["model", "header"])
-def test_parse_tool_call_both_placements_agree_with_harmony(enc, form):
-    call = model_form_call() if form == "model" else header_form_call()
-    sampled = analysis() + next_message() + call
+ARGS = '{"code": "print(2 + 2)"}'
+CALL_FORMS = {
+    "model": model_form_call(),
+    "header": header_form_call(),
+    # no space before <|constrain|>
+    "model-tight": [CHANNEL] + T("commentary to=functions.code_interpreter") + [CONSTRAIN] + T("json") + [MESSAGE] + T(ARGS) + [CALL],
+    # TRL's template form: plain "json" content type, recipient in the header
+    "template": T(" to=functions.code_interpreter") + [CHANNEL] + T("commentary json") + [MESSAGE] + T(ARGS) + [CALL],
+    # no content type at all
+    "bare": [CHANNEL] + T("commentary to=functions.code_interpreter") + [MESSAGE] + T(ARGS) + [CALL],
+}
+
+
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+@pytest.mark.parametrize("first", [True, False])
+def test_parse_tool_call_placements_agree_with_harmony(enc, form, first):
+    """The call as the turn's first message (its header right after <|start|>assistant) or after an analysis."""
+    sampled = CALL_FORMS[form] if first else analysis() + next_message() + CALL_FORMS[form]
     turn = parse_assistant_turn(sampled)
     assert turn.error is None and turn.stop == "call" and not turn.truncated
-    assert turn.analysis == "Let me compute." and turn.final is None
+    assert turn.analysis == ("" if first else "Let me compute.") and turn.final is None
     assert turn.tool_call.name == "code_interpreter" and turn.tool_call.recipient == "functions.code_interpreter"
     assert turn.tool_call.parsed_arguments() == {"code": "print(2 + 2)"}
-    assert turn.tool_call.content_type == "<|constrain|>json"
+    assert turn.tool_call.content_type == {"template": "json", "bare": None}.get(form, "<|constrain|>json")
     assert _as_dicts(turn) == _harmony_dicts(enc, sampled)
 
 

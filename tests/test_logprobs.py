@@ -83,3 +83,13 @@ def test_causal_lm_matches_model_logits_tiny_gptoss():
         got, ent = causal_lm_token_logprobs(model, ids, mask, logits_to_keep=5, temperature=0.8, chunk_size=4)
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
     assert got.shape == ent.shape == (2, 5)
+
+
+@pytest.mark.parametrize("which", ["logps", "entropy"])
+def test_gradient_of_one_output_only(which):
+    torch.manual_seed(1)
+    hidden = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (9,))
+    fn = lambda h, w: chunked_logprobs(h, w, targets, temperature=1.3, chunk_size=4)[0 if which == "logps" else 1]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (hidden, weight))

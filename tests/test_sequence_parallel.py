@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import sequence_parallel_worker as sp_worker  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 ATOL, RTOL = 2e-5, 1e-4
+RANK_TIMEOUT_S = 420
 
 
 def _spawn(world: int, tmp_path) -> list[dict]:
@@ -36,13 +38,15 @@ def _spawn(world: int, tmp_path) -> list[dict]:
         start_method="spawn",
     )
     try:
-        while not ctx.join(timeout=240):
-            pass
-    except Exception:
+        # join() returns True once every rank exited, False while some still run; it raises if one failed.
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} SP ranks still running after {RANK_TIMEOUT_S}s (a collective hung?)")
+    finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-        raise
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, world - 1)]
     for r in results:
         assert "error" not in r, r["error"]
@@ -182,11 +186,16 @@ def test_logprobs_padded_batch(sp_run, reference):
         _assert_grads(got["grads"], want["grads"])
 
 
-def test_api_state_and_errors(sp_run):
+def test_api_state_and_errors(sp_run, reference):
     world, results = sp_run
     res = results[0]
     assert res["attn_implementation"] == "ulysses_sp"
     assert res["after_disable"] == "eager"
+    assert res["twin_after_disable"] == ("eager", "ulysses_sp")
+    assert res["disabled_block"]["attn_implementation"] == "eager" and res["after_block"] == "ulysses_sp"
+    torch.testing.assert_close(res["disabled_block"]["logits"], reference["single"]["logits"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(res["twin_single"]["logits"], reference["single"]["logits"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(res["after_disable_logits"], reference["single"]["logits"], atol=ATOL, rtol=RTOL)
     assert "position_ids" in res["missing_position_ids_error"]
     assert res["mask_cache_entries"] == 2  # positions/mask gathered once per forward, not once per layer
 
@@ -199,6 +208,9 @@ def test_mesh_group_dp2_sp2(sp_run, reference):
     assert first["mesh"]["sp_ranks"] == [0, 1] and last["mesh"]["sp_ranks"] == [2, 3]
     assert first["mesh"]["dp_ranks"] == [0, 2] and last["mesh"]["dp_ranks"] == [1, 3]
     assert first["mesh"]["fsdp_ranks"] == [0, 1, 2, 3]
+    for res, sp_ranks in ((first, [0, 1]), (last, [2, 3])):
+        from_pc = res["mesh"]["from_parallelism_config"]
+        assert from_pc == {"sp_ranks": sp_ranks, "mesh_dims": ["dp_shard", "sp"], "reused": True}
     for res in results:
         torch.testing.assert_close(res["mesh_single"]["logits"], reference["single"]["logits"], atol=ATOL, rtol=RTOL)
         _assert_grads(res["mesh_single"]["grads"], reference["single"]["grads"])

@@ -69,7 +69,8 @@ class AgenticGRPOConfig(GRPOConfig):
         experts_implementation (`str`, *optional*):
             Experts backend, e.g. `"memory_efficient"`. `None` keeps the model's own choice.
         sequence_parallel_size (`int`, defaults to `1`):
-            Ulysses sequence-parallel degree (the sequence of each sample is split across this many ranks).
+            Ulysses sequence-parallel degree: the loss forward splits every sequence over groups of this many
+            consecutive ranks (`hf_gptoss_rl.sequence_parallel`). DDP only, on-policy, `beta=0`.
         logprobs_implementation (`str`, defaults to `"auto"`):
             How the loss gets per-token log-probs without full-vocabulary float logits: `"chunked"`
             (`hf_gptoss_rl.logprobs`: only completion positions are scored, `logprobs_chunk_size` tokens at a time),

@@ -17,6 +17,8 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
   objective `min(r A w, clip(r) A w) = w min(r A, clip(r) A)` as `w >= 0`, exactly TRL's "loss × IS ratio".
 - Weight sync: after every optimizer step (and on resume) the policy's weights — LoRA merged, names as in the base
   model's `state_dict` — go to the engine (`RolloutEngine.update_weights`) with the global step as version.
+- Log-probs: `hf_gptoss_rl.logprobs` replaces TRL's fused head where TRL has no Triton (same call contract), and
+  sequence parallelism (`sequence_parallel_size`) pools the micro-batches of an SP group for the loss forward.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers import PreTrainedModel, TrainerCallback
 from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler
 
 from .config import AgenticGRPOConfig
 from .mismatch import importance_weights, mismatch_metrics
@@ -40,6 +43,19 @@ from .mismatch import importance_weights, mismatch_metrics
 logger = logging.getLogger(__name__)
 
 __all__ = ["AgenticGRPOTrainer"]
+
+
+class _EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose shuffle is a function of (seed, epoch).
+
+    TRL seeds one generator at construction and draws a new permutation per epoch from it, so a run resumed in
+    epoch e > 0 (a fresh sampler) replays epoch 0's order. Reseeding on `set_epoch` (which the Trainer calls every
+    epoch) makes the order of every epoch reproducible, and resume exact.
+    """
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.seed is not None:
+            self.generator.manual_seed(self.seed + epoch)
 
 
 class _RolloutWeightSync(TrainerCallback):
@@ -57,6 +73,7 @@ class _RolloutWeightSync(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.sync_rollout_weights()
+        self.trainer._metrics["train"]["rollout/weight_version"].append(float(state.global_step))
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -66,7 +83,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         model: a model id/path (loaded by TRL with `args.model_init_kwargs`) or a `PreTrainedModel` (GPT-OSS).
         reward_funcs: TRL reward functions. Besides TRL's `prompts`, `completions`, `completion_ids` and the dataset
             columns, each receives the per-trajectory lists `final_text` (the final-channel answer, `""` when
-            none), `num_turns`, `num_tool_calls`, `tool_errors` and `finish_reason`.
+            none), `num_turns`, `num_tool_calls`, `tool_errors` (failed calls), `format_errors` (unparseable turns,
+            engine errors) and `finish_reason`.
         args: an [`AgenticGRPOConfig`].
         train_dataset / eval_dataset: datasets with a `prompt` column (a string or a list of chat messages).
         processing_class: tokenizer; defaults to the offline GPT-OSS tokenizer (`load_gptoss_tokenizer()`).
@@ -114,8 +132,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
-        if args.sequence_parallel_size > 1:
-            self._setup_sequence_parallel()
+        if self.is_fsdp_enabled and is_peft_model(self.accelerator.unwrap_model(self.model)):
+            raise ValueError(
+                "LoRA under FSDP: exporting merged adapters from sharded weights is not implemented; train LoRA with "
+                "DDP (`accelerate launch --multi_gpu`), or full weights with FSDP."
+            )
         if self._use_chunked_logprobs():
             from hf_gptoss_rl.logprobs import add_chunked_logprob_head
 
@@ -151,6 +172,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # TRL's `_generate` calls `rollout_func(prompts, trainer)` and maps `env_mask` to its `tool_mask`. Set after
         # `super().__init__` so TRL's "experimental rollout_func" warning is not raised for our own use of it.
         self.rollout_func = _agent_rollout
+        self._sp_group = None
+        if args.sequence_parallel_size > 1:  # after the engine copy: it must keep the model's own attention
+            self._setup_sequence_parallel()
         self._loss_inputs: dict[str, Any] | None = None  # inputs of the `_compute_loss` call in flight
         self.last_importance_weights: torch.Tensor | None = None  # the latest correction weights (for inspection)
         self.add_callback(_RolloutWeightSync(self))
@@ -162,10 +186,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """Select the attention kernel / experts implementation requested in the config."""
         if args.attn_implementation is None and args.experts_implementation is None:
             return model
-        if args.attn_implementation is not None and "hf-gptoss-rl" in args.attn_implementation:
-            import hf_gptoss_rl  # noqa: F401  (registers the kernel id with transformers)
-        if args.experts_implementation == "memory_efficient":
-            import hf_gptoss_rl  # noqa: F401,F811
+        import hf_gptoss_rl  # noqa: F401  (registers the sink kernel id and "memory_efficient" with transformers)
+
         if isinstance(model, str):
             init_kwargs = dict(args.model_init_kwargs or {})
             if args.attn_implementation is not None:
@@ -187,15 +209,112 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return choice == "chunked"
 
     def _setup_sequence_parallel(self):
-        raise NotImplementedError(
-            "sequence_parallel_size > 1 is not wired into AgenticGRPOTrainer yet; use hf_gptoss_rl.sequence_parallel "
-            "directly (examples/sequence_parallel example) or set sequence_parallel_size=1."
+        """Ulysses SP over groups of `sequence_parallel_size` consecutive ranks (DDP).
+
+        The ranks of a group pool their micro-batches (`_sp_union`) and each computes 1/P of every sequence of the
+        pooled batch (`hf_gptoss_rl.sequence_parallel`); the loss is scaled so that DDP's average over all ranks
+        gives the gradient of the data-parallel run without SP.
+        """
+        import torch.distributed as dist
+
+        from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel
+
+        size = self.args.sequence_parallel_size
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("sequence_parallel_size > 1 needs several processes (accelerate launch / torchrun)")
+        world = dist.get_world_size()
+        if world % size:
+            raise ValueError(f"world size {world} is not divisible by sequence_parallel_size={size}")
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise ValueError("sequence_parallel_size > 1 is supported with DDP (accelerate launch --multi_gpu) only")
+        if not self.args.is_on_policy or self.beta != 0.0:
+            raise ValueError(
+                "sequence_parallel_size > 1 needs the on-policy setting (num_iterations=1, one optimizer step per "
+                "generation) and beta=0: the extra old/reference log-prob passes are not sequence-parallel"
+            )
+        rank = dist.get_rank()
+        for start in range(0, world, size):  # every rank creates every group (torch.distributed's rule)
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                self._sp_group = group
+        enable_sequence_parallel(self.accelerator.unwrap_model(self.model), self._sp_group)
+
+    def _sp_union(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Concatenate the micro-batches of the SP group (every rank then holds the same pooled batch)."""
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.args.sequence_parallel_size
+        dist.all_gather_object(gathered, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        device = self.accelerator.device
+        out: dict[str, Any] = {}
+        left_padded = {"prompt_ids": self._tokenizer.pad_token_id, "prompt_mask": 0}
+        right_padded = {
+            "completion_ids": self._tokenizer.pad_token_id,
+            "completion_mask": 0,
+            "tool_mask": 1,
+            "sampling_per_token_logps": 0.0,
+            "old_per_token_logps": 0.0,
+            "ref_per_token_logps": 0.0,
+        }
+        for key, value in inputs.items():
+            parts = [g[key] for g in gathered]
+            if key == "num_items_in_batch":
+                out[key] = value  # already global
+            elif key in left_padded or key in right_padded:
+                width = max(p.shape[1] for p in parts)
+                pad_value = left_padded.get(key, right_padded.get(key))
+                padded = []
+                for p in parts:
+                    filler = p.new_full((p.shape[0], width - p.shape[1]), pad_value)
+                    padded.append(torch.cat([filler, p] if key in left_padded else [p, filler], dim=1))
+                out[key] = torch.cat(padded).to(device)
+            elif isinstance(value, torch.Tensor) and value.dim() >= 1:
+                out[key] = torch.cat(parts).to(device)
+            else:
+                raise ValueError(f"cannot pool input {key!r} across the sequence-parallel group")
+        return out
+
+    def _sp_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False):
+        from hf_gptoss_rl.sequence_parallel import gather_outputs, shard_inputs
+
+        seq_len = input_ids.shape[1]
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        shard = shard_inputs(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels},
+            self._sp_group,
+            pad_token_id=self._tokenizer.pad_token_id,
         )
+        extra = {"output_router_logits": True} if compute_aux_loss else {}
+        with self.accelerator.autocast():
+            out = model(
+                input_ids=shard["input_ids"],
+                attention_mask=shard["attention_mask"],
+                position_ids=shard["position_ids"],
+                shift_labels=shard["shift_labels"],
+                fused_lm_head=True,
+                **extra,
+            )
+        # [B, S_padded] on every rank: position t scores token t+1
+        logps = gather_outputs(out.log_probs, self._sp_group, dim=1)[:, : seq_len - 1]
+        entropy = gather_outputs(out.entropy, self._sp_group, dim=1)[:, : seq_len - 1]
+        return logps[:, -logits_to_keep:], entropy[:, -logits_to_keep:], out.aux_loss
+
+    def _sp_loss_scale(self) -> float:
+        # Losses normalised by a count of the (pooled, P times larger) batch need x P; those normalised by the
+        # global token count (dapo, cispo, vespo) already match the data-parallel run.
+        return 1.0 if self.loss_type in ("dapo", "cispo", "vespo") else float(self.args.sequence_parallel_size)
 
     def _build_rollout_engine(self):
         args = self.args
         if args.rollout_backend == "embedded":
             from .rollout import EmbeddedEngine
+
+            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+                raise ValueError(
+                    "the embedded engine holds a full copy of the policy in every process; with FSDP/DeepSpeed use "
+                    "rollout_backend='sglang' (see docs/quickstart.md)"
+                )
 
             policy = self.accelerator.unwrap_model(self.model)
             # The engine needs its own copy (a separate inference server, in-process). PEFT: serve the merged policy.
@@ -216,6 +335,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             weight_dir=args.weight_sync_dir or os.path.join(args.output_dir, "rollout_weights"),
             model_config=self.accelerator.unwrap_model(self.model).config,
         )
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        if type(sampler) is RepeatSampler:
+            sampler.__class__ = _EpochSeededRepeatSampler  # same state, plus `set_epoch`
+        return sampler
 
     # ------------------------------------------------------------------ rollouts
 
@@ -247,7 +372,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         trajectories = self._run_coroutine(self.agent_loop.run_batch(prompt_ids))
         pad_id = self._tokenizer.pad_token_id
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
-        for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "finish_reason", "weight_version"):
+        for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "format_errors", "finish_reason"):
             out[key] = []
         for traj in trajectories:
             traj.check_alignment()
@@ -261,9 +386,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             out["final_text"].append(traj.final_text or "")
             out["num_turns"].append(traj.num_turns)
             out["num_tool_calls"].append(traj.num_tool_calls)
-            out["tool_errors"].append(sum(1 for c in traj.tool_calls if c.error) + len(traj.errors))
+            out["tool_errors"].append(sum(1 for c in traj.tool_calls if c.error))
+            out["format_errors"].append(len(traj.errors))
             out["finish_reason"].append(traj.finish_reason)
-            out["weight_version"].append(traj.weight_version)
         self._log_rollout_metrics(out)
         return out
 
@@ -281,6 +406,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 sum(1 for t in out["final_text"] if t),
                 sum(1 for r in out["finish_reason"] if r == "length"),
                 sum(1 for r in out["finish_reason"] if r == "abort"),
+                sum(out["format_errors"]),
             ],
             dtype=torch.float64,
             device=device,
@@ -295,21 +421,29 @@ class AgenticGRPOTrainer(GRPOTrainer):
         metrics["rollout/frac_final_answer"].append(total[5] / count)
         metrics["rollout/frac_truncated"].append(total[6] / count)
         metrics["rollout/frac_aborted"].append(total[7] / count)
+        metrics["rollout/format_errors_mean"].append(total[8] / count)
 
     # ------------------------------------------------------------------ loss: mismatch metrics and correction
 
     def _compute_loss(self, model, inputs):
         # Shallow copy: the correction replaces `advantages` for this call only (buffered inputs are reused).
-        self._loss_inputs = dict(inputs)
+        self._loss_inputs = self._sp_union(inputs) if self._sp_group is not None else dict(inputs)
         try:
-            return super()._compute_loss(model, self._loss_inputs)
+            loss = super()._compute_loss(model, self._loss_inputs)
         finally:
             self._loss_inputs = None
+        return loss * self._sp_loss_scale() if self._sp_group is not None else loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
-        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *a, **kw
-        )
+        # SP: only the loss forward (inside `_compute_loss`, on the group's pooled batch) runs sequence-parallel
+        if self._sp_group is not None and self._loss_inputs is not None:
+            logps, entropies, aux_loss = self._sp_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=kw.get("compute_aux_loss", False)
+            )
+        else:
+            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *a, **kw
+            )
         inputs = self._loss_inputs
         # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
         if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
@@ -403,7 +537,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._push_weights(self.rollout_engine, version=self.state.global_step)
         if self.args.rollout_backend == "sglang":
             self.accelerator.wait_for_everyone()
-        self._metrics["train"]["rollout/weight_version"].append(float(self.state.global_step))
 
 
 def _agent_rollout(prompts: list, trainer: AgenticGRPOTrainer) -> dict[str, list]:

@@ -102,6 +102,50 @@ def apply_landlock(read_paths, write_paths, deny_tcp, scope):
     return {"abi": abi, "tcp_denied": bool(net), "scoped": bool(scoped), "paths": granted}
 
 
+# seccomp: refuse socket(AF_UNIX, ...) (Landlock does not cover connect() on pathname unix sockets, e.g. a docker
+# socket) and io_uring (its socket/connect ops bypass syscall filters); refuse every syscall of a foreign ABI.
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+AF_UNIX, EPERM, EACCES = 1, 1, 13
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, __NR_socket, __NR_io_uring_setup)
+    "x86_64": (0xC000003E, 41, 425),
+    "aarch64": (0xC00000B7, 198, 425),
+}
+
+
+def apply_seccomp():
+    """Install the filter described above; returns a description, or None where the architecture is unknown."""
+    arch = _SECCOMP_ARCH.get(os.uname().machine)
+    if arch is None:
+        return None
+    audit_arch, nr_socket, nr_io_uring_setup = arch
+
+    def ins(code, jt, jf, k):
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    program = [
+        ins(BPF_LD_W_ABS, 0, 0, 4),                               # 0: A = arch
+        ins(BPF_JEQ_K, 1, 0, audit_arch),                         # 1: native ABI? -> 3
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM),          # 2: foreign ABI: refuse
+        ins(BPF_LD_W_ABS, 0, 0, 0),                               # 3: A = syscall number
+        ins(BPF_JGE_K, 0, 1, 0x40000000),                         # 4: x32 ABI bit set? -> 5, else 6
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM),          # 5: refuse
+        ins(BPF_JEQ_K, 0, 1, nr_io_uring_setup),                  # 6: io_uring_setup? -> 7, else 8
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM),          # 7: refuse
+        ins(BPF_JEQ_K, 0, 3, nr_socket),                          # 8: socket? -> 9, else 12
+        ins(BPF_LD_W_ABS, 0, 0, 16),                              # 9: A = low 32 bits of args[0] (domain)
+        ins(BPF_JEQ_K, 0, 1, AF_UNIX),                            # 10: AF_UNIX? -> 11, else 12
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),         # 11: refuse
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  # 12: allow
+    ]
+    filters = ctypes.create_string_buffer(b"".join(program))
+    fprog = struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(filters))
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.create_string_buffer(fprog, 16), 0, 0),
+           "prctl(PR_SET_SECCOMP)")
+    return "no AF_UNIX sockets, no io_uring, native ABI only"
+
+
 def drop_capabilities():
     """Stay uid 0 but hold no capability, now or after exec (securebits NOROOT, empty bounding set)."""
     _check(libc.prctl(PR_SET_SECUREBITS, SECUREBITS_LOCKDOWN, 0, 0, 0), "prctl(PR_SET_SECUREBITS)")
@@ -172,6 +216,11 @@ def user_process(cfg, status_fd, report):
                                                     deny_tcp=True, scope=True)
             except OSError as e:
                 report["landlock_error"] = str(e)
+        try:
+            report["seccomp"] = apply_seccomp()
+        except OSError as e:
+            report["seccomp"] = None
+            report["seccomp_error"] = str(e)
         cgroups = report.get("cgroups") or []
         if "pids" in cgroups or "unified" in cgroups:
             report["process_limit"] = "pids-cgroup"
@@ -191,6 +240,7 @@ def user_process(cfg, status_fd, report):
         if cfg.get("require_isolation"):
             missing = [name for name, ok in (("network", report["network"] != "python-guard"),
                                              ("filesystem", report["landlock"] is not None),
+                                             ("unix socket", report.get("seccomp") is not None),
                                              ("process limit", report["process_limit"] is not None)) if not ok]
             if missing:
                 raise OSError(f"require_isolation: no {', '.join(missing)} isolation in place")
@@ -328,7 +378,7 @@ def run_init(cfg, status_fd, report):
     except _Stop:
         pass
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if False:
+    if not report.get("pidns"):
         # inside a pid namespace the kernel kills everything when init exits (and /proc shows host pids there)
         _kill_descendants()
     os.write(status_fd, (json.dumps({"stage": "exit", "status": user_status}) + "\n").encode())

@@ -18,6 +18,8 @@ Isolation of :class:`LocalSandbox` (Linux; each layer is applied when the platfo
 * **filesystem** - Landlock (Linux >= 5.13): read/execute only the Python installation, system libraries and a few
   device files; read/write only the temporary working directory (removed afterwards).
 * **privileges** - ``no_new_privs``; root drops every capability (or switches to ``sandbox_uid``).
+* **local sockets** - seccomp refuses ``socket(AF_UNIX)`` (pathname sockets such as a docker socket are outside
+  Landlock's reach) and ``io_uring``.
 * **output** - stdout/stderr read incrementally; past ``max_output_bytes`` the program is killed and the result
   marked ``truncated`` (memory stays bounded whatever the program prints).
 """
@@ -279,10 +281,10 @@ class LocalSandbox(SandboxBackend):
             paths.update(v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib"))
         else:
             paths = set()
-        real = os.path.realpath(self.python)
-        paths.add(os.path.dirname(os.path.dirname(real)))
-        paths.add(os.path.dirname(real))
-        return sorted(paths)
+        for exe in (os.path.abspath(self.python), os.path.realpath(self.python)):  # a venv, and what it links to
+            paths.add(os.path.dirname(os.path.dirname(exe)))
+            paths.add(os.path.dirname(exe))
+        return sorted(p for p in paths if p != os.sep)  # never the whole filesystem
 
     def _read_paths(self) -> list[str]:
         system = ["/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives",
@@ -298,7 +300,10 @@ class LocalSandbox(SandboxBackend):
         if self._loop is not loop:  # asyncio primitives belong to one loop; callers may use asyncio.run per step
             self._semaphore, self._loop = asyncio.Semaphore(self.max_concurrency), loop
         async with self._semaphore:
-            return await self._run(code, float(timeout_s), int(memory_mb), int(max_output_bytes))
+            try:
+                return await self._run(code, float(timeout_s), int(memory_mb), int(max_output_bytes))
+            except OSError as e:  # no temp space, no fork, ...: the sandbox's failure, not the program's
+                return SandboxResult("", "", None, False, False, error=f"sandbox could not run the program: {e}")
 
     async def _run(self, code: str, timeout_s: float, memory_mb: int, max_output_bytes: int) -> SandboxResult:
         start = time.monotonic()
@@ -307,6 +312,7 @@ class LocalSandbox(SandboxBackend):
         cgroups: dict[str, str] = {}
         status_r = status_w = -1
         proc = None
+        tasks: list[asyncio.Future] = []
         stdout, stderr = bytearray(), bytearray()
         truncated = timed_out = False
         status = None
@@ -387,6 +393,7 @@ class LocalSandbox(SandboxBackend):
             readers = [asyncio.ensure_future(pump(proc.stdout, stdout)), asyncio.ensure_future(pump(proc.stderr, stderr))]
             finished = asyncio.ensure_future(asyncio.gather(*readers, proc.wait()))
             overflowed = asyncio.ensure_future(overflow.wait())
+            tasks += [*readers, finished, overflowed]
             done, _ = await asyncio.wait({finished, overflowed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if overflowed in done:
                 truncated = True
@@ -402,6 +409,13 @@ class LocalSandbox(SandboxBackend):
         finally:
             if proc is not None and proc.returncode is None:  # cancelled by the caller, or an error above
                 await asyncio.shield(self._stop(proc, status, list(cgroups.values())))
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            transport = getattr(proc, "_transport", None)  # close the pipes now, not at garbage collection
+            if transport is not None:
+                transport.close()
             reports = status.read() if status is not None else []
             for fd in (status_r, status_w):
                 if fd >= 0:

@@ -4,9 +4,9 @@ On CPU the kernels run under ``TRITON_INTERPRET=1``.  ``triton.jit`` decides int
 function is decorated, and triton's own library (``tl.zeros``...) is decorated when triton is first imported, so
 the variable must be set before anything imports triton.  This module sets it (CPU-only machines) before its
 imports; if triton was already imported compiled in this process (another test module, torch.compile...), the
-interpreter tests re-run this file in a fresh subprocess instead.  Shapes are tiny (the interpreter runs numpy per block); the
-kernels use 16x16 blocks on CPU, so lengths of 20-40 tokens already cover edge blocks, full blocks, skipped
-blocks and several programs per sequence.
+interpreter tests re-run this file in a fresh subprocess instead.  Shapes are tiny (the interpreter runs numpy
+per block); the kernels use 16x16 blocks on CPU, so lengths of 20-40 tokens already cover edge blocks, full
+blocks, skipped blocks and several programs per sequence.
 """
 
 from __future__ import annotations

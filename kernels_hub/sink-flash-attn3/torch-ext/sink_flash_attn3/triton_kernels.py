@@ -44,19 +44,21 @@ _LN2 = tl.constexpr(0.6931471805599453)
 # "Unbounded" window side: far beyond any sequence, small enough that a +/- seq_len stays in int32.
 _UNBOUNDED = 1 << 30
 
-# Block sizes / launch parameters per (kernel, head_dim), measured on the H200 (benchmarks/attention.py,
-# notes in benchmarks/notes/attention.md).  The benchmark may override entries to sweep configurations.
+# Block sizes / launch parameters per (kernel, head_dim).  D=64 (GPT-OSS): the fastest of the sweep on the H200
+# (benchmarks/attention.py --sweep; notes in benchmarks/notes/attention.md).  D=128: checked for correctness on the
+# H200, not timed.  The benchmark overrides entries to sweep configurations.
 KERNEL_CONFIGS: dict[tuple[str, int], dict[str, int]] = {
-    ("fwd", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("fwd", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dkdv", 64): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4),
     ("dkdv", 128): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-    ("dq", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("dkdv_atomic", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dkdv_atomic", 128): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+    ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dq", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
 }
-KERNEL_CONFIGS[("dkdv_atomic", 64)] = dict(KERNEL_CONFIGS[("dkdv", 64)])
-KERNEL_CONFIGS[("dkdv_atomic", 128)] = dict(KERNEL_CONFIGS[("dkdv", 128)])
-# Non-deterministic dQ through fp32 atomics in the dK/dV kernel (only when deterministic=False); see notes.
+# Non-deterministic dQ through fp32 atomics in the dK/dV kernel (used only when deterministic=False).  Off by
+# default: on the H200 it was slower than the separate dQ kernel at S=16k (benchmarks/notes/attention.md).
 ATOMIC_DQ = False
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 
@@ -122,14 +124,12 @@ def _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo, hi,
                len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
-    # only scalar 64-bit pointers are carried by the loop; tile offsets are int32 (keeps registers free)
-    k_tile = offs_n0[:, None] * stride_kt + offs_d[None, :]
-    v_tile = offs_n0[:, None] * stride_vt + offs_d[None, :]
+    # 64-bit pointers built once, then advanced by a 32-bit step per block
+    k_ptrs = k_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+    v_ptrs = v_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        k_ptrs = k_base + start_n.to(tl.int64) * stride_kt + k_tile
-        v_ptrs = v_base + start_n.to(tl.int64) * stride_vt + v_tile
         if MASK:
             k = tl.load(k_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
         else:
@@ -153,6 +153,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, 
             v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+        k_ptrs += BLOCK_N * stride_kt
+        v_ptrs += BLOCK_N * stride_vt
     return acc, l_i, m_i
 
 
@@ -264,13 +266,12 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
                     sm_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     ATOMIC_DQ: tl.constexpr):
     # works on transposed tiles (keys x queries) so the accumulators stay [BLOCK_N, D]
-    q_tile = offs_m0[:, None] * stride_qt + offs_d[None, :]
-    do_tile = offs_m0[:, None] * stride_dot + offs_d[None, :]
+    q_ptrs = q_base + (lo + offs_m0)[:, None].to(tl.int64) * stride_qt + offs_d[None, :]
+    do_ptrs = do_base + (lo + offs_m0)[:, None].to(tl.int64) * stride_dot + offs_d[None, :]
+    dq_ptrs = dq_base + (lo + offs_m0)[:, None].to(tl.int64) * stride_dqt + offs_d[None, :]
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
-        q_ptrs = q_base + start_m.to(tl.int64) * stride_qt + q_tile
-        do_ptrs = do_base + start_m.to(tl.int64) * stride_dot + do_tile
         if MASK:  # rows past len_q: q = dO = 0 and LSE = +inf, so they contribute exactly nothing
             row_ok = offs_m < len_q
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
@@ -296,11 +297,13 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:  # non-deterministic mode: dQ += scale * dS K straight into an fp32 buffer
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale
-            dq_ptrs = dq_base + start_m.to(tl.int64) * stride_dqt + offs_m0[:, None] * stride_dqt + offs_d[None, :]
             if MASK:
                 tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
             else:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            dq_ptrs += BLOCK_M * stride_dqt
+        q_ptrs += BLOCK_M * stride_qt
+        do_ptrs += BLOCK_M * stride_dot
     return dk, dv
 
 
@@ -366,13 +369,11 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, cu_seqlens_q, cu
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo,
                   hi, len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
-    k_tile = offs_n0[:, None] * stride_kt + offs_d[None, :]
-    v_tile = offs_n0[:, None] * stride_vt + offs_d[None, :]
+    k_ptrs = k_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+    v_ptrs = v_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        k_ptrs = k_base + start_n.to(tl.int64) * stride_kt + k_tile
-        v_ptrs = v_base + start_n.to(tl.int64) * stride_vt + v_tile
         if MASK:
             k = tl.load(k_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
@@ -389,6 +390,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kt
+        v_ptrs += BLOCK_N * stride_vt
     return dq
 
 
@@ -476,7 +479,7 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
     if H_q % H_kv:
         raise ValueError(f"number of query heads {H_q} must be a multiple of KV heads {H_kv}")
     num_seqs = cu_seqlens_q.numel() - 1
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    out = torch.empty_like(q)  # same layout rule as the custom op's fake (q's strides when q is dense)
     lse = torch.empty((H_q, T_q), device=q.device, dtype=torch.float32)
     if T_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
         lse.fill_(float("-inf"))
@@ -508,9 +511,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     T_q, H_q, D = q.shape
     T_k, H_kv, _ = k.shape
     num_seqs = cu_seqlens_q.numel() - 1
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
     if T_q == 0 or num_seqs == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dsink

@@ -1,0 +1,521 @@
+"""One full GRPO training step of a gpt-oss-20b-shaped model at long context, by stack (issue 7, item 3).
+
+Model: `hf_gptoss_rl.testing.gptoss_20b_config()` with random bf16 weights created on the GPU
+(`gptoss_bench_common.build_random_gptoss`), LoRA r=16 on q/k/v/o (peft), gradient checkpointing (non-reentrant),
+one sequence of S random token ids: the first S/8 are the "prompt", the rest the completion that the loss covers.
+
+Variants (only attention, experts and the log-prob computation differ; the loss is the same):
+
+- `project`: the project's sink kernel + `experts_implementation="memory_efficient"` + chunked log-probs
+  (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`, no `[T, vocab]` logits);
+- `flex_grouped_mm`: `flex_attention` (sinks by LSE renormalisation) + `grouped_mm` experts (transformers'
+  default) + full-vocabulary logits (`model(..., logits_to_keep=T+1).logits`, fp32 log-softmax), as a stock
+  trainer without a fused LM head computes them;
+- `fa4_grouped_mm`: `flash_attention_4` (FlashAttention-4 CuTe, `learnable_sink`) + `grouped_mm` + full logits,
+  when transformers can import it (skipped otherwise, with the reason);
+- `flex_grouped_mm_chunked` (optional, `--variants`): flex + grouped_mm with the chunked log-probs, to separate
+  what the log-prob path buys from what attention + experts buy;
+- `eager_grouped_mm` (not in the default GPU set: O(S²) memory, OOM at 16k per FACTS §6) for CPU smoke runs.
+
+Per (variant, S), in its own subprocess (an OOM or crash is reported and does not poison the other runs):
+
+1. GRPO step: per-token log-probs of the completion (with grad) and the router aux loss, TRL 1.16's default
+   loss (`grpo_loss`: `loss_type="dapo"`, beta 0, token-level ratio clipped to [1-0.2, 1+0.2], plus
+   `router_aux_loss_coef * aux_loss`; on-policy, old log-probs = the detached new ones, as in
+   `AgenticGRPOTrainer`), `backward()`. Warm-up step(s) first (compiles Triton / flex), then timed.
+2. Log-prob pass: the same log-probs under `torch.no_grad()` (the old/reference log-prob pass).
+3. Plain step: `model(input_ids, labels=input_ids).loss.backward()`, what a stock user runs.
+
+tokens/s = S / step seconds; peak = `torch.cuda.max_memory_allocated()` during the measurement, weights included.
+`--max-seconds` bounds the whole sweep: a run that would not start in time is reported as skipped, a run still
+going at the deadline is killed and reported as timed out.
+
+    python benchmarks/full_step.py                                   # H200: S = 16k, 32k, 64k (~6-8 min)
+    python benchmarks/full_step.py --model tiny --device cpu --seq-lens 64 --out /tmp/x   # smoke test
+
+Writes `full_step.md`, `full_step.png`, `full_step.json` into `--out` (default `docs/benchmarks/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gptoss_bench_common import (  # noqa: E402
+    REPO,
+    build_random_gptoss,
+    environment,
+    flash_attention_4_available,
+    fmt,
+    set_project_attention,
+)
+
+VARIANTS = {
+    "project": {
+        "label": "project: sink kernel + memory_efficient experts + chunked log-probs",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+    },
+    "flex_grouped_mm": {
+        "label": "flex_attention + grouped_mm + full logits",
+        "attn": "flex_attention",
+        "experts": "grouped_mm",
+        "logprobs": "full",
+    },
+    "fa4_grouped_mm": {
+        "label": "FA4 (flash_attention_4) + grouped_mm + full logits",
+        "attn": "flash_attention_4",
+        "experts": "grouped_mm",
+        "logprobs": "full",
+    },
+    "flex_grouped_mm_chunked": {  # optional: separates the log-prob path's share from attention + experts
+        "label": "flex_attention + grouped_mm + chunked log-probs",
+        "attn": "flex_attention",
+        "experts": "grouped_mm",
+        "logprobs": "chunked",
+    },
+    "eager_grouped_mm": {
+        "label": "eager + grouped_mm + full logits",
+        "attn": "eager",
+        "experts": "grouped_mm",
+        "logprobs": "full",
+    },
+}
+DEFAULT_VARIANTS = ("project", "flex_grouped_mm", "fa4_grouped_mm")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+RESULT_PREFIX = "FULL_STEP_RESULT "
+# Rough H200 costs for the plan's time estimate (FACTS §6: stock 20b train step ~8k tokens/s, log-prob pass ~28k
+# tokens/s; a subprocess spends ~30 s on imports, model build, LoRA and kernel/flex compilation).
+EST_OVERHEAD_S = 30.0
+EST_TRAIN_TOKENS_PER_S = 8000.0
+EST_LOGPROB_TOKENS_PER_S = 28000.0
+
+
+# ---------------------------------------------------------------------------------------------------------- the loss
+
+
+def grpo_loss(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    aux_loss: torch.Tensor | None = None,
+    router_aux_loss_coef: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> torch.Tensor:
+    """TRL 1.16 `GRPOTrainer._compute_loss` with its defaults, for one accumulation step.
+
+    `loss_type="dapo"`, beta 0, token-level ratio `r = exp(logp - old)`, per-token `-min(r A, clip(r, 1-el, 1+eh) A)`
+    summed over the mask and divided by the batch's completion-token count (`num_items_in_batch`), plus TRL's MoE
+    load-balancing term `router_aux_loss_coef * aux_loss` (TRL enables it for GPT-OSS, whose config declares
+    `output_router_logits`). `AgenticGRPOTrainer` uses this loss unchanged (it only reweights advantages when a
+    mismatch correction is on, which this benchmark leaves off). `tests/test_benchmark_scripts.py` checks it
+    against TRL's own `_compute_loss`.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if aux_loss is not None:
+        loss = loss + router_aux_loss_coef * aux_loss
+    return loss
+
+
+def completion_logps(model, input_ids: torch.Tensor, keep: int, how: str, with_aux: bool):
+    """Per-token log-probs `[B, keep]` of the last `keep` tokens (and the router aux loss if `with_aux`).
+
+    - `how="chunked"`: the trainer's memory-efficient path: the model was patched by
+      `hf_gptoss_rl.logprobs.add_chunked_logprob_head`, and is called exactly as TRL calls its fused LM head
+      (`model(input_ids, labels=..., fused_lm_head=True)`, labels -100 on the prompt): no `[T, vocab]` logits.
+    - `how="full"`: stock: `model(..., logits_to_keep=keep + 1).logits`, fp32 log-softmax, gathered at the targets.
+    """
+    extra = {"output_router_logits": True} if with_aux else {}
+    if how == "chunked":
+        labels = input_ids.clone()
+        labels[:, :-keep] = -100
+        out = model(input_ids=input_ids, labels=labels, fused_lm_head=True, use_cache=False, **extra)
+        return out.log_probs[:, -keep:], (out.aux_loss if with_aux else None)
+    if how == "full":
+        out = model(input_ids=input_ids, logits_to_keep=keep + 1, use_cache=False, **extra)
+        logits = out.logits[:, :-1].float()
+        targets = input_ids[:, -keep:]
+        logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        return logps, (out.aux_loss if with_aux else None)
+    raise ValueError(f"unknown log-prob path {how!r} (chunked | full)")
+
+
+# ---------------------------------------------------------------------------------------------------------- worker
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure(fn, device, warmup: int, repeats: int) -> dict:
+    """Median seconds of `fn()` over `repeats` after `warmup` calls, and the peak memory of the timed calls."""
+    try:
+        for _ in range(warmup):
+            fn()
+        _sync(device)
+        _cleanup(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        return {"seconds": statistics.median(times), "all_seconds": times, "peak_gib": peak}
+    except Exception as e:  # an OOM (or a failure) of one measurement does not stop the others
+        msg = (str(e).splitlines() or [""])[0][:240]
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            return {"oom": True, "error": msg}
+        return {"error": f"{type(e).__name__}: {msg}"}
+    finally:
+        _cleanup(device)
+
+
+def worker(spec: dict) -> dict:
+    """Build the model for one (variant, S) and run the three measurements."""
+    device = torch.device(spec["device"])
+    variant = VARIANTS[spec["variant"]]
+    seq_len = int(spec["seq_len"])
+    result = {"variant": spec["variant"], "seq_len": seq_len}
+    import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
+    from hf_gptoss_rl.logprobs import add_chunked_logprob_head
+    from hf_gptoss_rl.testing import gptoss_20b_config, tiny_gptoss_config
+    from peft import LoraConfig, get_peft_model
+
+    if spec["model"] == "20b":
+        n = int(spec["layers"])
+        config = gptoss_20b_config(
+            num_hidden_layers=n, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        )
+    else:
+        config = tiny_gptoss_config(vocab_size=1024, num_hidden_layers=int(spec["layers"]))
+    t0 = time.perf_counter()
+    model = build_random_gptoss(config, device=device, dtype=getattr(torch, spec["dtype"]), seed=0)
+    attn = variant["attn"]
+    if attn == "project":
+        attn, result["attention_how"] = set_project_attention(model, spec["project_attn"])
+    else:
+        model.set_attn_implementation(attn)
+    result["attn_implementation"] = attn
+    model.set_experts_implementation(variant["experts"])
+    if variant["logprobs"] == "chunked":
+        add_chunked_logprob_head(model)  # what AgenticGRPOTrainer installs for its chunked log-probs
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    model.train()
+    _sync(device)
+    result["build_s"] = time.perf_counter() - t0
+    result["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
+    result["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    result["params"] = sum(p.numel() for p in model.parameters())
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    input_ids = torch.randint(0, config.vocab_size, (1, seq_len), device=device, generator=gen)
+    keep = seq_len - seq_len // 8  # completion tokens (the loss covers them)
+    mask = torch.ones(1, keep, device=device)
+    advantages = torch.ones(1, device=device)
+    how = variant["logprobs"]
+    aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    result["router_aux_loss_coef"] = aux_coef
+
+    def grpo_step():
+        model.zero_grad(set_to_none=True)
+        logps, aux = completion_logps(model, input_ids, keep, how, with_aux=aux_coef != 0.0)
+        # on-policy, as AgenticGRPOTrainer: old log-probs = the detached new ones (ratio 1)
+        loss = grpo_loss(logps, logps.detach(), advantages, mask, aux, aux_coef)
+        loss.backward()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite GRPO loss {loss.item()}")
+
+    def logprob_pass():  # TRL's old/reference log-prob pass: no grad, no aux loss
+        with torch.no_grad():
+            completion_logps(model, input_ids, keep, how, with_aux=False)
+
+    def plain_step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+
+    warmup, repeats = int(spec["warmup"]), int(spec["repeats"])
+    result["grpo_step"] = _measure(grpo_step, device, warmup, repeats)
+    # the GRPO warm-up already compiled the forward kernels; compile here only if that step did not run
+    result["logprob_pass"] = _measure(logprob_pass, device, 0 if "seconds" in result["grpo_step"] else 1, repeats)
+    if spec["run_plain_step"]:
+        result["plain_step"] = _measure(plain_step, device, 0 if "seconds" in result["grpo_step"] else 1, repeats)
+    lora_grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
+    result["lora_grads_finite"] = bool(lora_grads) and all(bool(torch.isfinite(g).all()) for g in lora_grads)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+
+
+def availability(name: str, device: torch.device) -> str | None:
+    """None when the variant can run here, else why not."""
+    attn = VARIANTS[name]["attn"]
+    if attn == "flex_attention" and device.type != "cuda":
+        return "skipped: flex_attention refuses sinks on CPU"
+    if attn == "flash_attention_4" and not flash_attention_4_available():
+        return "skipped: flash_attention_4 not importable here (flash-attn CuTe / nvidia-cutlass-dsl missing)"
+    return None
+
+
+def estimate_s(seq_len: int, args) -> float:
+    if args.device_type != "cuda":
+        return 15.0
+    train = seq_len / EST_TRAIN_TOKENS_PER_S
+    lp = seq_len / EST_LOGPROB_TOKENS_PER_S
+    plain = train if args.plain_step else 0.0
+    return EST_OVERHEAD_S + (args.warmup + args.repeats) * train + args.repeats * (lp + plain)
+
+
+def run_one(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    except subprocess.TimeoutExpired:
+        return {**spec, "error": f"timed out after {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
+    wall = time.perf_counter() - t0
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return {**spec, **json.loads(line[len(RESULT_PREFIX) :]), "wall_s": wall}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+    oom = any("OutOfMemoryError" in line or "out of memory" in line for line in tail)
+    return {
+        **spec,
+        "error": ("OOM (model build or setup)" if oom else f"worker exited with {proc.returncode}"),
+        "stderr_tail": tail,
+        "wall_s": wall,
+    }
+
+
+def cell_time(m: dict | None) -> str:
+    if m is None:
+        return "—"
+    if m.get("oom"):
+        return "OOM"
+    if "error" in m:
+        return "error"
+    return f"{m['seconds']:.2f}"
+
+
+def cell_tps(m: dict | None, seq_len: int) -> str:
+    if m is None or "seconds" not in m:
+        return "—"
+    return f"{seq_len / m['seconds']:,.0f}"
+
+
+def cell_peak(m: dict | None) -> str:
+    if m is None or m.get("peak_gib") is None:
+        return "OOM" if (m or {}).get("oom") else "—"
+    return f"{m['peak_gib']:.1f}"
+
+
+def write_report(out: Path, results: list[dict], meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Full GRPO step, gpt-oss-20b-shaped model (`benchmarks/full_step.py`)",
+        "",
+        f"Measured on {meta['env']['device']} (torch {meta['env']['torch']}, transformers "
+        f"{meta['env']['transformers']}, peft {meta['env']['peft']}, triton {meta['env']['triton']}, kernels "
+        f"{meta['env']['kernels']}). Command: `{meta['command']}`.",
+        f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
+        f"gradient checkpointing; one sequence, loss over the last 7/8 of it; {meta['warmup']} warm-up + "
+        f"{meta['repeats']} timed repeat(s) (median); PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']!r}.",
+        "Peak = max allocated during the measurement, weights included. tokens/s = S / step time.",
+        "",
+        "| variant | S | GRPO step s | tokens/s | peak GiB | log-prob pass s | peak GiB "
+        "| plain `labels=` step s | tokens/s | peak GiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"]))):
+        g, lp, pl = r.get("grpo_step"), r.get("logprob_pass"), r.get("plain_step")
+        note = r.get("skip") or r.get("error") or ""
+        for key, m in (("GRPO", g), ("log-prob", lp), ("plain", pl)):
+            if m and "error" in m:
+                note += f" {key} {'OOM' if m.get('oom') else 'error'}: {m['error'][:100]}"
+        lines.append(
+            f"| {VARIANTS[r['variant']]['label']} | {r['seq_len']:,} | {cell_time(g)} | {cell_tps(g, r['seq_len'])} | "
+            f"{cell_peak(g)} | {cell_time(lp)} | {cell_peak(lp)} | {cell_time(pl)} | {cell_tps(pl, r['seq_len'])} | "
+            f"{cell_peak(pl)} | {note.strip()} |"
+        )
+    lines += ["", "Speed-up of the project's GRPO step over each stock variant at the same S (tokens/s ratio):", ""]
+    by_key = {(r["variant"], r["seq_len"]): r for r in results}
+    ratio_lines = []
+    for (name, s), r in sorted(by_key.items(), key=lambda kv: kv[0][1]):
+        if name == "project":
+            continue
+        ours, theirs = by_key.get(("project", s), {}).get("grpo_step") or {}, (r.get("grpo_step") or {})
+        if "seconds" in ours and "seconds" in theirs:
+            ratio_lines.append(f"- S={s:,}: {theirs['seconds'] / ours['seconds']:.2f}× vs {VARIANTS[name]['label']}")
+    lines += ratio_lines or ["- (no pair measured)"]
+    lines += ["", f"![full step]({meta['png_name']})", ""]
+    (out / "full_step.md").write_text("\n".join(lines) + "\n")
+    (out / "full_step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    plot(out / meta["png_name"], results)
+
+
+def plot(path: Path, results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tps, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name in VARIANTS:
+        rows = sorted((r for r in results if r["variant"] == name), key=lambda r: r["seq_len"])
+        ok = [r for r in rows if "seconds" in (r.get("grpo_step") or {})]
+        if not rows:
+            continue
+        label = VARIANTS[name]["label"]
+        if ok:
+            xs = [r["seq_len"] for r in ok]
+            ax_tps.plot(xs, [r["seq_len"] / r["grpo_step"]["seconds"] for r in ok], marker="o", label=label)
+            peaks = [(r["seq_len"], r["grpo_step"]["peak_gib"]) for r in ok if r["grpo_step"].get("peak_gib")]
+            if peaks:
+                ax_mem.plot(*zip(*peaks), marker="o", label=label)
+        for r in rows:
+            if (r.get("grpo_step") or {}).get("oom") or "OOM" in str(r.get("error", "")):
+                ax_mem.scatter([r["seq_len"]], [0], marker="x", color="red")
+                ax_mem.annotate(f"{name} OOM", (r["seq_len"], 0), fontsize=7, rotation=30)
+    if torch.cuda.is_available():
+        capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
+        ax_mem.axhline(capacity, color="gray", linestyle="--", label=f"GPU memory ({capacity:.0f} GiB)")
+    for ax, title in ((ax_tps, "GRPO train step tokens/s"), (ax_mem, "GRPO train step peak GiB (x = OOM)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length S")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=("20b", "tiny"), default="20b")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--layers", type=int, default=None, help="default 24 for 20b (full depth), 2 for tiny")
+    p.add_argument("--seq-lens", default=None, help="comma-separated; default 16384,32768,65536 (tiny: 64,128)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated of {list(VARIANTS)}")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-plain-step", dest="plain_step", action="store_false", help="skip the labels= step")
+    p.add_argument("--max-seconds", type=float, default=480.0, help="budget for the whole sweep")
+    p.add_argument("--run-timeout", type=float, default=240.0, help="limit of one (variant, S) subprocess")
+    p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
+    p.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF of the workers")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.worker is not None:
+        print(RESULT_PREFIX + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return []
+    start = time.perf_counter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.device_type = device.type
+    layers = args.layers or (24 if args.model == "20b" else 2)
+    default_lens = "16384,32768,65536" if args.model == "20b" else "64,128"
+    seq_lens = sorted(int(s) for s in (args.seq_lens or default_lens).split(","))
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if args.alloc_conf:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", args.alloc_conf)
+
+    plan, skipped = [], []
+    for s in seq_lens:
+        for name in names:
+            spec = {
+                "variant": name,
+                "seq_len": s,
+                "device": str(device),
+                "model": args.model,
+                "layers": layers,
+                "dtype": args.dtype,
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+                "run_plain_step": args.plain_step,
+                "project_attn": args.project_attn,
+            }
+            reason = availability(name, device)
+            (skipped if reason else plan).append({**spec, "skip": reason} if reason else spec)
+    total_est = sum(estimate_s(spec["seq_len"], args) for spec in plan)
+    print(f"[full_step] {args.model} ({layers} layers) on {device}; budget --max-seconds {args.max_seconds:.0f}")
+    for spec in plan:
+        print(f"  run  {spec['variant']:<18} S={spec['seq_len']:>6}  ~{estimate_s(spec['seq_len'], args):.0f} s")
+    for spec in skipped:
+        print(f"  skip {spec['variant']:<18} S={spec['seq_len']:>6}  {spec['skip']}")
+    print(f"[full_step] estimated {total_est:.0f} s ({total_est / 60:.1f} min) for {len(plan)} runs", flush=True)
+
+    results = list(skipped)
+    for spec in plan:
+        remaining = args.max_seconds - (time.perf_counter() - start)
+        need = min(estimate_s(spec["seq_len"], args), EST_OVERHEAD_S + 10) if device.type == "cuda" else 1.0
+        if remaining < need:
+            results.append({**spec, "skip": f"skipped: --max-seconds budget ({remaining:.0f} s left)"})
+            print(f"[full_step] {spec['variant']} S={spec['seq_len']}: skipped (budget)", flush=True)
+            continue
+        r = run_one(spec, timeout=min(remaining, args.run_timeout))
+        results.append(r)
+        g = r.get("grpo_step") or {}
+        status = f"{g['seconds']:.2f} s" if "seconds" in g else ("OOM" if g.get("oom") else r.get("error", "?"))
+        print(f"[full_step] {spec['variant']} S={spec['seq_len']}: GRPO step {status} (wall {r['wall_s']:.0f} s)",
+              flush=True)
+
+    meta = {
+        "env": environment(),
+        "command": "python benchmarks/full_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": args.model,
+        "layers": layers,
+        "dtype": args.dtype,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "estimated_s": total_est,
+        "wall_s": time.perf_counter() - start,
+        "png_name": "full_step.png",
+    }
+    write_report(args.out, results, meta)
+    print((args.out / "full_step.md").read_text())
+    return results
+
+
+if __name__ == "__main__":
+    main()

