@@ -56,7 +56,6 @@ from gptoss_bench_common import (  # noqa: E402
     build_random_gptoss,
     environment,
     flash_attention_4_available,
-    fmt,
     set_project_attention,
 )
 
@@ -211,10 +210,7 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig, get_peft_model
 
     if spec["model"] == "20b":
-        n = int(spec["layers"])
-        config = gptoss_20b_config(
-            num_hidden_layers=n, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-        )
+        config = gptoss_20b_config(num_hidden_layers=int(spec["layers"]))
     else:
         config = tiny_gptoss_config(vocab_size=1024, num_hidden_layers=int(spec["layers"]))
     t0 = time.perf_counter()

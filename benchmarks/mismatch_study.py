@@ -91,11 +91,7 @@ def model_config(kind: str, layers: int | None):
     if kind == "tiny":
         return tiny_gptoss_config(num_hidden_layers=layers or 2)
     if kind == "20b":
-        n = layers or 24
-        return gptoss_20b_config(
-            num_hidden_layers=n,
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
-        )
+        return gptoss_20b_config(num_hidden_layers=layers or 24)
     raise ValueError(f"unknown model {kind!r} (tiny | 20b)")
 
 

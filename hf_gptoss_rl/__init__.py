@@ -19,3 +19,16 @@ from .sequence_parallel import (  # registers attn_implementation="ulysses_sp" (
     sequence_parallel_mesh,
     shard_inputs,
 )
+
+__all__ = [
+    "attention",
+    "disable_sequence_parallel",
+    "enable_sequence_parallel",
+    "experts",
+    "gather_outputs",
+    "get_sequence_parallel_group",
+    "sequence_parallel_disabled",
+    "sequence_parallel_logprobs",
+    "sequence_parallel_mesh",
+    "shard_inputs",
+]

@@ -9,6 +9,21 @@ from transformers import GptOssConfig
 GPTOSS_EOS_TOKEN_ID = 200002  # <|return|>
 GPTOSS_PAD_TOKEN_ID = 199999  # <|endoftext|>
 GPTOSS_VOCAB_SIZE = 201088
+# The released models' YaRN RoPE (theta 150000, factor 32 over 4096 original positions).
+GPTOSS_ROPE_PARAMETERS = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
+
+
+def alternating_layer_types(num_hidden_layers: int) -> list[str]:
+    """GPT-OSS's layer pattern: sliding-window attention on even layers, full attention on odd ones."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_hidden_layers)]
 
 
 def tiny_gptoss_config(
@@ -34,7 +49,6 @@ def tiny_gptoss_config(
     real o200k_harmony size so the offline GPT-OSS tokenizer can drive the model; pass a small value for
     kernel-level tests.
     """
-    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_hidden_layers)]
     kwargs = dict(
         num_hidden_layers=num_hidden_layers,
         hidden_size=hidden_size,
@@ -45,18 +59,10 @@ def tiny_gptoss_config(
         num_local_experts=num_local_experts,
         num_experts_per_tok=num_experts_per_tok,
         sliding_window=sliding_window,
-        layer_types=layer_types,
+        layer_types=alternating_layer_types(num_hidden_layers),
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 32.0,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-        },
+        rope_parameters=dict(GPTOSS_ROPE_PARAMETERS),
         eos_token_id=GPTOSS_EOS_TOKEN_ID if vocab_size > GPTOSS_EOS_TOKEN_ID else None,
         pad_token_id=GPTOSS_PAD_TOKEN_ID if vocab_size > GPTOSS_PAD_TOKEN_ID else None,
         tie_word_embeddings=False,
@@ -66,10 +72,10 @@ def tiny_gptoss_config(
     return GptOssConfig(**kwargs)
 
 
-def gptoss_20b_config(**overrides) -> GptOssConfig:
-    """The gpt-oss-20b architecture (for random-weight benchmarks on a GPU)."""
+def gptoss_20b_config(num_hidden_layers: int = 24, **overrides) -> GptOssConfig:
+    """The gpt-oss-20b architecture (for random-weight benchmarks on a GPU); fewer layers keep its layer pattern."""
     kwargs = dict(
-        num_hidden_layers=24,
+        num_hidden_layers=num_hidden_layers,
         num_local_experts=32,
         num_experts_per_tok=4,
         hidden_size=2880,
@@ -78,17 +84,9 @@ def gptoss_20b_config(**overrides) -> GptOssConfig:
         num_attention_heads=64,
         num_key_value_heads=8,
         sliding_window=128,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        layer_types=alternating_layer_types(num_hidden_layers),
         vocab_size=GPTOSS_VOCAB_SIZE,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 32.0,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-        },
+        rope_parameters=dict(GPTOSS_ROPE_PARAMETERS),
         eos_token_id=GPTOSS_EOS_TOKEN_ID,
         pad_token_id=GPTOSS_PAD_TOKEN_ID,
         attention_bias=True,

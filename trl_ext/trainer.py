@@ -24,7 +24,6 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -316,16 +315,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     "rollout_backend='sglang' (see docs/quickstart.md)"
                 )
 
-            policy = self.accelerator.unwrap_model(self.model)
-            # The engine needs its own copy (a separate inference server, in-process). PEFT: serve the merged policy.
-            engine_model = copy.deepcopy(policy)
-            if is_peft_model(engine_model):
-                engine_model = engine_model.merge_and_unload()
-            # TRL patched the policy's `forward` (fused LM head) with a closure over the *original* model; the copy
-            # must use its class forward, or it would silently sample from the live policy.
-            engine_model.__dict__.pop("forward", None)
-            seed = args.seed + self.accelerator.process_index
-            return EmbeddedEngine(engine_model, pad_token_id=self._tokenizer.pad_token_id, seed=seed)
+            # The engine serves its own copy of the policy (merged when PEFT), like a separate inference server.
+            return EmbeddedEngine.from_policy(
+                self.accelerator.unwrap_model(self.model),
+                pad_token_id=self._tokenizer.pad_token_id,
+                seed=args.seed + self.accelerator.process_index,
+            )
         from .rollout import SGLangEngine
 
         return SGLangEngine(

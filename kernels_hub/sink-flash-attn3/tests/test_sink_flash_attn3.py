@@ -295,9 +295,10 @@ def test_custom_op_passes_opcheck(kernel):
 
 def test_two_loaded_copies_do_not_clash(kernel, hub_kernel, built_kernel_repo):
     """get_local_kernel and get_kernel(LOCAL_KERNELS) may import the same sources twice: distinct op namespaces."""
-    ns = {kernel.interface.OPS_NAMESPACE, hub_kernel.interface.OPS_NAMESPACE}
-    if hub_kernel is not kernel:
-        assert len(ns) == 2
+    # Two separately executed copies of the ops module must register distinct namespaces; a loader that reuses the
+    # already-imported module (same metadata id) shares one registration, which is equally safe.
+    if hub_kernel.interface is not kernel.interface:
+        assert kernel.interface.OPS_NAMESPACE != hub_kernel.interface.OPS_NAMESPACE
     q, k, v = _qkv()
     cu = torch.tensor([0, 8], dtype=torch.int32)
     a = kernel.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True, s_aux=torch.zeros(4))

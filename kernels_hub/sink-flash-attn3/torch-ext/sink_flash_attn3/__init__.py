@@ -10,8 +10,11 @@ CUDA tensors run the Triton kernels; CPU tensors run a plain PyTorch path (or th
 ``TRITON_INTERPRET=1``). See ``interface.py`` for the dispatch rules and the ``SINK_FLASH_ATTN3_BACKEND`` override.
 """
 
+# `interface` is bound explicitly: when the kernels loader imports these sources a second time under the same
+# module name, the submodule comes from sys.modules and would otherwise not become an attribute of this package.
+from . import interface
 from .interface import BACKEND_ENV_VAR, flash_attn_func, flash_attn_varlen_func, resolve_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKEND_ENV_VAR", "flash_attn_func", "flash_attn_varlen_func", "resolve_backend"]
+__all__ = ["BACKEND_ENV_VAR", "interface", "flash_attn_func", "flash_attn_varlen_func", "resolve_backend"]

