@@ -59,25 +59,26 @@ def load_kernels():
 
 
 TK = None
+DEVICE = "cuda"  # a CPU dry run of the script's logic (TRITON_INTERPRET=1) sets "cpu"
 
 
 # ----------------------------------------------------------------------------------------------------------
 # variants: each returns (fwd, fwd_bwd) closures over freshly made inputs
 # ----------------------------------------------------------------------------------------------------------
 def make_inputs(S, Hq=64, Hkv=8, D=64, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(S, Hq, D, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(S, Hkv, D, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(S, Hkv, D, device="cuda", dtype=dtype, generator=g)
-    dout = torch.randn(S, Hq, D, device="cuda", dtype=dtype, generator=g)
-    sinks = torch.randn(Hq, device="cuda", dtype=torch.float32, generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(S, Hq, D, device=DEVICE, dtype=dtype, generator=g)
+    k = torch.randn(S, Hkv, D, device=DEVICE, dtype=dtype, generator=g)
+    v = torch.randn(S, Hkv, D, device=DEVICE, dtype=dtype, generator=g)
+    dout = torch.randn(S, Hq, D, device=DEVICE, dtype=dtype, generator=g)
+    sinks = torch.randn(Hq, device=DEVICE, dtype=torch.float32, generator=g)
     return q, k, v, dout, sinks
 
 
 def ours(S, window, inputs, deterministic=True):
     """This repo's kernels, called directly; deterministic=False takes the atomic-dQ backward."""
     q, k, v, dout, sinks = inputs
-    cu = torch.tensor([0, S], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
     scale = q.shape[-1] ** -0.5
     wl = -1 if window is None else window - 1  # GPT-OSS window W: the current token and W-1 before it
 
@@ -122,7 +123,7 @@ def flex(S, window, inputs):
     else:
         def mask_mod(b, h, qi, kv):
             return (qi >= kv) & (qi - kv < window)
-    block_mask = create_block_mask(mask_mod, 1, None, S, S, device="cuda")
+    block_mask = create_block_mask(mask_mod, 1, None, S, S, device=DEVICE)
     if "fn" not in _FLEX:
         def flex_sink(q, k, v, sinks, block_mask):
             out, aux = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, **lse_kwargs)
@@ -155,11 +156,11 @@ def eager(S, window, inputs):
     qh, kh, vh, doh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
     qh, kh, vh = (t.requires_grad_() for t in (qh, kh, vh))
     sinks = sinks.to(q.dtype).clone().requires_grad_()
-    i = torch.arange(S, device="cuda")
+    i = torch.arange(S, device=DEVICE)
     visible = i[:, None] >= i[None, :]
     if window is not None:
         visible &= (i[:, None] - i[None, :]) < window
-    mask = torch.zeros(S, S, device="cuda", dtype=q.dtype).masked_fill(~visible, torch.finfo(q.dtype).min)
+    mask = torch.zeros(S, S, device=DEVICE, dtype=q.dtype).masked_fill(~visible, torch.finfo(q.dtype).min)
     del visible, i
 
     def run():
@@ -260,7 +261,7 @@ def check_accuracy():
     for window in (None, 128):
         S = 1024
         q, k, v, dout, sinks = make_inputs(S, seed=1)
-        cu = torch.tensor([0, S], device="cuda", dtype=torch.int32)
+        cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
         wl = -1 if window is None else window - 1
         out, lse = TK.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, 64 ** -0.5, True, wl, 0)
         grads = TK.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, 64 ** -0.5, True, wl, 0,
@@ -285,7 +286,7 @@ def check_accuracy():
     T = cu_list[-1]
     q, k, v, dout, sinks = make_inputs(T, Hq=16, Hkv=2, D=128, dtype=torch.float32, seed=2)
     sinks[0], sinks[1] = 30.0, -30.0
-    cu = torch.tensor(cu_list, device="cuda", dtype=torch.int32)
+    cu = torch.tensor(cu_list, device=DEVICE, dtype=torch.int32)
     for window in (None, 100):
         wl = -1 if window is None else window
         out, lse = TK.sink_attention_forward(q, k, v, sinks, cu, cu, max(lens), max(lens), 128 ** -0.5, True, wl, 0)
@@ -365,10 +366,156 @@ def sweep(S=16384, D=64):
     return log
 
 
+# Kernel variants (module switches of triton_kernels + block configs), compared at S=16k causal / window 128 and
+# 4k causal with `--variants`; the fastest accurate forward and backward become the settings of the main table.
+FWD_VARIANTS = {
+    "pointers 64x64 w4": dict(FWD_TMA=False, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 3)),
+    "TMA 64x64 w4": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 3)),
+    "TMA 128x64 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(128, 64, 8, 3)),
+    "TMA 128x128 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(128, 128, 8, 2)),
+    "TMA + warp-spec 128x64 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=True, fwd=(128, 64, 8, 3)),
+    "TMA + warp-spec 128x128 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=True, fwd=(128, 128, 8, 2)),
+}
+BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
+    "deterministic (7 matmuls)": dict(ATOMIC_DQ=False, deterministic=True),
+    "atomic elementwise 64x128 w8": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="atomic", DQ_REVERSE=False,
+                                         dkdv_atomic=(64, 128, 8, 3), deterministic=False),
+    "atomic elementwise 64x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="atomic", DQ_REVERSE=True,
+                                                     dkdv_atomic=(64, 128, 8, 3), deterministic=False),
+    "TMA reduce 64x128 w8": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=False,
+                                 dkdv_atomic=(64, 128, 8, 3), deterministic=False),
+    "TMA reduce 64x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
+                                             dkdv_atomic=(64, 128, 8, 3), deterministic=False),
+    "TMA reduce 32x128 w4, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
+                                             dkdv_atomic=(32, 128, 4, 4), deterministic=False),
+    "TMA reduce 64x64 w4, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
+                                            dkdv_atomic=(64, 64, 4, 3), deterministic=False),
+    "TMA reduce 128x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
+                                              dkdv_atomic=(128, 128, 8, 2), deterministic=False),
+}
+VARIANT_SHAPES = ((16384, None), (16384, 128), (4096, None))
+VARIANT_ACCURACY_S = 1024
+
+
+def _shape_key(S, window):
+    return f"{S}/{'causal' if window is None else window}_ms"
+
+
+def _apply_variant(spec, D=64):
+    """Set the module switches and block configs of one variant; returns the backward's `deterministic`."""
+    for key, value in spec.items():
+        if key in ("fwd", "fwd_window", "dkdv", "dkdv_atomic", "dq"):
+            bm, bn, w, st = value
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            TK.KERNEL_CONFIGS[(key, D)] = cfg
+            if key == "fwd":  # a forward variant is timed with the same tiles for full and windowed layers
+                TK.KERNEL_CONFIGS[("fwd_window", D)] = dict(cfg)
+        elif key != "deterministic":
+            setattr(TK, key, value)
+    return spec.get("deterministic", True)
+
+
+def compare_variants(max_err=1e-2):
+    """Accuracy (bf16, S=1024 vs fp64) and speed of every forward and backward variant, side by side; keeps the
+    fastest accurate forward, the fastest deterministic backward and the fastest non-deterministic one."""
+    log = dict(fwd=[], bwd=[])
+    S_acc = VARIANT_ACCURACY_S
+    acc_inputs = make_inputs(S_acc, seed=3)
+    cu_acc = torch.tensor([0, S_acc], device=DEVICE, dtype=torch.int32)
+    refs = {}
+    for window in (None, 128):
+        q, k, v, dout, sinks = acc_inputs
+        refs[window] = reference_fp64(q, k, v, sinks, dout, [0, S_acc],
+                                      window_left=-1 if window is None else window - 1)
+    saved = {name: getattr(TK, name) for name in ("FWD_TMA", "FWD_WARP_SPEC", "ATOMIC_DQ", "ATOMIC_DQ_MODE",
+                                                  "DQ_REVERSE")}
+    saved_cfg = dict(TK.KERNEL_CONFIGS)
+    for kind, table in (("fwd", FWD_VARIANTS), ("bwd", BWD_VARIANTS)):
+        for name, spec in table.items():
+            for attr, value in saved.items():
+                setattr(TK, attr, value)
+            TK.KERNEL_CONFIGS.clear()
+            TK.KERNEL_CONFIGS.update(saved_cfg)
+            deterministic = _apply_variant(spec)
+            row = dict(name=name, kind=kind, spec={k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()})
+            try:
+                errs = {}
+                for window in (None, 128):
+                    q, k, v, dout, sinks = acc_inputs
+                    wl = -1 if window is None else window - 1
+                    out, lse = TK.sink_attention_forward(q, k, v, sinks, cu_acc, cu_acc, S_acc, S_acc, 0.125, True,
+                                                         wl, 0)
+                    grads = TK.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_acc, cu_acc, S_acc, S_acc,
+                                                       0.125, True, wl, 0, deterministic)
+                    for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), refs[window]):
+                        errs[n] = max(errs.get(n, 0.0), rel(x, r))
+                row["max_err"] = errs
+                for S, window in VARIANT_SHAPES:
+                    q, k, v, dout, sinks = make_inputs(S)
+                    cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
+                    wl = -1 if window is None else window - 1
+                    if kind == "fwd":
+                        def run():
+                            return TK.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, 0.125, True, wl, 0)
+                        t = bench(run, rep=100)
+                    else:
+                        out, lse = TK.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, 0.125, True, wl, 0)
+                        def run():
+                            return TK.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, 0.125,
+                                                              True, wl, 0, deterministic)
+                        t = bench(run, rep=100)
+                    row[_shape_key(S, window)] = t
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log[kind].append(row)
+            print(f"[variant] {kind} {name}: " + ", ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                if k.endswith("_ms") or k == "error") + (" | max err " + ", ".join(
+                    f"{n}={e:.1e}" for n, e in row.get("max_err", {}).items())), flush=True)
+    for attr, value in saved.items():
+        setattr(TK, attr, value)
+    TK.KERNEL_CONFIGS.clear()
+    TK.KERNEL_CONFIGS.update(saved_cfg)
+
+    def score(row):  # GPT-OSS alternates full and window-128 layers: rank by their sum (at 16k)
+        return row[_shape_key(*VARIANT_SHAPES[0])] + row[_shape_key(*VARIANT_SHAPES[1])]
+
+    def ok(row):
+        return "error" not in row and max(row["max_err"].values()) <= max_err
+
+    chosen = {}
+    # forward: the fastest on full-causal layers, then (same switches) the fastest tiles for windowed layers
+    fwd_ok = sorted((r for r in log["fwd"] if ok(r)), key=lambda r: r[_shape_key(*VARIANT_SHAPES[0])])
+    if fwd_ok:
+        switches = {k: v for k, v in fwd_ok[0]["spec"].items() if k.startswith("FWD_")}
+        same = [r for r in fwd_ok if all(r["spec"].get(k) == v for k, v in switches.items())]
+        chosen["fwd_window"] = min(same, key=lambda r: r[_shape_key(*VARIANT_SHAPES[1])])["name"]
+    det_ok = sorted((r for r in log["bwd"] if ok(r) and r["spec"]["deterministic"]), key=score)
+    nondet_ok = sorted((r for r in log["bwd"] if ok(r) and not r["spec"]["deterministic"]), key=score)
+    for label, rows_ in (("fwd", fwd_ok), ("bwd_deterministic", det_ok), ("bwd_atomic", nondet_ok)):
+        if rows_:
+            chosen[label] = rows_[0]["name"]
+    # apply: forward and deterministic backward switches, and the non-deterministic backward's switches/configs
+    if "fwd" in chosen:
+        _apply_variant(FWD_VARIANTS[chosen["fwd"]])
+        _apply_variant({"fwd_window": FWD_VARIANTS[chosen["fwd_window"]]["fwd"]})
+    if "bwd_deterministic" in chosen:
+        _apply_variant(BWD_VARIANTS[chosen["bwd_deterministic"]])
+    if "bwd_atomic" in chosen:
+        spec = dict(BWD_VARIANTS[chosen["bwd_atomic"]])
+        spec.pop("ATOMIC_DQ")  # ATOMIC_DQ stays as the table's variants set it (row by row)
+        _apply_variant(spec)
+    log["chosen"] = chosen
+    print("[variant] chosen:", chosen, flush=True)
+    return log
+
+
 def main():
     global TK
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tune block configs at S=16k first")
+    parser.add_argument("--variants", action="store_true",
+                        help="compare the kernel variants (TMA, warp specialisation, dQ reduction) first")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks")))
     parser.add_argument("--seqlens", default="4096,16384,32768")
     parser.add_argument("--skip-flex", action="store_true")
@@ -387,12 +534,15 @@ def main():
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(env, flush=True)
     t0 = time.time()
-    accuracy = check_accuracy()
+    sweep_log = sweep() if args.sweep else None
+    variants_log = compare_variants() if args.variants else None
+    accuracy = check_accuracy()  # with the settings the table runs with
     for name, errs in accuracy.items():
         print(f"[accuracy] {name}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in errs.items()), flush=True)
-    sweep_log = sweep() if args.sweep else None
     configs = {f"{k}/{d}": v for (k, d), v in TK.KERNEL_CONFIGS.items()}
+    switches = {name: getattr(TK, name) for name in ("FWD_TMA", "FWD_WARP_SPEC", "ATOMIC_DQ_MODE", "DQ_REVERSE")}
+    print("[switches]", json.dumps(switches), flush=True)
     print("[configs]", json.dumps(configs), flush=True)
 
     variants = {"sink-flash-attn3 (Triton, this repo)": ours,
@@ -436,7 +586,9 @@ def main():
                       f"peak {mem:.2f} GiB", flush=True)
                 torch.cuda.empty_cache()
                 # written after every row, so a run stopped at its time limit still leaves its table
-                result = dict(env=env, accuracy=accuracy, configs=configs, sweep=sweep_log, rows=rows,
+                result = dict(env=env, command=" ".join(["attention.py", *sys.argv[1:]]), accuracy=accuracy,
+                              configs=configs, sweep=sweep_log, variants=variants_log,
+                              switches=switches, rows=rows,
                               wall_s=time.time() - t0)
                 (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
                 write_markdown(result, out_dir / "attention.md")
@@ -457,7 +609,8 @@ def write_markdown(result, path):
     lines = [
         "# Attention benchmark: sink-aware flash attention on one H200",
         "",
-        "Generated by `python benchmarks/attention.py --sweep` (the numbers below are from that run; "
+        f"Generated by `python benchmarks/{result.get('command', 'attention.py --sweep')}` (the numbers below are "
+        "from that run; "
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}).",
         "GPT-OSS shapes: B=1, 64 query heads, 8 KV heads, head_dim 64, bf16, causal; `window 128` = GPT-OSS",
         "sliding layers (the token and the 127 before it). Medians of `triton.testing.do_bench`; fwd+bwd",
@@ -497,6 +650,20 @@ def write_markdown(result, path):
         flex_cells = (f"{fl['fwd_bwd_ms']:.2f} | {fl['fwd_bwd_ms'] / me['fwd_bwd_ms']:.2f}x" if fl else "- | -")
         fa_cells = (f"{fa_ms:.2f}{'' if fa else ' (FACTS)'} | {me['fwd_bwd_ms'] / fa_ms:.2f}x" if fa_ms else "- | -")
         lines.append(f"| {S} | {mask} | {variant} | {me['fwd_bwd_ms']:.2f} | {flex_cells} | {fa_cells} |")
+    if result.get("variants"):
+        vlog = result["variants"]
+        lines += ["", "## Kernel variants (`--variants`, same run)", "",
+                  "Forward rows time the forward alone, backward rows the backward alone (given out and LSE).",
+                  "Max error: largest relative L2 error of out/dq/dk/dv/dsink against fp64 (bf16, S=1024, causal",
+                  "and window 128). Chosen: " + ", ".join(f"{k} = {v}" for k, v in vlog.get("chosen", {}).items()),
+                  "", "| pass | variant | 16k causal ms | 16k window 128 ms | 4k causal ms | max error |",
+                  "|---|---|---|---|---|---|"]
+        for r in vlog["fwd"] + vlog["bwd"]:
+            if "error" in r:
+                lines.append(f"| {r['kind']} | {r['name']} | failed: {r['error'][:80]} | | | |")
+                continue
+            times = " | ".join(f"{r[_shape_key(S, w)]:.3f}" for S, w in VARIANT_SHAPES)
+            lines.append(f"| {r['kind']} | {r['name']} | {times} | {max(r['max_err'].values()):.1e} |")
     lines += ["", "## Accuracy (relative L2 error against fp64, same inputs)", "",
               "| case | out | dq | dk | dv | dsink | bitwise-reproducible bwd |", "|---|---|---|---|---|---|---|"]
     for name, e in result["accuracy"].items():

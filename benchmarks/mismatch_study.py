@@ -16,6 +16,12 @@ One policy, one set of sampled trajectories, several ways of scoring them:
    Experts, weights, dtype and tokens are identical across rows: only attention changes.
 3. Metrics: `trl_ext.mismatch.mismatch_metrics` (the trainer's own numbers): mean/max |p_rollout - p_train|,
    k3 KL(rollout ‖ train), log-perplexity difference, share of tokens with |Δp| > threshold.
+4. Exact reference (skip with `--no-exact`): after the rows above, the same policy upcast to fp32 in place (bf16
+   weights are exact in fp32; same experts implementation) scores the same tokens with eager attention and
+   TF32 off. Every row, the rollout's own log-probs included, is then also compared with that exact
+   distribution (`exact_*` keys in the json, a second table in the report). This separates "far from the rollout"
+   from "far from the true distribution": eager rounds its scores and softmax to bf16, an implementation that
+   keeps them in fp32 can be closer to exact yet further from an eager bf16 rollout.
 
 Models: a tiny GPT-OSS (`hf_gptoss_rl.testing.tiny_gptoss_config`, real 201,088-id vocabulary) and a
 gpt-oss-20b-shaped one (`gptoss_20b_config`, `--layers` to keep fewer of its 24 layers). Weights are random
@@ -58,6 +64,8 @@ PRERENDERED_PROMPTS = Path(__file__).resolve().parent / "mismatch_prompts.json"
 INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 FLEX_CPU_NOTE = "skipped: flex refuses sinks on CPU"
 METRIC_KEYS = ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold")
+EXACT_KEYS = ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff")  # stored as exact_<key>
+ROLLOUT_LABEL = "rollout itself (eager, KV-cached decode)"
 
 
 def render_gsm8k_prompts(n: int) -> list[list[int]]:
@@ -142,6 +150,23 @@ def train_logps(model, ids, attention_mask, prompt_lens, t_max: int, temperature
     return out
 
 
+@torch.no_grad()
+def exact_logps(model, ids, attention_mask, prompt_lens, t_max: int, temperature: float) -> torch.Tensor:
+    """The policy's log-probs in fp32 with eager attention: `model` is upcast in place (no second copy, so the 20b
+    shape needs ~2x its bf16 weights, not 3x) and is not usable in its old dtype afterwards."""
+    model.float()
+    model.set_attn_implementation("eager")
+    precision = torch.get_float32_matmul_precision()
+    tf32_cudnn = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")  # TF32 would make "exact" a 10-bit-mantissa computation
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return train_logps(model, ids, attention_mask, prompt_lens, t_max, temperature)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = tf32_cudnn
+
+
 def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
     from trl_ext.mismatch import mismatch_metrics
 
@@ -173,6 +198,7 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
     ]
     rows = []
     diffs = {}
+    scored = {}  # label -> [B, t_max] log-probs, for the exact comparison
     for label, impl, skip in variants:
         row = {"attention": label, "attn_implementation": impl}
         if skip:
@@ -198,6 +224,24 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
         rows.append(row)
         valid = completion_mask.bool()
         diffs[label] = (lt.exp() - rollout_logps.exp()).abs()[valid].tolist()
+        scored[label] = lt
+    exact = None
+    if args.exact:
+        exact = {"reference": "same weights upcast to float32, eager attention, TF32 off"}
+        t0 = time.perf_counter()
+        try:
+            ref = exact_logps(model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], args.temperature)
+        except Exception as e:  # keep the rows already measured
+            exact["note"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        else:
+            exact["score_s"] = time.perf_counter() - t0
+            # KL(exact ‖ row), estimated on the rollout's samples (which the exact policy nearly shares)
+            stats = mismatch_metrics(rollout_logps, ref, completion_mask, threshold=args.threshold)
+            exact["rollout"] = {k: float(stats[k]) for k in EXACT_KEYS}
+            for row in rows:
+                if row["attention"] in scored:
+                    stats = mismatch_metrics(scored[row["attention"]], ref, completion_mask, threshold=args.threshold)
+                    row.update({f"exact_{k}": float(stats[k]) for k in EXACT_KEYS})
     lengths = [len(o.output_ids) for o in outputs]
     del model
     if device.type == "cuda":
@@ -221,6 +265,7 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
         "build_s": build_s,
         "rollout_s": rollout_s,
         "rows": rows,
+        "exact": exact,
         "abs_prob_diff": diffs,
     }
 
@@ -262,6 +307,7 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
                 f"{row.get('note', '')} |"
             )
         lines.append("")
+        lines += exact_table(res)
     for fail in meta["failed"]:
         lines += [f"## {fail['model']}: failed", "", f"`{fail['error']}`", ""]
     lines.append(f"![mismatch]({meta['png_name']})")
@@ -269,6 +315,29 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     json_results = [{k: v for k, v in r.items() if k != "abs_prob_diff"} for r in results]
     (out / "mismatch_study.json").write_text(json.dumps({"meta": meta, "results": json_results}, indent=2))
     plot(out / meta["png_name"], results)
+
+
+def exact_table(res: dict) -> list[str]:
+    """The report's second table: every row (the rollout included) against the fp32 exact distribution."""
+    exact = res.get("exact")
+    if exact is None:
+        return []
+    head = [f"Against the exact distribution ({exact['reference']}; k3 KL(exact ‖ row) on the rollout's tokens):", ""]
+    if "note" in exact:
+        return head + [f"exact scoring failed: `{exact['note']}`", ""]
+    lines = head + [
+        "| scored by | mean abs Δp vs exact | max abs Δp vs exact | k3 KL(exact‖row) | log-PPL diff vs exact |",
+        "|---|---|---|---|---|",
+    ]
+    entries = [(ROLLOUT_LABEL, {f"exact_{k}": v for k, v in exact["rollout"].items()})] + [
+        (row["attention"], row) for row in res["rows"] if "exact_k3_kl" in row
+    ]
+    for label, vals in entries:
+        lines.append(
+            f"| {label} | {fmt(vals['exact_prob_diff_mean'])} | {fmt(vals['exact_prob_diff_max'])} | "
+            f"{fmt(vals['exact_k3_kl'])} | {fmt(vals['exact_log_ppl_diff'], '+.3g')} |"
+        )
+    return lines + ["", f"Exact scoring took {exact['score_s']:.1f} s.", ""]
 
 
 def plot(path: Path, results: list[dict]) -> None:
@@ -311,6 +380,12 @@ def parse_args(argv=None):
     p.add_argument("--logit-std", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
+    p.add_argument(
+        "--no-exact",
+        dest="exact",
+        action="store_false",
+        help="skip the fp32 exact reference (one more scoring pass, the weights upcast to fp32 in place)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     p.add_argument("--write-prompts", type=Path, default=None, help="render the prompts, save their ids, exit")
     args = p.parse_args(argv)
@@ -366,6 +441,7 @@ def main(argv=None) -> list[dict]:
         "sink_std": args.sink_std,
         "logit_std": args.logit_std,
         "seed": args.seed,
+        "exact_reference": args.exact,
         "png_name": "mismatch_study.png",
         "failed": failed,
     }

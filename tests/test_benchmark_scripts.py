@@ -207,6 +207,34 @@ def test_mismatch_study_runs_on_cpu(tmp_path):
         assert row["k3_kl"] >= 0 and row["prob_diff_max"] >= row["prob_diff_mean"] >= 0
     # with realistic sinks, dropping them moves the distribution far more than the kernel's bf16 noise
     assert dropped["k3_kl"] > 10 * max(project["k3_kl"], exact["k3_kl"])
+    # the fp32 exact reference: every scored row and the rollout itself are compared with it
+    assert data["meta"]["exact_reference"] is True
+    assert "float32" in res["exact"]["reference"] and "note" not in res["exact"]
+    for vals in (res["exact"]["rollout"], exact, dropped, project):
+        for key in ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff"):
+            name = key if vals is res["exact"]["rollout"] else f"exact_{key}"
+            assert name in vals and vals[name] == vals[name], (name, vals)  # present, not NaN
+    assert dropped["exact_k3_kl"] > 10 * max(project["exact_k3_kl"], exact["exact_k3_kl"])
+    report = (tmp_path / "mismatch_study.md").read_text()
+    assert "k3 KL(exact‖row)" in report and "rollout itself" in report
+
+
+def test_mismatch_study_exact_reference_fp32_and_no_exact(tmp_path):
+    """In fp32 the exact reference is the eager row's own computation: their gap must vanish. `--no-exact` drops it."""
+    args = ["benchmarks/mismatch_study.py", "--model", "tiny", "--device", "cpu", "--num-prompts", "2"]
+    _run([*args, "--max-new-tokens", "8", "--dtype", "float32", "--out", str(tmp_path / "fp32")])
+    (res,) = json.loads((tmp_path / "fp32" / "mismatch_study.json").read_text())["results"]
+    rows = {row["attn_implementation"]: row for row in res["rows"]}
+    eager, dropped = rows["eager"], rows[common.SINK_DROPPING_ATTENTION]
+    assert eager["exact_prob_diff_max"] < 1e-6 and abs(eager["exact_k3_kl"]) < 1e-9, eager
+    assert res["exact"]["rollout"]["k3_kl"] < 1e-6  # fp32 KV-cached decode vs one fp32 forward
+    assert dropped["exact_k3_kl"] > 1e-3  # the comparison is not trivially zero
+    _run([*args, "--max-new-tokens", "4", "--no-exact", "--out", str(tmp_path / "no_exact")])
+    data = json.loads((tmp_path / "no_exact" / "mismatch_study.json").read_text())
+    (res,) = data["results"]
+    assert data["meta"]["exact_reference"] is False and res["exact"] is None
+    assert not any(k.startswith("exact_") for row in res["rows"] for k in row)
+    assert "k3 KL(exact‖row)" not in (tmp_path / "no_exact" / "mismatch_study.md").read_text()
 
 
 def test_full_step_runs_on_cpu(tmp_path):

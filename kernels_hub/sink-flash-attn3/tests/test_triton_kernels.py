@@ -248,6 +248,23 @@ def test_atomic_dq_path(tk, monkeypatch):
     run_and_compare(tk, case, True, 8, 0)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_tensor_descriptor_paths(tk, monkeypatch, reverse):
+    # the sm_90 forward path (K/V tiles through tensor descriptors) on packed sequences: tiles that run past a
+    # sequence read the next one, which must change nothing; with the last-first dK/dV order.  (The dQ tile
+    # reduce-add has no interpreter implementation: test_cuda_tensor_descriptor_paths covers it.)
+    monkeypatch.setattr(tk, "_tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(tk, "FWD_TMA", True)
+    monkeypatch.setattr(tk, "ATOMIC_DQ", True)
+    monkeypatch.setattr(tk, "ATOMIC_DQ_MODE", "atomic")
+    monkeypatch.setattr(tk, "DQ_REVERSE", reverse)
+    case = make_case([37, 20, 9], [37, 20, 9], 4, 1, 64, seed=10)
+    run_and_compare(tk, case, True)
+    run_and_compare(tk, case, True, 8, 0)
+    decode = make_case([5, 1, 19], [37, 23, 19], 4, 2, 64, seed=11)
+    run_and_compare(tk, decode, True)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CUDA (compiled kernels), bf16 and fp32
 # ----------------------------------------------------------------------------------------------------------
@@ -259,3 +276,19 @@ def test_cuda_matches_fp64(dtype, tol, window):
     tk_cuda = _load_kernels(interpret=False)
     case = make_case([700, 1029, 64], [700, 1029, 64], 16, 2, 64, dtype=dtype, seed=8, device="cuda")
     run_and_compare(tk_cuda, case, True, *window, tol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cuda_tensor_descriptor_paths(monkeypatch, dtype, tol, reverse):
+    tk_cuda = _load_kernels(interpret=False)
+    monkeypatch.setattr(tk_cuda, "FWD_TMA", True)
+    monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", True)
+    monkeypatch.setattr(tk_cuda, "ATOMIC_DQ_MODE", "tma")
+    monkeypatch.setattr(tk_cuda, "DQ_REVERSE", reverse)
+    case = make_case([700, 1029, 64], [700, 1029, 64], 16, 2, 64, dtype=dtype, seed=12, device="cuda")
+    run_and_compare(tk_cuda, case, True, tol=tol)
+    run_and_compare(tk_cuda, case, True, 127, 0, tol=tol)

@@ -35,6 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # older Triton: the pointer paths only
+    _TensorDescriptor = None
+
 __all__ = ["sink_attention_forward", "sink_attention_backward", "KERNEL_CONFIGS"]
 
 LOG2E = 1.4426950408889634
@@ -44,22 +49,34 @@ _LN2 = tl.constexpr(0.6931471805599453)
 # "Unbounded" window side: far beyond any sequence, small enough that a +/- seq_len stays in int32.
 _UNBOUNDED = 1 << 30
 
-# Block sizes / launch parameters per (kernel, head_dim).  D=64 (GPT-OSS): the fastest of the sweep on the H200
-# (benchmarks/attention.py --sweep; notes in benchmarks/notes/attention.md).  D=128: checked for correctness on the
-# H200, not timed.  The benchmark overrides entries to sweep configurations.
+# Block sizes / launch parameters per (kernel, head_dim).  D=64 (GPT-OSS): the fastest on the H200
+# (benchmarks/attention.py --sweep / --variants; notes in benchmarks/notes/attention.md); "fwd_window" is the
+# forward of a bounded window (GPT-OSS sliding layers), where short rows favour smaller tiles.  D=128: checked for
+# correctness on the H200, not timed.  The benchmark overrides entries to sweep configurations.
 KERNEL_CONFIGS: dict[tuple[str, int], dict[str, int]] = {
-    ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     ("fwd", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd_window", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     ("dkdv", 64): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4),
     ("dkdv", 128): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-    ("dkdv_atomic", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dkdv_atomic", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dkdv_atomic", 128): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
     ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dq", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
 }
-# Non-deterministic dQ through fp32 atomics in the dK/dV kernel (used only when deterministic=False).  Off by
-# default: on the H200 it was slower than the separate dQ kernel at S=16k (benchmarks/notes/attention.md).
+# Non-deterministic dQ accumulated in fp32 inside the dK/dV kernel (used only when deterministic=False): 5 matmuls
+# instead of 7.  "tma": one bulk tensor reduce-add per tile (sm_90+); "atomic": per-element fp32 atomics.  Off
+# by default: on the H200 it is faster up to S=4k but slower than the separate dQ kernel at S=16k
+# (benchmarks/notes/attention.md).  DQ_REVERSE: with dQ reduced there, visit query blocks last-first (measured a
+# few % faster: concurrent programs reduce into the same, L2-resident rows).
 ATOMIC_DQ = False
+ATOMIC_DQ_MODE = "tma"
+DQ_REVERSE = True
+# Forward: K/V through tensor descriptors (TMA) on sm_90+ (3-7% faster than pointer loads on the H200), and
+# Triton's automatic warp specialisation of the unmasked key loop (no gain measured: off).
+FWD_TMA = True
+FWD_WARP_SPEC = False
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 
 
@@ -121,16 +138,18 @@ def _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo, hi,
-               len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_row, desc_col, stride_kt, stride_vt,
+               offs_n0, offs_d, row_pos, lo, hi, len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr,
+               MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     # 64-bit pointers built once, then advanced by a 32-bit step per block
     k_ptrs = k_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
     v_ptrs = v_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        if MASK:
+        if USE_TMA:  # bulk tensor copy; rows past len_k are masked below (past the tensor: zero-filled)
+            k = k_desc.load([desc_row + start_n, desc_col])
+        elif MASK:
             k = tl.load(k_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -147,7 +166,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, 
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASK:
+        if USE_TMA:  # V rows past len_k meet P = 0 (they are finite rows of the next sequence, or zeros)
+            v = v_desc.load([desc_row + start_n, desc_col])
+        elif MASK:
             v = tl.load(v_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -159,11 +180,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, 
 
 
 @triton.jit
-def _sink_attn_fwd(Q, K, V, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_lse_h, qk_scale, win_left, win_right,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                   WARP_SPEC: tl.constexpr):
     off_h = tl.program_id(0)  # heads fastest: programs sharing K/V (a GQA group) run together
     pid_m = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -200,15 +222,17 @@ def _sink_attn_fwd(Q, K, V, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
     row_pos = offs_m + shift
     lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
                                                  BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d,
-                               row_pos, lo, full_lo, len_k, win_left, win_right, qk_scale, BLOCK_N, True,
-                               DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d,
-                               row_pos, full_lo, full_hi, len_k, win_left, win_right, qk_scale, BLOCK_N, False,
-                               DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d,
-                               row_pos, full_hi, hi, len_k, win_left, win_right, qk_scale, BLOCK_N, True,
-                               DOT_PRECISION)
+    # K/V descriptors view k, v as [Tk, Hkv * D]: this (sequence, KV head) tile starts at (k_start, off_kh * D)
+    desc_col = off_kh * HEAD_DIM
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, K_desc, V_desc, k_start, desc_col, stride_kt,
+                               stride_vt, offs_n0, offs_d, row_pos, lo, full_lo, len_k, win_left, win_right,
+                               qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, K_desc, V_desc, k_start, desc_col, stride_kt,
+                               stride_vt, offs_n0, offs_d, row_pos, full_lo, full_hi, len_k, win_left, win_right,
+                               qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA, WARP_SPEC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, K_desc, V_desc, k_start, desc_col, stride_kt,
+                               stride_vt, offs_n0, offs_d, row_pos, full_hi, hi, len_k, win_left, win_right,
+                               qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, False)
 
     # l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf
     empty = l_i == 0.0
@@ -261,17 +285,23 @@ def _bwd_dsink(Sinks, Lse2, Delta, DSink, cu_seqlens_q, T, NUM_SEQS, BLOCK: tl.c
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt, stride_dot,
-                    stride_dqt, offs_m0, offs_n, offs_d, lo, hi, len_q, shift, win_left, win_right, qk_scale,
-                    sm_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    ATOMIC_DQ: tl.constexpr):
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, dq_desc, dq_row, dq_col,
+                    stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, lo, hi, len_q, shift, win_left,
+                    win_right, qk_scale, sm_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, DQ_MODE: tl.constexpr, REVERSE: tl.constexpr):
     # works on transposed tiles (keys x queries) so the accumulators stay [BLOCK_N, D]
-    q_ptrs = q_base + (lo + offs_m0)[:, None].to(tl.int64) * stride_qt + offs_d[None, :]
-    do_ptrs = do_base + (lo + offs_m0)[:, None].to(tl.int64) * stride_dot + offs_d[None, :]
-    dq_ptrs = dq_base + (lo + offs_m0)[:, None].to(tl.int64) * stride_dqt + offs_d[None, :]
-    for start_m in range(lo, hi, BLOCK_M):
+    num_blocks = tl.cdiv(hi - lo, BLOCK_M)
+    for i in range(0, num_blocks):
+        # REVERSE visits the last query blocks first: under a causal mask every key block's range ends at the
+        # last query block, so concurrent programs then reduce dQ into the same rows (L2-resident) at once
+        if REVERSE:
+            start_m = lo + (num_blocks - 1 - i) * BLOCK_M
+        else:
+            start_m = lo + i * BLOCK_M
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
+        q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :]
+        do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dot + offs_d[None, :]
         if MASK:  # rows past len_q: q = dO = 0 and LSE = +inf, so they contribute exactly nothing
             row_ok = offs_m < len_q
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
@@ -295,25 +325,26 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:  # non-deterministic mode: dQ += scale * dS K straight into an fp32 buffer
+        if DQ_MODE != 0:  # non-deterministic mode: dQ += scale * dS K straight into an fp32 buffer
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale
-            if MASK:
-                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-            dq_ptrs += BLOCK_M * stride_dqt
-        q_ptrs += BLOCK_M * stride_qt
-        do_ptrs += BLOCK_M * stride_dot
+            if DQ_MODE == 2:  # one bulk tensor reduce-add per tile (rows past len_q add exact zeros)
+                dq_desc.atomic_add([dq_row + start_m, dq_col], dq)
+            else:  # per-element fp32 atomics
+                dq_ptrs = dq_base + offs_m[:, None].to(tl.int64) * stride_dqt + offs_d[None, :]
+                if MASK:
+                    tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, cu_seqlens_q, cu_seqlens_k,
+def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, cu_seqlens_q, cu_seqlens_k,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, T_q, qk_scale,
                         sm_scale, win_left, win_right, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        ATOMIC_DQ: tl.constexpr):
+                        DQ_MODE: tl.constexpr, REVERSE: tl.constexpr):
     off_kh = tl.program_id(0)
     pid_n = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -338,6 +369,10 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, cu_seqlens_q, cu
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right,
                                                    BLOCK_M, BLOCK_N)
+    # three ranges: an edge (masked), the full blocks, the other edge (masked); REVERSE visits them back to front
+    a_lo, a_hi, c_lo, c_hi = lo, full_lo, full_hi, hi
+    if REVERSE:
+        a_lo, a_hi, c_lo, c_hi = full_hi, hi, lo, full_lo
     # GQA: the KV head's gradient is the sum over its query heads, accumulated here in a fixed order
     for g in range(GROUP):
         off_h = off_kh * GROUP + g
@@ -346,18 +381,19 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, cu_seqlens_q, cu
         lse2_base = Lse2 + off_h * T_q + q_start
         delta_base = Delta + off_h * T_q + q_start
         dq_base = DQ32 + q_start.to(tl.int64) * stride_dqt + off_h * stride_dqh
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt,
-                                 stride_dot, stride_dqt,
-                                 offs_m0, offs_n, offs_d, lo, full_lo, len_q, shift, win_left, win_right,
-                                 qk_scale, sm_scale, BLOCK_M, True, DOT_PRECISION, ATOMIC_DQ)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt,
-                                 stride_dot, stride_dqt,
-                                 offs_m0, offs_n, offs_d, full_lo, full_hi, len_q, shift, win_left, win_right,
-                                 qk_scale, sm_scale, BLOCK_M, False, DOT_PRECISION, ATOMIC_DQ)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qt,
-                                 stride_dot, stride_dqt,
-                                 offs_m0, offs_n, offs_d, full_hi, hi, len_q, shift, win_left, win_right,
-                                 qk_scale, sm_scale, BLOCK_M, True, DOT_PRECISION, ATOMIC_DQ)
+        dq_col = off_h * HEAD_DIM
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
+                                 dq_col, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, a_lo, a_hi,
+                                 len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
+                                 DOT_PRECISION, DQ_MODE, REVERSE)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
+                                 dq_col, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, full_lo,
+                                 full_hi, len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, False,
+                                 DOT_PRECISION, DQ_MODE, REVERSE)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
+                                 dq_col, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, c_lo, c_hi,
+                                 len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
+                                 DOT_PRECISION, DQ_MODE, REVERSE)
     dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
     dk_ptrs = DK + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkt + off_kh * stride_dkh + offs_d[None, :]
     dv_ptrs = DV + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvt + off_kh * stride_dvh + offs_d[None, :]
@@ -453,6 +489,22 @@ def _window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[i
     return left, right
 
 
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need sm_90+ and a [T, H * D] row-major view (16-byte aligned rows)."""
+    if _TensorDescriptor is None or tensors[0].device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.stride(1) == t.shape[2] and t.stride(0) == t.shape[1] * t.shape[2]
+               and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _row_descriptor(t: torch.Tensor, block_rows: int):
+    """Descriptor over ``t [T, H, D]`` viewed as ``[T, H * D]``, tiles of ``[block_rows, D]``."""
+    T, H, D = t.shape
+    return _TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D])
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (no TF32) so that fp32 results match an fp64 reference to ~1e-6
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -485,16 +537,19 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
         lse.fill_(float("-inf"))
         return out.zero_(), lse
     left, right = _window_bounds(causal, window_left, window_right)
-    cfg = _config("fwd", D, q.device)
+    cfg = _config("fwd_window" if left < _UNBOUNDED else "fwd", D, q.device)
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
     has_sink = sinks is not None
+    use_tma = FWD_TMA and _tma_ok(k, v)
+    k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if use_tma else k
+    v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if use_tma else v
     _sink_attn_fwd[grid](
-        q, k, v, sinks if has_sink else q, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, k_desc, v_desc, sinks if has_sink else q, out, lse, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         lse.stride(0), float(softmax_scale) * LOG2E, left, right,
         GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=block_m, HAS_SINK=has_sink,
-        DOT_PRECISION=_dot_precision(q.dtype), **cfg)
+        DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, WARP_SPEC=FWD_WARP_SPEC and use_tma, **cfg)
     return out, lse
 
 
@@ -535,14 +590,18 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
     cfg = _config("dkdv_atomic" if atomic_dq else "dkdv", D, q.device)
     block_n = cfg.pop("BLOCK_N")
+    dq_mode = 0
+    if atomic_dq:
+        dq_mode = 2 if ATOMIC_DQ_MODE == "tma" and _tma_ok(dq32) else 1
+    dq_desc = _row_descriptor(dq32, cfg["BLOCK_M"]) if dq_mode == 2 else dq32
     grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
     if T_k > 0 and int(max_seqlen_k) > 0:
         _sink_attn_bwd_dkdv[grid](
-            q, k, v, dout, lse2, delta, dk, dv, dq32, cu_seqlens_q, cu_seqlens_k,
+            q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, cu_seqlens_q, cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
             dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq32.stride(0), dq32.stride(1),
             T_q, qk_scale, float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n,
-            DOT_PRECISION=precision, ATOMIC_DQ=atomic_dq, **cfg)
+            DOT_PRECISION=precision, DQ_MODE=dq_mode, REVERSE=DQ_REVERSE and atomic_dq, **cfg)
     if atomic_dq:
         dq.copy_(dq32)
         return dq, dk, dv, dsink
