@@ -6,15 +6,17 @@ with per-head sink logits ~ N(1, 1.5²) as in `mismatch_study.py`, so that dropp
 trained model):
 
 1. Warm-up ("cold start"): `examples/grpo_retool.py`'s `cold_start`, supervised steps on scripted `code_interpreter`
-   trajectories for the first training problems (the program writes `print(<answer>)`, the tool returns the answer,
-   the model answers in `\\boxed{}`), with exact-sink eager attention. Done once; both variants start from it.
+   trajectories for up to 512 distinct training problems (the code recomputes the answer from the solution's GSM8K
+   calculator annotations, one line each, then prints it; the tool's real output is shown, the model answers in
+   `\\boxed{}`), with exact-sink eager attention. Done once; both variants start from it.
 2. Held-out accuracy before training: greedy (temperature 0) agent rollouts on `--eval-file` with the code tool,
    scored by math-verify (`trl_ext.rewards.math_reward`), plus the share of trajectories that called the tool.
 3. RL: `trl_ext.AgenticGRPOTrainer` on `--train-file` with the code tool and the ReTool reward, rolled out by an
    embedded engine that keeps **exact-sink eager attention** (as an inference server does), trained with
    - `sink_dropping`: `eager_without_sinks` (`gptoss_bench_common`, GPT-OSS eager minus the sink column), or
    - `sink_kernel`: the project's kernel, by default (`--kernel-route direct`) its sources registered through
-     `AttentionInterface` as `sink_kernel_span` (below: the kernel on each row's valid token span).
+     `AttentionInterface` as `sink_kernel_span` (below: every row's valid token span packed into one
+     `flash_attn_varlen_func` call per layer, fp32 kept).
    Per optimizer step, from the trainer's own log history: reward, tool-call rate, gradient norm, clip fraction
    (`clip_ratio/region_mean`; nonzero only off-policy, hence `--num-iterations 2` by default) and the rollout/train
    mismatch (`mismatch/k3_kl`, `mismatch/prob_diff_mean|max`).
@@ -198,51 +200,107 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# %% The project's kernel on each row's valid span (for machines without `kernels`) -------------------------------------
-def span_sink_kernel_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-):
-    """`gptoss_bench_common.direct_sink_kernel_attention` on each row's valid tokens.
+# %% The project's kernel on the batch's valid tokens, packed (for machines without `kernels`) --------------------------
+# (weakref to the mask's storage owner, view geometry, version) -> packing; see `_varlen_packing`
+_PACKINGS: list[tuple] = []
 
-    TRL's training batches are `[left pad | prompt | completion | right pad]`: the valid tokens of a row form one
-    contiguous span. Running the kernel on that span is exactly what eager computes with the padding mask (RoPE
-    was applied before attention, and causal/sliding distances are index differences). Pad positions output 0.
+
+def _varlen_packing(attention_mask):
+    """`(indices, cu_seqlens, max_seqlen)` of a 2-D padding mask `[B, S]`: the flat `B*S` positions of the valid
+    tokens (row by row, in order), int32 cumulative row lengths `[B + 1]` and the longest row.
+
+    One host sync per mask (totals for the packed size); the result is cached for the mask, which transformers
+    hands to every layer of a forward (the full- and sliding-attention masks are views of one tensor, hence the key
+    on the storage owner and the view geometry). Rows whose valid tokens do not form one contiguous span are
+    refused: packing them would close the gap and shift causal/sliding distances, which eager would not.
     """
-    from gptoss_bench_common import direct_sink_kernel_attention
+    import weakref
+
+    import torch
+
+    owner = attention_mask._base if attention_mask._base is not None else attention_mask
+    key = (attention_mask.storage_offset(), tuple(attention_mask.shape), attention_mask.stride(),
+           attention_mask._version, attention_mask.device)  # fmt: skip
+    for ref, cached_key, packing in _PACKINGS:
+        if ref() is owner and cached_key == key:
+            return packing
+    valid = attention_mask.bool()
+    lengths = valid.sum(-1, dtype=torch.int32)
+    starts = valid.clone()
+    starts[:, 1:] &= ~valid[:, :-1]  # a span starts where a valid token follows a pad (or the row's start)
+    total, longest, broken = torch.stack(
+        [lengths.sum(), lengths.max(), (starts.sum(-1) > 1).sum()]
+    ).tolist()  # the one host sync
+    if broken:
+        raise ValueError(
+            f"{SPAN_KERNEL_ATTENTION}: {broken} row(s) of the padding mask have valid tokens that are not one "
+            "contiguous span"
+        )
+    indices = torch.nonzero_static(valid.reshape(-1), size=total).reshape(-1)  # no sync: the size is known
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    packing = (indices, cu_seqlens, longest)
+    _PACKINGS[:] = [entry for entry in _PACKINGS[-3:] if entry[0]() is not None] + [
+        (weakref.ref(owner), key, packing)
+    ]
+    return packing
+
+
+def varlen_sink_kernel_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    s_aux=None,
+    **kwargs,
+):
+    """The project's kernel on every row's valid tokens in ONE `flash_attn_varlen_func` call (fp32 stays fp32).
+
+    TRL's training batches are `[left pad | prompt | completion | right pad]`: a row's valid tokens form one
+    contiguous span. They are gathered into a packed `[T, H, D]` batch delimited by `cu_seqlens` (each span its own
+    sequence: causal and sliding-window distances are index differences within the span, so left padding shifts
+    nothing, and RoPE was applied before attention), which is exactly what eager computes with the padding mask.
+    The output is scattered back to `[B, S, H, D]` with zeros at pad positions. `attention_mask` is what the
+    flash-style mask function gives: the 2-D padding mask, or None when nothing is padded.
+    """
+    from gptoss_bench_common import _import_kernel_sources, direct_sink_kernel_attention
 
     if attention_mask is None:
         return direct_sink_kernel_attention(
-            module, query, key, value, None, scaling, dropout, **kwargs
+            module, query, key, value, None, scaling, dropout, sliding_window=sliding_window, s_aux=s_aux
         )
-    if attention_mask.dim() != 2 or query.shape[2] != key.shape[2]:
+    if dropout:
+        raise ValueError(f"{SPAN_KERNEL_ATTENTION}: dropout is not supported")
+    batch, heads, seqlen, head_dim = query.shape
+    if attention_mask.dim() != 2 or key.shape[2] != seqlen or attention_mask.shape != (batch, seqlen):
         raise ValueError(
-            f"{SPAN_KERNEL_ATTENTION}: needs a full-sequence forward with a 2D padding mask"
+            f"{SPAN_KERNEL_ATTENTION}: needs a full-sequence forward with a 2D padding mask [B, S], got mask "
+            f"{tuple(attention_mask.shape)} for query {tuple(query.shape)} and key {tuple(key.shape)}"
         )
-    valid = attention_mask.bool()
-    out = query.new_zeros(
-        query.shape[0], query.shape[2], query.shape[1], query.shape[3]
-    )  # [B, S, H, D]
-    for b in range(valid.shape[0]):
-        idx = valid[b].nonzero().flatten()
-        if idx.numel() == 0:
-            continue
-        start, end = idx[0].item(), idx[-1].item() + 1
-        if end - start != idx.numel():
-            raise ValueError(
-                f"{SPAN_KERNEL_ATTENTION}: row {b}'s valid tokens are not contiguous"
-            )
-        span = slice(start, end)
-        out[b, span] = direct_sink_kernel_attention(
-            module,
-            query[b : b + 1, :, span],
-            key[b : b + 1, :, span],
-            value[b : b + 1, :, span],
-            None,
-            scaling,
-            dropout,
-            **kwargs,
-        )[0][0]
-    return out, None
+    indices, cu_seqlens, longest = _varlen_packing(attention_mask)
+
+    def pack(t):  # [B, H', S, D] -> [T, H', D]
+        return t.transpose(1, 2).reshape(batch * seqlen, t.shape[1], head_dim).index_select(0, indices)
+
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window is not None else (-1, -1)
+    out = _import_kernel_sources().flash_attn_varlen_func(
+        pack(query),
+        pack(key),
+        pack(value),
+        cu_seqlens,
+        cu_seqlens,
+        longest,
+        longest,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=window,
+        s_aux=s_aux.to(query.dtype) if s_aux is not None else None,
+    )
+    padded = out.new_zeros(batch * seqlen, heads, head_dim).index_copy(0, indices, out)
+    return padded.view(batch, seqlen, heads, head_dim), None
 
 
 def project_kernel_attention(route: str) -> tuple[str, str]:
@@ -264,13 +322,13 @@ def project_kernel_attention(route: str) -> tuple[str, str]:
     setup_project_attention(
         "direct"
     )  # imports the kernel sources (fails early if they are broken)
-    AttentionInterface.register(SPAN_KERNEL_ATTENTION, span_sink_kernel_attention)
+    AttentionInterface.register(SPAN_KERNEL_ATTENTION, varlen_sink_kernel_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(
         SPAN_KERNEL_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
     )
     return (
         SPAN_KERNEL_ATTENTION,
-        f"kernel sources via AttentionInterface, per valid span ({reason})",
+        f"kernel sources via AttentionInterface, valid tokens packed into one varlen call ({reason})",
     )
 
 

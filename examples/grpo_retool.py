@@ -27,8 +27,11 @@ The same script trains the real thing on GPUs (the full recipe, SGLang servers i
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -36,12 +39,16 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import TrainerCallback
 
-from hf_gptoss_rl.harmony import load_gptoss_tokenizer, render_prompt, render_tool_result
+from hf_gptoss_rl.harmony import (
+    load_gptoss_tokenizer,
+    render_prompt,
+    render_tool_result,
+)
 from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
 from hf_gptoss_rl.testing import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.rewards import extract_boxed, retool_reward
-from trl_ext.tools import CodeInterpreterTool
+from trl_ext.tools import CodeInterpreterTool, ToolError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = str(REPO_ROOT / "data" / "gsm8k_train_mini.jsonl")
@@ -91,20 +98,26 @@ def _gsm8k_answer(text: str) -> str:
 
 
 def _to_row(example: dict) -> dict:
-    """Normalise GSM8K / DAPO-Math-17k / AIME rows to {"prompt": [user message], "answer": str}."""
+    """Normalise GSM8K / DAPO-Math-17k / AIME rows to {"prompt": [user message], "answer": str, "solution": str}.
+
+    `answer` is the final answer only (what the reward compares against); `solution` keeps GSM8K's worked solution
+    with its `<<expression=value>>` calculator annotations for `cold_start` ("" for other datasets).
+    """
     if "reward_model" in example:  # DAPO-Math-17k: chat prompt + reward_model.ground_truth (prompt has the format)
         question = example["prompt"][-1]["content"] if isinstance(example["prompt"], list) else example["prompt"]
-        return {"prompt": [{"role": "user", "content": question}], "answer": str(example["reward_model"]["ground_truth"])}
+        answer = str(example["reward_model"]["ground_truth"])
+        return {"prompt": [{"role": "user", "content": question}], "answer": answer, "solution": ""}
     question = example.get("question") or example.get("problem") or example.get("Problem")
     answer = example.get("answer") if "answer" in example else example.get("Answer")
     if question is None or answer is None:
         raise ValueError(f"cannot find question/answer columns in {sorted(example)}")
-    answer = _gsm8k_answer(answer) if isinstance(answer, str) and "####" in answer else str(answer)
-    return {"prompt": [{"role": "user", "content": question + ANSWER_FORMAT}], "answer": answer}
+    solution = answer if isinstance(answer, str) and "####" in answer else ""
+    answer = _gsm8k_answer(answer) if solution else str(answer)
+    return {"prompt": [{"role": "user", "content": question + ANSWER_FORMAT}], "answer": answer, "solution": solution}
 
 
 def load_math_dataset(name: str, config: str | None = None, split: str = "train", limit: int | None = None) -> Dataset:
-    if name.endswith(".jsonl") or name.endswith(".json"):
+    if name.endswith((".jsonl", ".json")):
         raw = load_dataset("json", data_files=name, split="train")
     else:
         raw = load_dataset(name, config, split=split)
@@ -142,32 +155,156 @@ def build_model(args):
     return GptOssForCausalLM(config), None
 
 
-def cold_start(model, tokenizer, dataset: Dataset, tool=None, steps: int = 40, lr: float = 3e-3) -> None:
-    """A few supervised steps on scripted trajectories: think, call the tool (if any), answer in \\boxed{}.
+# %% Cold start: scripted tool-calling trajectories whose code computes the answer -------------------------------------
+_ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")  # GSM8K's calculator annotations: <<48/2=24>>
+_ARITHMETIC = frozenset("0123456789+-*/(). ")
+_NAMES = "abcdefghijklmnopqrstuvwxyz"
 
-    ReTool starts RL from a model that already writes code-interpreter calls; a randomly initialised tiny model
-    does not, so it learns the harmony format here. Loss only on assistant tokens; memory-lean log-probs.
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        x, y = float(a.strip().replace(",", "")), float(b.strip().replace(",", ""))
+    except ValueError:
+        return False
+    return abs(x - y) <= 1e-6 * max(1.0, abs(y))
+
+
+def annotation_program(solution: str, answer: str) -> str | None:
+    """Python that recomputes a GSM8K solution from its calculator annotations, or None if it cannot be trusted.
+
+    "Natalia sold 48/2 = <<48/2=24>>24 clips ... 48+24 = <<48+24=72>>72 ...#### 72" gives `a = 48/2`, `b = 48+24`,
+    `print(b)`. None when there is no annotation, when an expression is not plain arithmetic (only digits,
+    `+ - * / ( ) .` and spaces; no `**`), or when the last annotation's value is not the final answer. The
+    program is never evaluated here: `cold_start` runs it in the tool's sandbox.
     """
-    if steps <= 0:
-        return
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    steps = _ANNOTATION.findall(solution)
+    if not steps or len(steps) > len(_NAMES) or not _same_number(steps[-1][1], answer):
+        return None
+    lines = []
+    for name, (expression, _) in zip(_NAMES, steps):
+        expression = " ".join(expression.split())
+        if not expression or set(expression) - _ARITHMETIC or "**" in expression:
+            return None
+        if not any(ch.isdigit() for ch in expression):
+            return None
+        lines.append(f"{name} = {expression}")
+    return "\n".join(lines + [f"print({_NAMES[len(steps) - 1]})"])
+
+
+# runs a batch of programs in ONE sandbox call; each program's stdout, or None where it raised
+_BATCH_RUNNER = """import contextlib, io, json
+outputs = []
+for program in {programs!r}:
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            exec(program, {{}})
+        outputs.append(buffer.getvalue())
+    except Exception:
+        outputs.append(None)
+print(json.dumps(outputs))
+"""
+
+
+def _run_sync(coro):
+    """`asyncio.run` from a plain script, or on a worker thread inside a running loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def run_programs(tool, programs: list[str], chunk: int = 64) -> list[str | None]:
+    """Each program's output as `tool` (the code interpreter) returns it, batched: one sandbox call per `chunk`
+    programs. None for a program that raised, or for a whole chunk whose call failed."""
+
+    async def one(batch):
+        try:
+            text = await tool({"code": _BATCH_RUNNER.format(programs=batch)})
+            outputs = json.loads(text)
+        except (ToolError, OSError, ValueError):  # sandbox error, timeout note, truncation: drop the chunk only
+            return [None] * len(batch)
+        return outputs if isinstance(outputs, list) and len(outputs) == len(batch) else [None] * len(batch)
+
+    async def run_all():
+        batches = [programs[i : i + chunk] for i in range(0, len(programs), chunk)]
+        return [out for outs in await asyncio.gather(*(one(b) for b in batches)) for out in outs]
+
+    return _run_sync(run_all()) if programs else []
+
+
+def cold_start_examples(tokenizer, dataset: Dataset, tool=None, max_rows: int = 512) -> list[tuple]:
+    """`cold_start`'s scripted trajectories: `(token ids, loss mask, prompt length)`, one per distinct row.
+
+    With a tool: think, call it with the solution's own arithmetic (`annotation_program`: one line per GSM8K
+    calculator annotation, then `print`), read its output, answer in \\boxed{}. The programs are run in the tool's
+    sandbox first, so each trajectory shows the tool's real output, and rows whose program does not print the
+    final answer are left out. Rows are taken in a seeded random order, up to `max_rows`. Datasets without GSM8K
+    annotations fall back to `print(<answer>)`. Without a tool: think, answer.
+    """
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    answers = list(dataset["answer"])
+    solutions = list(dataset["solution"]) if "solution" in dataset.column_names else [""] * len(dataset)
+    rows, programs, outputs = [], [], []
+    if tool is None:
+        rows = order[:max_rows]
+    else:
+        for i in order:
+            program = annotation_program(solutions[i], answers[i])
+            if program is not None:
+                rows.append(i)
+                programs.append(program)
+                if len(rows) == max_rows:
+                    break
+        outputs = run_programs(tool, programs)
+        verified = [
+            (i, p, o) for i, p, o in zip(rows, programs, outputs) if o is not None and _same_number(o, answers[i])
+        ]
+        if verified:
+            rows, programs, outputs = (list(x) for x in zip(*verified))
+            print(f"[cold start] {len(rows)} distinct rows, with code that computes each answer (run in the sandbox)",
+                  flush=True)
+        else:  # no GSM8K annotations (another dataset): the program just prints the answer
+            rows = order[:max_rows]
+            programs = [f"print({answers[i]})" for i in rows]
+            outputs = [f"{answers[i]}\n" for i in rows]
+            print(f"[cold start] no usable calculator annotations: {len(rows)} rows with print(<answer>)", flush=True)
     examples = []
-    for row in dataset.select(range(min(16, len(dataset)))):
+    for n, i in enumerate(rows):
+        row = dataset[i]
         prompt = render_prompt(row["prompt"], tools=[tool.spec()] if tool else None, reasoning_effort="low")
         final = encode(f"<|channel|>final<|message|>\\boxed{{{row['answer']}}}<|return|>")
         if tool is None:
             think = encode("<|channel|>analysis<|message|>Compute.<|end|><|start|>assistant")
             ids, mask = prompt + think + final, [0] * len(prompt) + [1] * (len(think) + len(final))
         else:
-            code = json.dumps({"code": f"print({row['answer']})"})
             call = encode(
                 "<|channel|>analysis<|message|>Use python.<|end|><|start|>assistant<|channel|>commentary "
-                f"to=functions.{tool.name} <|constrain|>json<|message|>{code}<|call|>"
+                f"to=functions.{tool.name} <|constrain|>json<|message|>{json.dumps({'code': programs[n]})}<|call|>"
             )
-            result = render_tool_result(tool.name, f"{row['answer']}\n")
+            result = render_tool_result(tool.name, outputs[n])
             ids = prompt + call + result + final
             mask = [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * len(final)
         examples.append((ids, mask, len(prompt)))
+    return examples
+
+
+def cold_start(
+    model, tokenizer, dataset: Dataset, tool=None, steps: int = 40, lr: float = 3e-3, max_rows: int = 512
+) -> None:
+    """A few supervised steps on scripted trajectories (`cold_start_examples`), a random 4 of them per step.
+
+    ReTool starts RL from a model that already writes code-interpreter calls; a randomly initialised model does
+    not, so it learns the harmony format here. The trajectories come from up to `max_rows` distinct problems,
+    each with code that computes its answer, so the model learns to write code from the question rather than to
+    print one memorised number. Loss only on assistant tokens; memory-lean log-probs.
+    """
+    if steps <= 0:
+        return
+    examples = cold_start_examples(tokenizer, dataset, tool, max_rows)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     generator = torch.Generator().manual_seed(0)
@@ -175,9 +312,11 @@ def cold_start(model, tokenizer, dataset: Dataset, tool=None, steps: int = 40, l
         batch = [examples[i] for i in torch.randperm(len(examples), generator=generator)[:4].tolist()]
         width = max(len(ids) for ids, _, _ in batch)
         keep = max(len(ids) - p for ids, _, p in batch)
-        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids, _, _ in batch])
-        attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in batch])
-        loss_mask = torch.tensor([[0] * (width - len(m)) + m for _, m, _ in batch])[:, -keep:]
+        device = model.device
+        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids, _, _ in batch],
+                                 device=device)
+        attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in batch], device=device)
+        loss_mask = torch.tensor([[0] * (width - len(m)) + m for _, m, _ in batch], device=device)[:, -keep:]
         logps, _ = causal_lm_token_logprobs(model, input_ids, attn, logits_to_keep=keep)
         loss = -(logps * loss_mask).sum() / loss_mask.sum()
         loss.backward()
