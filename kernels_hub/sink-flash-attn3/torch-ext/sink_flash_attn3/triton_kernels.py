@@ -490,8 +490,8 @@ def _window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[i
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need sm_90+ and a [T, H * D] row-major view (16-byte aligned rows)."""
-    if _TensorDescriptor is None or tensors[0].device.type != "cuda":
+    """Tensor descriptors need NVIDIA sm_90+ and a [T, H * D] row-major view (16-byte aligned rows)."""
+    if _TensorDescriptor is None or tensors[0].device.type != "cuda" or torch.version.hip is not None:
         return False
     if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
