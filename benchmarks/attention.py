@@ -430,12 +430,16 @@ def compare_variants(max_err=1e-2):
     saved = {name: getattr(TK, name) for name in ("FWD_TMA", "FWD_WARP_SPEC", "ATOMIC_DQ", "ATOMIC_DQ_MODE",
                                                   "DQ_REVERSE")}
     saved_cfg = dict(TK.KERNEL_CONFIGS)
+
+    def restore_defaults():
+        for attr, value in saved.items():
+            setattr(TK, attr, value)
+        TK.KERNEL_CONFIGS.clear()
+        TK.KERNEL_CONFIGS.update(saved_cfg)
+
     for kind, table in (("fwd", FWD_VARIANTS), ("bwd", BWD_VARIANTS)):
         for name, spec in table.items():
-            for attr, value in saved.items():
-                setattr(TK, attr, value)
-            TK.KERNEL_CONFIGS.clear()
-            TK.KERNEL_CONFIGS.update(saved_cfg)
+            restore_defaults()
             deterministic = _apply_variant(spec)
             row = dict(name=name, kind=kind, spec={k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()})
             try:
@@ -472,10 +476,7 @@ def compare_variants(max_err=1e-2):
                 f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k.endswith("_ms") or k == "error") + (" | max err " + ", ".join(
                     f"{n}={e:.1e}" for n, e in row.get("max_err", {}).items())), flush=True)
-    for attr, value in saved.items():
-        setattr(TK, attr, value)
-    TK.KERNEL_CONFIGS.clear()
-    TK.KERNEL_CONFIGS.update(saved_cfg)
+    restore_defaults()
 
     def score(row):  # GPT-OSS alternates full and window-128 layers: rank by their sum (at 16k)
         return row[_shape_key(*VARIANT_SHAPES[0])] + row[_shape_key(*VARIANT_SHAPES[1])]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import os
 import re
@@ -48,6 +47,7 @@ from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
 from hf_gptoss_rl.testing import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.rewards import extract_boxed, retool_reward
+from trl_ext.rollout import run_sync
 from trl_ext.tools import CodeInterpreterTool, ToolError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -206,16 +206,6 @@ print(json.dumps(outputs))
 """
 
 
-def _run_sync(coro):
-    """`asyncio.run` from a plain script, or on a worker thread inside a running loop (a notebook)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 def run_programs(tool, programs: list[str], chunk: int = 64) -> list[str | None]:
     """Each program's output as `tool` (the code interpreter) returns it, batched: one sandbox call per `chunk`
     programs. None for a program that raised, or for a whole chunk whose call failed."""
@@ -232,7 +222,7 @@ def run_programs(tool, programs: list[str], chunk: int = 64) -> list[str | None]
         batches = [programs[i : i + chunk] for i in range(0, len(programs), chunk)]
         return [out for outs in await asyncio.gather(*(one(b) for b in batches)) for out in outs]
 
-    return _run_sync(run_all()) if programs else []
+    return run_sync(run_all()) if programs else []
 
 
 def cold_start_examples(tokenizer, dataset: Dataset, tool=None, max_rows: int = 512) -> list[tuple]:

@@ -23,7 +23,6 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -350,21 +349,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             developer_instructions=self.args.developer_instructions,
         )
 
-    def _run_coroutine(self, coro):
-        """Run a coroutine to completion from synchronous trainer code (also inside a running notebook loop)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(coro)
-        # A running loop (Jupyter): run on a private loop in a worker thread.
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(asyncio.run, coro).result()
-
     def _rollout(self, prompts: list) -> dict[str, list]:
         prompt_ids = [self._render_prompt(p) for p in prompts]
-        trajectories = self._run_coroutine(self.agent_loop.run_batch(prompt_ids))
+        from .rollout import run_sync
+
+        trajectories = run_sync(self.agent_loop.run_batch(prompt_ids))
         pad_id = self._tokenizer.pad_token_id
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
         for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "format_errors", "finish_reason"):
@@ -522,10 +511,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 model.unmerge_adapter()
 
     def _push_weights(self, engine, version: int) -> None:
+        from .rollout import run_sync
+
         with self._merged_weights() as named:
             if self.args.rollout_backend == "sglang" and not self.accelerator.is_main_process:
                 return  # one process talks to the SGLang servers
-            self._run_coroutine(engine.update_weights(list(named()), version=version))
+            run_sync(engine.update_weights(list(named()), version=version))
 
     def sync_rollout_weights(self) -> None:
         """Send the current policy to the rollout engine, versioned by the global step."""

@@ -5,7 +5,7 @@
     trajectories = loop.run_batch_sync([render_prompt(messages, tools=specs) for messages in batch])
 """
 
-from .agent_loop import AgentLoop
+from .agent_loop import AgentLoop, run_sync
 from .embedded import EmbeddedEngine
 from .engine import RolloutEngine
 from .sglang import SGLangEngine, SGLangError, SGLangOfflineEngine, SGLangResponseError
@@ -23,4 +23,5 @@ __all__ = [
     "SamplingParams",
     "ToolCallRecord",
     "Trajectory",
+    "run_sync",
 ]

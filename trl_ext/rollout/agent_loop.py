@@ -51,6 +51,17 @@ from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory
 logger = logging.getLogger(__name__)
 
 
+def run_sync(coro):
+    """Run a coroutine to completion from synchronous code: a plain script, or inside a running event loop (a
+    notebook), where it runs on a fresh loop in a worker thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 class AgentLoop:
     """Runs harmony tool-calling trajectories against a `RolloutEngine`.
 
@@ -163,14 +174,8 @@ class AgentLoop:
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     def run_batch_sync(self, prompts: list[list[int]]) -> list[Trajectory]:
-        """`run_batch` from synchronous code: a plain script, or inside a running event loop (a notebook, where
-        it runs on a fresh loop in a worker thread)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.run_batch(prompts))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(asyncio.run, self.run_batch(prompts)).result()
+        """`run_batch` from synchronous code (see `run_sync`)."""
+        return run_sync(self.run_batch(prompts))
 
     # ------------------------------------------------------------------ helpers
 
