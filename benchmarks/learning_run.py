@@ -22,6 +22,11 @@ trained model):
    mismatch (`mismatch/k3_kl`, `mismatch/prob_diff_mean|max`).
 4. Held-out accuracy after training, as in 2, on the engine holding the trained weights.
 
+Accuracy is also scored, before and after RL, on up to `--eval-limit` of the training problems the warm-up
+practised ("practised"). By default (`--rl-problems practised`) RL draws its prompts from those problems: a
+random-init model of this size does not solve unseen GSM8K problems after a minute of warm-up, so on unseen
+problems every reward would be a format reward and the run would show no learning signal to compare.
+
 Writes `learning_run.md`, `learning_run.png` and `learning_run.json` into `--out`.
 
     python benchmarks/learning_run.py                                        # GPU defaults: small model, 200 steps
@@ -137,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--eval-limit",
         type=int,
         default=64,
-        help="held-out problems scored before/after",
+        help="held-out problems scored before/after (and as many practised training problems)",
     )
     p.add_argument(
         "--steps", type=int, default=200, help="GRPO optimizer steps per variant"
@@ -161,9 +166,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["auto", "hub", "direct"],
         help="how the project's kernel is selected: kernels hub id, or its sources (direct)",
     )
-    p.add_argument("--cold-start-steps", type=int, default=150)
+    p.add_argument("--cold-start-steps", type=int, default=800)
+    p.add_argument("--cold-start-batch", type=int, default=16, help="trajectories per warm-up step")
+    p.add_argument(
+        "--cold-start-target-nll",
+        type=float,
+        default=0.015,
+        help="stop the warm-up once its mean nll/token (last 10 steps) is below this; 0 = run every step. At "
+        "0.015 a sampled (temperature 1) trajectory of a practised problem is right roughly a third of the time, "
+        "which leaves RL a reward to raise",
+    )
+    p.add_argument(
+        "--cold-start-problems",
+        type=int,
+        default=128,
+        help="distinct GSM8K problems in the warm-up (and, with --rl-problems practised, in RL)",
+    )
     p.add_argument("--cold-start-lr", type=float, default=3e-3)
-    p.add_argument("--learning-rate", type=float, default=2e-5)
+    p.add_argument(
+        "--rl-problems",
+        default="practised",
+        choices=["practised", "all"],
+        help="RL prompts: the GSM8K problems the warm-up practised (a random-init model can reach a nonzero "
+        "reward on them within minutes), or every row of --train-file",
+    )
+    p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument(
         "--batch-size", type=int, default=32, help="completions per optimizer step"
@@ -186,6 +213,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sink-std", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    p.add_argument("--from-json", help="only rewrite learning_run.md/.png in --out from a saved learning_run.json")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(args.variants) - set(VARIANTS))
@@ -380,6 +408,28 @@ def time_limit_callback(seconds: float):
     return TimeLimit()
 
 
+def compile_warm_up(model, device) -> float:
+    """One forward and backward through the training attention on a left-padded two-row batch, before the timed RL
+    phase, so that Triton compiles the kernel's binaries here (fp32 on the H200: tens of seconds) and not inside
+    the first RL steps, where it would eat the variant's time budget. Returns the seconds it took."""
+    import torch
+
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=generator).to(device)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :11] = 0  # a padded row: the kernel route's varlen packing runs as in training
+    was_training = model.training
+    model.train()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits.float().logsumexp(-1).mean().backward()
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def run_variant(
     name: str,
     warm_state: dict,
@@ -387,6 +437,7 @@ def run_variant(
     tokenizer,
     train_dataset,
     eval_rows,
+    practised_rows,
     tool,
     device,
     args,
@@ -421,6 +472,8 @@ def run_variant(
     model.set_attn_implementation(attention)
     before = held_out_accuracy(engine, tool, eval_rows, args)
     print(f"[{name}] held-out before: {before}", flush=True)
+    practised_before = held_out_accuracy(engine, tool, practised_rows, args)
+    print(f"[{name}] practised before: {practised_before}", flush=True)
 
     config = AgenticGRPOConfig(
         output_dir=tempfile.mkdtemp(
@@ -447,6 +500,8 @@ def run_variant(
         reasoning_effort="low",
         disable_tqdm=True,
     )
+    warm_up_seconds = compile_warm_up(model, device)
+    print(f"[{name}] training-attention warm-up (compiles): {warm_up_seconds:.1f} s", flush=True)
     trainer = AgenticGRPOTrainer(
         model=model,
         reward_funcs=[retool_reward_func, boxed_format_reward],
@@ -464,6 +519,8 @@ def run_variant(
         engine, tool, eval_rows, args
     )  # the engine holds the trained weights (synced)
     print(f"[{name}] held-out after: {after}", flush=True)
+    practised_after = held_out_accuracy(engine, tool, practised_rows, args)
+    print(f"[{name}] practised after: {practised_after}", flush=True)
 
     steps = []
     for entry in trainer.state.log_history:
@@ -480,8 +537,11 @@ def run_variant(
         "steps_done": trainer.state.global_step,
         "stopped_by_time_limit": trainer.state.global_step < args.steps,
         "train_seconds": train_seconds,
+        "warm_up_seconds": warm_up_seconds,
         "held_out_before": before,
         "held_out_after": after,
+        "practised_before": practised_before,
+        "practised_after": practised_after,
         "steps": steps,
     }
 
@@ -495,6 +555,10 @@ def _mean(values) -> float | None:
 def _window(steps: list[dict], key: str, first: bool, n: int = 10) -> float | None:
     values = [s[key] for s in steps if s.get(key) is not None]
     return _mean(values[:n] if first else values[-n:])
+
+
+def _acc(score: dict | None) -> str:
+    return f"{score['correct']}/{score['n']}" if score else "–"
 
 
 def write_report(result: dict, out: Path) -> None:
@@ -519,7 +583,17 @@ def write_report(result: dict, out: Path) -> None:
     for ax, (key, title) in zip(axes.flat, panels):
         for name, run in result["variants"].items():
             pts = [(s["step"], s[key]) for s in run["steps"] if s.get(key) is not None]
-            if pts:
+            if not pts:
+                continue
+            if key == "reward":  # 4 prompts per step: the per-step reward is mostly which problems were drawn
+                line = ax.plot(*zip(*pts), marker=".", alpha=0.35, label=f"{name} (per step)")[0]
+                window = 10
+                ys = [y for _, y in pts]
+                smooth = [sum(ys[max(0, i - window + 1): i + 1]) / len(ys[max(0, i - window + 1): i + 1])
+                          for i in range(len(ys))]
+                ax.plot([x for x, _ in pts], smooth, color=line.get_color(), linewidth=2.2,
+                        label=f"{name} (mean of last {window})")
+            else:
                 ax.plot(*zip(*pts), marker=".", label=name)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
@@ -539,7 +613,9 @@ def write_report(result: dict, out: Path) -> None:
         "",
         (
             f"Model: `{s['model_size']}` GPT-OSS, {s['parameters'] / 1e6:.1f} M parameters, fp32, real harmony vocabulary; "
-            f"initial sinks ~ N({s['sink_init'][0]}, {s['sink_init'][1]}²); cold start {s['cold_start_steps']} steps ({s['cold_start_seconds']:.0f} s). RL: {s['num_generations']} "
+            f"initial sinks ~ N({s['sink_init'][0]}, {s['sink_init'][1]}²); cold start ≤{s['cold_start_steps']} steps (until nll/token < {s.get('cold_start_target_nll') or 0}) x "
+            f"{s.get('cold_start_batch', 4)} trajectories over {s.get('cold_start_problems', '?')} problems "
+            f"({s['cold_start_seconds']:.0f} s). RL on {s.get('rl_problems', 'all')} problems: {s['num_generations']} "
             f"generations x {s['batch_size'] // s['num_generations']} prompts per step, μ={s['num_iterations']}, "
             f"lr {s['learning_rate']}, ≤{s['max_completion_length']} completion tokens, ≤{s['max_turns']} turns; "
             f"train set {s['train_rows']} rows, held-out {s['eval_rows']} rows (greedy, code tool). Rollouts: eager "
@@ -547,10 +623,11 @@ def write_report(result: dict, out: Path) -> None:
         ),
         "",
         (
-            "| variant | training attention | steps | train s | held-out acc. before → after | tool-call rate before → "
-            "after | reward first/last 10 | grad-norm median / max | clip frac. mean | k3 KL mean | max |Δp| mean |"
+            "| variant | training attention | steps | RL s (+ compile warm-up) | held-out acc. before → after | practised acc. before → "
+            "after | tool-call rate before → after | reward first/last 10 | grad-norm median / max | clip frac. mean | "
+            "k3 KL mean | max |Δp| mean |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in result["variants"].items():
         st = run["steps"]
@@ -558,7 +635,8 @@ def write_report(result: dict, out: Path) -> None:
         b, a = run["held_out_before"], run["held_out_after"]
         lines.append(
             f"| {name} | `{run['attention']}` | {run['steps_done']}{' (time limit)' if run['stopped_by_time_limit'] else ''}"
-            f" | {run['train_seconds']:.0f} | {b['correct']}/{b['n']} → {a['correct']}/{a['n']} | "
+            f" | {run['train_seconds']:.0f} (+{run.get('warm_up_seconds', 0.0):.0f}) | {b['correct']}/{b['n']} → {a['correct']}/{a['n']} | "
+            f"{_acc(run.get('practised_before'))} → {_acc(run.get('practised_after'))} | "
             f"{fmt(b['tool_call_rate'], '.2f')} → {fmt(a['tool_call_rate'], '.2f')} | "
             f"{fmt(_window(st, 'reward', True))} / {fmt(_window(st, 'reward', False))} | "
             f"{fmt(grad[len(grad) // 2] if grad else None)} / {fmt(grad[-1] if grad else None)} | "
@@ -580,6 +658,10 @@ def write_report(result: dict, out: Path) -> None:
 # %% Main ---------------------------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        write_report(result, Path(args.out))
+        return result
     wants_cpu = args.device == "cpu"
     if wants_cpu:  # the kernel's Triton code runs on CPU tensors only if this is set before triton.jit runs
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -624,15 +706,24 @@ def main(argv=None) -> dict:
                     + args.sink_mean
                 )
     start = time.perf_counter()
-    cold_start(
+    practised = cold_start(
         model,
         tokenizer,
         train_dataset,
         tool,
         steps=args.cold_start_steps,
         lr=args.cold_start_lr,
+        max_rows=args.cold_start_problems,
+        batch_size=args.cold_start_batch,
+        target_nll=args.cold_start_target_nll or None,
     )
     cold_seconds = time.perf_counter() - start
+    full_train_rows = len(train_dataset)
+    # "practised": training problems the warm-up saw, scored like the held-out set (memorisation vs generalisation);
+    # without a warm-up, the first training problems
+    practised_rows = [train_dataset[i] for i in (practised or range(full_train_rows))[: args.eval_limit]]
+    if args.rl_problems == "practised" and practised:
+        train_dataset = train_dataset.select(practised)
     warm_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     parameters = sum(p.numel() for p in model.parameters())
     del model
@@ -645,7 +736,12 @@ def main(argv=None) -> dict:
             "model_size": args.model_size,
             "parameters": parameters,
             "cold_start_steps": args.cold_start_steps,
+            "cold_start_target_nll": args.cold_start_target_nll,
+            "cold_start_batch": args.cold_start_batch,
+            "cold_start_problems": len(practised),
             "cold_start_seconds": cold_seconds,
+            "rl_problems": args.rl_problems,
+            "train_file_rows": full_train_rows,
             "num_generations": args.num_generations,
             "batch_size": args.batch_size,
             "num_iterations": args.num_iterations,
@@ -669,6 +765,7 @@ def main(argv=None) -> dict:
             tokenizer,
             train_dataset,
             eval_rows,
+            practised_rows,
             tool,
             device,
             args,
@@ -678,6 +775,7 @@ def main(argv=None) -> dict:
         b, a = run["held_out_before"], run["held_out_after"]
         print(
             f"{name:14s} steps {run['steps_done']:4d}  held-out {b['correct']}/{b['n']} -> {a['correct']}/{a['n']}  "
+            f"practised {_acc(run['practised_before'])} -> {_acc(run['practised_after'])}  "
             f"k3 KL mean {_mean(s['mismatch_k3_kl'] for s in run['steps'])}"
         )
     return result

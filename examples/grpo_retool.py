@@ -226,7 +226,8 @@ def run_programs(tool, programs: list[str], chunk: int = 64) -> list[str | None]
 
 
 def cold_start_examples(tokenizer, dataset: Dataset, tool=None, max_rows: int = 512) -> list[tuple]:
-    """`cold_start`'s scripted trajectories: `(token ids, loss mask, prompt length)`, one per distinct row.
+    """`cold_start`'s scripted trajectories: `(token ids, loss mask, prompt length, dataset row)`, one per distinct
+    row.
 
     With a tool: think, call it with the solution's own arithmetic (`annotation_program`: one line per GSM8K
     calculator annotation, then `print`), read its output, answer in \\boxed{}. The programs are run in the tool's
@@ -278,43 +279,67 @@ def cold_start_examples(tokenizer, dataset: Dataset, tool=None, max_rows: int = 
             result = render_tool_result(tool.name, outputs[n])
             ids = prompt + call + result + final
             mask = [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * len(final)
-        examples.append((ids, mask, len(prompt)))
+        examples.append((ids, mask, len(prompt), i))
     return examples
 
 
 def cold_start(
-    model, tokenizer, dataset: Dataset, tool=None, steps: int = 40, lr: float = 3e-3, max_rows: int = 512
-) -> None:
-    """A few supervised steps on scripted trajectories (`cold_start_examples`), a random 4 of them per step.
+    model,
+    tokenizer,
+    dataset: Dataset,
+    tool=None,
+    steps: int = 40,
+    lr: float = 3e-3,
+    max_rows: int = 512,
+    batch_size: int = 4,
+    target_nll: float | None = None,
+) -> list[int]:
+    """A few supervised steps on scripted trajectories (`cold_start_examples`), a random `batch_size` per step,
+    AdamW at `lr` with a linear warm-up and cosine decay.
 
     ReTool starts RL from a model that already writes code-interpreter calls; a randomly initialised model does
     not, so it learns the harmony format here. The trajectories come from up to `max_rows` distinct problems,
     each with code that computes its answer, so the model learns to write code from the question rather than to
-    print one memorised number. Loss only on assistant tokens; memory-lean log-probs.
+    print one memorised number. Loss only on assistant tokens; memory-lean log-probs. Returns the dataset rows
+    it practised on (empty when `steps` is 0). With `target_nll`, stops early once the mean loss of the last 10
+    steps falls below it (a partly learnt warm-up leaves RL something to improve).
     """
     if steps <= 0:
-        return
+        return []
+    from transformers import get_cosine_schedule_with_warmup
+
     examples = cold_start_examples(tokenizer, dataset, tool, max_rows)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # short warm-up, then cosine decay: a constant high rate plateaus before the trajectories are learnt
+    schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=max(1, steps // 20), num_training_steps=steps)
     model.train()
     generator = torch.Generator().manual_seed(0)
+    recent = []
     for step in range(steps):
-        batch = [examples[i] for i in torch.randperm(len(examples), generator=generator)[:4].tolist()]
-        width = max(len(ids) for ids, _, _ in batch)
-        keep = max(len(ids) - p for ids, _, p in batch)
+        batch = [examples[i] for i in torch.randperm(len(examples), generator=generator)[:batch_size].tolist()]
+        width = max(len(ids) for ids, *_ in batch)
+        keep = max(len(ids) - p for ids, _, p, _ in batch)
         device = model.device
-        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids, _, _ in batch],
+        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids, *_ in batch],
                                  device=device)
-        attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in batch], device=device)
-        loss_mask = torch.tensor([[0] * (width - len(m)) + m for _, m, _ in batch], device=device)[:, -keep:]
+        attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, *_ in batch], device=device)
+        loss_mask = torch.tensor([[0] * (width - len(m)) + m for _, m, *_ in batch], device=device)[:, -keep:]
         logps, _ = causal_lm_token_logprobs(model, input_ids, attn, logits_to_keep=keep)
         loss = -(logps * loss_mask).sum() / loss_mask.sum()
         loss.backward()
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
-        if step % 10 == 0 or step == steps - 1:
-            print(f"[cold start] step {step:3d}  nll/token {loss.item():.3f}", flush=True)
+        recent = (recent + [loss.item()])[-10:]
+        reached = target_nll is not None and len(recent) == 10 and sum(recent) / 10 < target_nll
+        if step % 10 == 0 or step == steps - 1 or reached:
+            print(f"[cold start] step {step:3d}  nll/token {loss.item():.4f}", flush=True)
+        if reached:
+            print(f"[cold start] mean nll/token of the last 10 steps below {target_nll}: stopped at step {step}",
+                  flush=True)
+            break
     model.eval()
+    return [row for *_, row in examples]
 
 
 # %% Progress: one readable line per step (rewards, tool use, mismatch) ---------------------------------------------------

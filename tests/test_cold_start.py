@@ -47,7 +47,7 @@ def test_load_math_dataset_keeps_solution_but_not_for_the_reward():
 def _tool_calls(tokenizer, examples):
     """(code, tool output, boxed answer) of each trajectory, decoded from its tokens."""
     out = []
-    for ids, _, _ in examples:
+    for ids, *_ in examples:
         text = tokenizer.decode(ids)
         call = re.search(r"<\|constrain\|>json<\|message\|>(.*?)<\|call\|>", text, re.DOTALL)
         result = re.search(r"to=assistant<\|channel\|>commentary<\|message\|>(.*?)<\|end\|>", text, re.DOTALL)
@@ -71,8 +71,10 @@ def test_cold_start_examples_compute_the_answers():
         assert re.fullmatch(r"([a-z] = [0-9+\-*/(). ]+\n)+print\([a-z]\)", code), code
         assert float(output) == pytest.approx(float(boxed)), (code, output, boxed)  # the sandbox's real output
     assert any(output.strip().endswith(".0") for _, output, _ in calls)  # not made up: `48/2` prints 24.0
-    for ids, mask, prompt_len in examples:
+    for (ids, mask, prompt_len, row), (_, _, boxed) in zip(examples, calls):
         assert len(ids) == len(mask) and not any(mask[:prompt_len]) and any(mask[prompt_len:])
+        assert dataset[row]["answer"] == boxed  # the row index names the problem the trajectory solves
+    assert len({row for *_, row in examples}) == len(examples)
     # up to max_rows distinct rows
     assert len(grpo_retool.cold_start_examples(tokenizer, dataset, CodeInterpreterTool(), max_rows=8)) <= 8
 
@@ -90,4 +92,4 @@ def test_cold_start_examples_without_annotations_or_tool():
     calls = _tool_calls(tokenizer, grpo_retool.cold_start_examples(tokenizer, rows, CodeInterpreterTool()))
     assert sorted(calls) == sorted((f"print({n + 1})", f"{n + 1}\n", str(n + 1)) for n in range(6))
     plain = grpo_retool.cold_start_examples(tokenizer, rows, None)
-    assert len(plain) == 6 and all("<|call|>" not in tokenizer.decode(ids) for ids, _, _ in plain)
+    assert len(plain) == 6 and all("<|call|>" not in tokenizer.decode(ids) for ids, *_ in plain)

@@ -45,6 +45,8 @@ def test_learning_run_cpu_smoke(tmp_path):
             "2",
             "--cold-start-steps",
             "2",
+            "--cold-start-batch",
+            "2",
             "--num-generations",
             "2",
             "--batch-size",
@@ -79,6 +81,11 @@ def test_learning_run_cpu_smoke(tmp_path):
             0.0 <= run["held_out_before"]["accuracy"] <= 1.0
             and run["held_out_after"]["n"] == 1
         )
+        assert run["practised_after"]["n"] == 1
+    # RL draws its prompts from the problems the warm-up practised (a subset of the training file)
+    setup = result["setup"]
+    assert setup["rl_problems"] == "practised"
+    assert 0 < setup["cold_start_problems"] == setup["train_rows"] <= setup["train_file_rows"]
     # rollouts use exact sinks: the kernel reproduces them to fp32 rounding, dropping the sinks does not
     kernel_kl = result["variants"]["sink_kernel"]["steps"][0]["mismatch_k3_kl"]
     dropping_kl = result["variants"]["sink_dropping"]["steps"][0]["mismatch_k3_kl"]

@@ -184,6 +184,7 @@ def test_on_policy_steps_with_tool_calls(tmp_path, tokenizer):
     assert all(math.isfinite(x) for x in _logged(trainer, "loss"))
     # one policy forward per micro-batch: no second "old log-probs" pass on-policy
     assert len(trainer.forwards) == len(trainer.loss_inputs) == 2
+    signed = []  # (advantage, d loss / d sum of the row's policy log-probs)
     for inputs, logps in zip(trainer.loss_inputs, trainer.forwards):
         assert "old_per_token_logps" not in inputs
         tool_mask, completion_mask = inputs["tool_mask"], inputs["completion_mask"]
@@ -193,6 +194,12 @@ def test_on_policy_steps_with_tool_calls(tmp_path, tokenizer):
         assert torch.all(logps.grad[~policy] == 0)
         # rollout log-probs are aligned with the completion ids (0 on tool tokens)
         assert torch.all(inputs["sampling_per_token_logps"][tool_mask == 0] == 0)
+        # the sign of the policy gradient: a descent step raises the log-probs of trajectories with a positive
+        # advantage and lowers those with a negative one
+        advantages = inputs["advantages"].reshape(-1)
+        grad_per_row = (logps.grad * policy).sum(-1)
+        signed += [(a, g) for a, g in zip(advantages.tolist(), grad_per_row.tolist()) if abs(a) > 1e-6]
+    assert signed and all(a * g < 0 for a, g in signed), signed
     assert any(logps.grad.abs().sum() > 0 for logps in trainer.forwards)  # a learning signal reached the policy
     # ratio is exactly 1 on-policy: nothing is clipped
     assert _logged(trainer, "clip_ratio/region_mean") == [0.0, 0.0]

@@ -78,6 +78,11 @@ DQ_REVERSE = True
 FWD_TMA = True
 FWD_WARP_SPEC = False
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+# Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
+# Triton would otherwise compile a new binary whenever T crosses "divisible by 16" (measured on the H200 in an RL
+# run: two ~50 s compile stalls of the fp32 kernels within the first 5 steps).  Strides and windows stay
+# specialised: they are fixed per model.
+_VARYING_FWD = ["stride_lse_h"]  # = T_q (lse is [H, T_q])
 
 
 def _config(kernel: str, head_dim: int, device: torch.device) -> dict[str, int]:
@@ -179,7 +184,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_row, desc_
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING_FWD)
 def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_lse_h, qk_scale, win_left, win_right,
@@ -248,7 +253,7 @@ def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_se
 # ----------------------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_lse_h"])
 def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lse_h,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0)."""
@@ -267,7 +272,7 @@ def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, T, stride_ot, stride_oh, stride_d
     tl.store(Lse2 + off_h * T + offs_t, lse2, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NUM_SEQS"])
 def _bwd_dsink(Sinks, Lse2, Delta, DSink, cu_seqlens_q, T, NUM_SEQS, BLOCK: tl.constexpr):
     """dsink_h = -sum_i exp(s_h - LSE_i) D_i over every row of head h: one program per head, fixed order."""
     off_h = tl.program_id(0)
@@ -338,7 +343,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_q"])
 def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, cu_seqlens_q, cu_seqlens_k,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, T_q, qk_scale,
@@ -431,7 +436,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_q"])
 def _sink_attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                       stride_dqt, stride_dqh, T_q, qk_scale, sm_scale, win_left, win_right,
