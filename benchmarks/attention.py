@@ -378,6 +378,12 @@ FWD_VARIANTS = {
 }
 BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
     "deterministic (7 matmuls)": dict(ATOMIC_DQ=False, deterministic=True),
+    # BWD_TMA: Q/dO and K/V tiles through tensor descriptors (the dQ kernel then compiles without spills on sm_90)
+    "deterministic, TMA loads": dict(ATOMIC_DQ=False, BWD_TMA=True, deterministic=True),
+    "deterministic, TMA loads, dQ 128x64 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, dq=(128, 64, 8, 3),
+                                                   deterministic=True),
+    "deterministic, TMA loads, dK/dV 64x128 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, dkdv=(64, 128, 8, 3),
+                                                      deterministic=True),
     "atomic elementwise 64x128 w8": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="atomic", DQ_REVERSE=False,
                                          dkdv_atomic=(64, 128, 8, 3), deterministic=False),
     "atomic elementwise 64x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="atomic", DQ_REVERSE=True,
@@ -427,8 +433,8 @@ def compare_variants(max_err=1e-2):
         q, k, v, dout, sinks = acc_inputs
         refs[window] = reference_fp64(q, k, v, sinks, dout, [0, S_acc],
                                       window_left=-1 if window is None else window - 1)
-    saved = {name: getattr(TK, name) for name in ("FWD_TMA", "FWD_WARP_SPEC", "ATOMIC_DQ", "ATOMIC_DQ_MODE",
-                                                  "DQ_REVERSE")}
+    saved = {name: getattr(TK, name) for name in ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "ATOMIC_DQ",
+                                                  "ATOMIC_DQ_MODE", "DQ_REVERSE")}
     saved_cfg = dict(TK.KERNEL_CONFIGS)
 
     def restore_defaults():

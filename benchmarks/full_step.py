@@ -265,9 +265,42 @@ def worker(spec: dict) -> dict:
     result["logprob_pass"] = _measure(logprob_pass, device, 0 if "seconds" in result["grpo_step"] else 1, repeats)
     if spec["run_plain_step"]:
         result["plain_step"] = _measure(plain_step, device, 0 if "seconds" in result["grpo_step"] else 1, repeats)
+    if spec.get("profile") and "seconds" in result["grpo_step"]:
+        result["step_profile"] = profile_step(grpo_step, device)
     lora_grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
     result["lora_grads_finite"] = bool(lora_grads) and all(bool(torch.isfinite(g).all()) for g in lora_grads)
     return result
+
+
+def profile_step(fn, device, top: int = 25) -> dict:
+    """Where one (already warmed-up) GRPO step spends its time: `torch.profiler` over one call, operator level
+    (aten ops, the kernel's custom ops, autograd nodes' ops), ranked by self device time (CPU time on a CPU run).
+    Self time counts each kernel once, under the op that launched it, so the rows add up to the busy time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    wall = time.perf_counter() - t0
+
+    def self_us(e):
+        return getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total
+
+    ops = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and self_us(e) > 0]
+    busy_us = sum(self_us(e) for e in ops)
+    ops.sort(key=self_us, reverse=True)
+    return {
+        "clock": "device" if cuda else "cpu",
+        "profiled_wall_s": wall,
+        "busy_ms": busy_us / 1e3,
+        "top": [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "share": self_us(e) / busy_us}
+                for e in ops[:top]],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
@@ -374,6 +407,20 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
             ratio_lines.append(f"- S={s:,}: {theirs['seconds'] / ours['seconds']:.2f}× vs {VARIANTS[name]['label']}")
     lines += ratio_lines or ["- (no pair measured)"]
     lines += ["", f"![full step]({meta['png_name']})", ""]
+    profiled = [r for r in results if r.get("step_profile")]
+    for r in sorted(profiled, key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"]))):
+        prof = r["step_profile"]
+        lines += [
+            f"### Where the GRPO step's time goes: {VARIANTS[r['variant']]['label']}, S={r['seq_len']:,}",
+            "",
+            f"One profiled step (`--profile`; {prof['profiled_wall_s']:.2f} s wall under the profiler), "
+            f"{prof['clock']} busy time {prof['busy_ms']:.0f} ms; ops by self {prof['clock']} time:",
+            "",
+            "| op | calls | self ms | share |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| `{t['op'][:90]}` | {t['calls']} | {t['self_ms']:.1f} | {t['share']:.1%} |" for t in prof["top"]]
+        lines.append("")
     (out / "full_step.md").write_text("\n".join(lines) + "\n")
     (out / "full_step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     plot(out / meta["png_name"], results)
@@ -433,6 +480,7 @@ def parse_args(argv=None):
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
     p.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF of the workers")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--profile", action="store_true", help="also profile one GRPO step per run: top ops by self time")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -469,6 +517,7 @@ def main(argv=None) -> list[dict]:
                 "repeats": args.repeats,
                 "run_plain_step": args.plain_step,
                 "project_attn": args.project_attn,
+                "profile": args.profile,
             }
             reason = availability(name, device)
             (skipped if reason else plan).append({**spec, "skip": reason} if reason else spec)

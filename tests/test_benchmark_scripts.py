@@ -242,7 +242,8 @@ def test_full_step_runs_on_cpu(tmp_path):
         [
             "benchmarks/full_step.py",
             "--model", "tiny", "--device", "cpu", "--seq-lens", "64",
-            "--variants", "project,eager_grouped_mm,flex_grouped_mm", "--max-seconds", "200", "--out", str(tmp_path),
+            "--variants", "project,eager_grouped_mm,flex_grouped_mm", "--max-seconds", "200", "--profile",
+            "--out", str(tmp_path),
         ]
     )  # fmt: skip
     assert "estimated" in proc.stdout  # the plan is printed first
@@ -258,6 +259,12 @@ def test_full_step_runs_on_cpu(tmp_path):
         assert r["lora_grads_finite"]
         assert r["trainable_params"] < r["params"] / 5  # LoRA only
     assert results["project"]["attn_implementation"] in (common.DIRECT_KERNEL_ATTENTION, KERNEL_REPO_ID)
+    # --profile: one profiled step per run, ops ranked by self time; the project's attention is its custom op
+    prof = results["project"]["step_profile"]
+    shares = [t["share"] for t in prof["top"]]
+    assert prof["busy_ms"] > 0 and shares == sorted(shares, reverse=True) and 0.5 < sum(shares) <= 1.0 + 1e-9
+    assert any("sink_flash_attn3" in t["op"] for t in prof["top"])
+    assert "Where the GRPO step's time goes" in (tmp_path / "full_step.md").read_text()
 
 
 def test_full_step_reports_a_crashing_run_without_stopping(tmp_path, monkeypatch):

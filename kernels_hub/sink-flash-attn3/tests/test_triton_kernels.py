@@ -265,6 +265,23 @@ def test_tensor_descriptor_paths(tk, monkeypatch, reverse):
     run_and_compare(tk, decode, True)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_tensor_descriptor_loads(tk, monkeypatch, deterministic):
+    # BWD_TMA: Q/dO tiles (dK/dV kernel) and K/V tiles (dQ kernel) through tensor descriptors.  Tiles that run past
+    # a sequence read the next sequence's rows (or zeros past the tensor); LSE = +inf and delta = 0 there must keep
+    # their contribution exactly zero, on packed, windowed and decode-shaped inputs.
+    monkeypatch.setattr(tk, "_tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(tk, "BWD_TMA", True)
+    if not deterministic:
+        monkeypatch.setattr(tk, "ATOMIC_DQ", True)
+        monkeypatch.setattr(tk, "ATOMIC_DQ_MODE", "atomic")
+    case = make_case([37, 20, 9], [37, 20, 9], 4, 1, 64, seed=12)
+    run_and_compare(tk, case, True)
+    run_and_compare(tk, case, True, 8, 0)
+    decode = make_case([5, 1, 19], [37, 23, 19], 4, 2, 64, seed=13)
+    run_and_compare(tk, decode, True)
+
+
 @pytest.fixture
 def interpreter_bf16_dot(monkeypatch):
     """Triton's interpreter stores bf16 as uint16 and multiplies the raw bit patterns in ``tl.dot``
@@ -333,5 +350,10 @@ def test_cuda_tensor_descriptor_paths(monkeypatch, dtype, tol, reverse):
     monkeypatch.setattr(tk_cuda, "ATOMIC_DQ_MODE", "tma")
     monkeypatch.setattr(tk_cuda, "DQ_REVERSE", reverse)
     case = make_case([700, 1029, 64], [700, 1029, 64], 16, 2, 64, dtype=dtype, seed=12, device="cuda")
+    run_and_compare(tk_cuda, case, True, tol=tol)
+    run_and_compare(tk_cuda, case, True, 127, 0, tol=tol)
+    # the deterministic backward with Q/dO and K/V tiles through descriptors (BWD_TMA)
+    monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", False)
+    monkeypatch.setattr(tk_cuda, "BWD_TMA", True)
     run_and_compare(tk_cuda, case, True, tol=tol)
     run_and_compare(tk_cuda, case, True, 127, 0, tol=tol)

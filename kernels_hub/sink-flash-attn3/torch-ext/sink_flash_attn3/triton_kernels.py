@@ -77,6 +77,9 @@ DQ_REVERSE = True
 # Triton's automatic warp specialisation of the unmasked key loop (no gain measured: off).
 FWD_TMA = True
 FWD_WARP_SPEC = False
+# Backward: Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors on sm_90+, as the forward does.
+# Off until timed on the H200 (`benchmarks/attention.py --variants` compares both).
+BWD_TMA = False
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
 # Triton would otherwise compile a new binary whenever T crosses "divisible by 16" (measured on the H200 in an RL
@@ -291,9 +294,10 @@ def _bwd_dsink(Sinks, Lse2, Delta, DSink, cu_seqlens_q, T, NUM_SEQS, BLOCK: tl.c
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, dq_desc, dq_row, dq_col,
-                    stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, lo, hi, len_q, shift, win_left,
-                    win_right, qk_scale, sm_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, DQ_MODE: tl.constexpr, REVERSE: tl.constexpr):
+                    q_desc, do_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, lo, hi, len_q,
+                    shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, DQ_MODE: tl.constexpr, REVERSE: tl.constexpr,
+                    USE_TMA: tl.constexpr):
     # works on transposed tiles (keys x queries) so the accumulators stay [BLOCK_N, D]
     num_blocks = tl.cdiv(hi - lo, BLOCK_M)
     for i in range(0, num_blocks):
@@ -307,13 +311,17 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
         offs_m = start_m + offs_m0
         q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :]
         do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dot + offs_d[None, :]
-        if MASK:  # rows past len_q: q = dO = 0 and LSE = +inf, so they contribute exactly nothing
+        if MASK:  # rows past len_q: LSE = +inf and delta = 0 (and q = dO = 0), so they contribute exactly nothing
             row_ok = offs_m < len_q
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse2_base + offs_m, mask=row_ok, other=float("inf"))
         else:
-            q = tl.load(q_ptrs)
             lse2 = tl.load(lse2_base + offs_m)
+        if USE_TMA:  # bulk tensor copy; rows past len_q are finite rows of the next sequence (P = 0) or zeros
+            q = q_desc.load([dq_row + start_m, dq_col])
+        elif MASK:
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptrs)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
         pT = tl.math.exp2(qkT - lse2[None, :])
         if MASK:
@@ -321,11 +329,15 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
             visible = ((offs_n[:, None] >= row_pos[None, :] - win_left)
                        & (offs_n[:, None] <= row_pos[None, :] + win_right))
             pT = tl.where(visible, pT, 0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         else:
-            do = tl.load(do_ptrs)
             delta = tl.load(delta_base + offs_m)
+        if USE_TMA:
+            do = do_desc.load([dq_row + start_m, dq_col])
+        elif MASK:
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            do = tl.load(do_ptrs)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
@@ -344,12 +356,12 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
 
 
 @triton.jit(do_not_specialize=["T_q"])
-def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, cu_seqlens_q, cu_seqlens_k,
+def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, Q_desc, DO_desc, cu_seqlens_q, cu_seqlens_k,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, T_q, qk_scale,
                         sm_scale, win_left, win_right, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        DQ_MODE: tl.constexpr, REVERSE: tl.constexpr):
+                        DQ_MODE: tl.constexpr, REVERSE: tl.constexpr, USE_TMA: tl.constexpr):
     off_kh = tl.program_id(0)
     pid_n = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -388,17 +400,17 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, cu_seql
         dq_base = DQ32 + q_start.to(tl.int64) * stride_dqt + off_h * stride_dqh
         dq_col = off_h * HEAD_DIM
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
-                                 dq_col, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, a_lo, a_hi,
+                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, a_lo, a_hi,
                                  len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
-                                 DOT_PRECISION, DQ_MODE, REVERSE)
+                                 DOT_PRECISION, DQ_MODE, REVERSE, USE_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
-                                 dq_col, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, full_lo,
+                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, full_lo,
                                  full_hi, len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, False,
-                                 DOT_PRECISION, DQ_MODE, REVERSE)
+                                 DOT_PRECISION, DQ_MODE, REVERSE, USE_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
-                                 dq_col, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, c_lo, c_hi,
+                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, c_lo, c_hi,
                                  len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
-                                 DOT_PRECISION, DQ_MODE, REVERSE)
+                                 DOT_PRECISION, DQ_MODE, REVERSE, USE_TMA)
     dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
     dk_ptrs = DK + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkt + off_kh * stride_dkh + offs_d[None, :]
     dv_ptrs = DV + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvt + off_kh * stride_dvh + offs_d[None, :]
@@ -407,15 +419,18 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, cu_seql
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo,
-                  hi, len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, desc_row, desc_col, stride_kt,
+                  stride_vt, offs_n0, offs_d, row_pos, lo, hi, len_k, win_left, win_right, qk_scale,
+                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     k_ptrs = k_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
     v_ptrs = v_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        if MASK:
+        if USE_TMA:  # keys past len_k meet P = 0, so dS = 0 there (finite rows of the next sequence, or zeros)
+            k = k_desc.load([desc_row + start_n, desc_col])
+            v = v_desc.load([desc_row + start_n, desc_col])
+        elif MASK:
             k = tl.load(k_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=(offs_n < len_k)[:, None], other=0.0)
         else:
@@ -437,11 +452,11 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 
 
 
 @triton.jit(do_not_specialize=["T_q"])
-def _sink_attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                       stride_dqt, stride_dqh, T_q, qk_scale, sm_scale, win_left, win_right,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     off_h = tl.program_id(0)
     pid_m = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -471,12 +486,15 @@ def _sink_attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
     row_pos = offs_m + shift
     lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
                                                  BLOCK_M, BLOCK_N)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos,
-                       lo, full_lo, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos,
-                       full_lo, full_hi, len_k, win_left, win_right, qk_scale, BLOCK_N, False, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_n0, offs_d, row_pos,
-                       full_hi, hi, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
+                       stride_kt, stride_vt, offs_n0, offs_d, row_pos,
+                       lo, full_lo, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
+                       stride_kt, stride_vt, offs_n0, offs_d, row_pos,
+                       full_lo, full_hi, len_k, win_left, win_right, qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
+                       stride_kt, stride_vt, offs_n0, offs_d, row_pos,
+                       full_hi, hi, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m)[:, None].to(tl.int64) * stride_dqt + off_h * stride_dqh + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -599,23 +617,29 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     if atomic_dq:
         dq_mode = 2 if ATOMIC_DQ_MODE == "tma" and _tma_ok(dq32) else 1
     dq_desc = _row_descriptor(dq32, cfg["BLOCK_M"]) if dq_mode == 2 else dq32
+    tma_qdo = BWD_TMA and _tma_ok(q, dout)
+    q_desc = _row_descriptor(q, cfg["BLOCK_M"]) if tma_qdo else q
+    do_desc = _row_descriptor(dout, cfg["BLOCK_M"]) if tma_qdo else dout
     grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
     if T_k > 0 and int(max_seqlen_k) > 0:
         _sink_attn_bwd_dkdv[grid](
-            q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, cu_seqlens_q, cu_seqlens_k,
+            q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, q_desc, do_desc, cu_seqlens_q, cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
             dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq32.stride(0), dq32.stride(1),
             T_q, qk_scale, float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n,
-            DOT_PRECISION=precision, DQ_MODE=dq_mode, REVERSE=DQ_REVERSE and atomic_dq, **cfg)
+            DOT_PRECISION=precision, DQ_MODE=dq_mode, REVERSE=DQ_REVERSE and atomic_dq, USE_TMA=tma_qdo, **cfg)
     if atomic_dq:
         dq.copy_(dq32)
         return dq, dk, dv, dsink
     cfg = _config("dq", D, q.device)
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
+    tma_kv = BWD_TMA and _tma_ok(k, v)
+    k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if tma_kv else k
+    v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if tma_kv else v
     _sink_attn_bwd_dq[grid](
-        q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
         dout.stride(1), dq.stride(0), dq.stride(1), T_q, qk_scale, float(softmax_scale), left, right,
-        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, **cfg)
+        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, USE_TMA=tma_kv, **cfg)
     return dq, dk, dv, dsink
