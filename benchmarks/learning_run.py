@@ -120,6 +120,7 @@ STEP_METRICS = (
     ("mismatch/prob_diff_mean", "mismatch_prob_diff_mean"),
     ("mismatch/prob_diff_max", "mismatch_prob_diff_max"),
     ("loss", "loss"),
+    ("learning_rate", "learning_rate"),
 )
 
 
@@ -191,6 +192,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "reward on them within minutes), or every row of --train-file",
     )
     p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="linear learning-rate warm-up of the RL phase (0 = none, as in the documented H200 run; its reward "
+        "dipped over the first ~20 steps, which a warm-up may avoid: untested)",
+    )
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument(
         "--batch-size", type=int, default=32, help="completions per optimizer step"
@@ -481,7 +489,9 @@ def run_variant(
         ),  # nothing is saved (save_strategy="no")
         max_steps=args.steps,
         learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",  # --max-seconds may stop the run before a decaying schedule would end
+        # constant: --max-seconds may stop the run before a decaying schedule would end; optional linear warm-up
+        lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "constant",
+        warmup_steps=args.warmup_steps,
         per_device_train_batch_size=args.batch_size,
         num_generations=args.num_generations,
         num_iterations=args.num_iterations,
@@ -746,6 +756,7 @@ def main(argv=None) -> dict:
             "batch_size": args.batch_size,
             "num_iterations": args.num_iterations,
             "learning_rate": args.learning_rate,
+            "warmup_steps": args.warmup_steps,
             "max_completion_length": args.max_completion_length,
             "max_turns": args.max_turns,
             "train_rows": len(train_dataset),

@@ -47,6 +47,8 @@ def test_learning_run_cpu_smoke(tmp_path):
             "2",
             "--cold-start-batch",
             "2",
+            "--warmup-steps",
+            "2",
             "--num-generations",
             "2",
             "--batch-size",
@@ -82,6 +84,8 @@ def test_learning_run_cpu_smoke(tmp_path):
             and run["held_out_after"]["n"] == 1
         )
         assert run["practised_after"]["n"] == 1
+        # --warmup-steps 2: the first step runs at half the learning rate
+        assert run["steps"][0]["learning_rate"] < run["steps"][1]["learning_rate"]
     # RL draws its prompts from the problems the warm-up practised (a subset of the training file)
     setup = result["setup"]
     assert setup["rl_problems"] == "practised"
