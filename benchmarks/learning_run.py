@@ -369,7 +369,7 @@ def project_kernel_attention(route: str) -> tuple[str, str]:
 
 
 # %% Held-out accuracy --------------------------------------------------------------------------------------------------
-def held_out_accuracy(engine, tool, rows: list[dict], args) -> dict:
+def greedy_accuracy(engine, tool, rows: list[dict], args) -> dict:
     """Greedy agent rollouts (exact-sink engine, code tool) on `rows`; math-verify accuracy and tool-call rate."""
     from hf_gptoss_rl.harmony import render_prompt
     from trl_ext.rewards import math_reward
@@ -478,9 +478,9 @@ def run_variant(
     )
     engine.model.config.use_cache = True
     model.set_attn_implementation(attention)
-    before = held_out_accuracy(engine, tool, eval_rows, args)
+    before = greedy_accuracy(engine, tool, eval_rows, args)
     print(f"[{name}] held-out before: {before}", flush=True)
-    practised_before = held_out_accuracy(engine, tool, practised_rows, args)
+    practised_before = greedy_accuracy(engine, tool, practised_rows, args)
     print(f"[{name}] practised before: {practised_before}", flush=True)
 
     config = AgenticGRPOConfig(
@@ -525,11 +525,11 @@ def run_variant(
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
-    after = held_out_accuracy(
+    after = greedy_accuracy(
         engine, tool, eval_rows, args
     )  # the engine holds the trained weights (synced)
     print(f"[{name}] held-out after: {after}", flush=True)
-    practised_after = held_out_accuracy(engine, tool, practised_rows, args)
+    practised_after = greedy_accuracy(engine, tool, practised_rows, args)
     print(f"[{name}] practised after: {practised_after}", flush=True)
 
     steps = []

@@ -3,7 +3,6 @@ settings and the report files hold what the trainer logged. Its numbers are not 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -15,15 +14,11 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("openai_harmony")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_run.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("learning_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("learning_run", module)
-    spec.loader.exec_module(module)
-    return module
+import learning_run  # noqa: E402
 
 
 @pytest.mark.timeout(
@@ -34,7 +29,6 @@ def _load_script():
     reason="the kernel on CPU tensors needs TRITON_INTERPRET=1 from the start",
 )
 def test_learning_run_cpu_smoke(tmp_path):
-    learning_run = _load_script()
     result = learning_run.main(
         [
             "--device",
@@ -109,7 +103,6 @@ def test_learning_run_cpu_smoke(tmp_path):
 
 
 def test_learning_run_rejects_bad_arguments():
-    learning_run = _load_script()
     with pytest.raises(SystemExit):
         learning_run.parse_args(["--variants", "flash"])
     with pytest.raises(SystemExit):

@@ -4,25 +4,17 @@ with sinks, on batches that are left- and right-padded at once."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_run.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("learning_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("learning_run", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-learning_run = _load_script()
+import learning_run  # noqa: E402
 
 # [left pad | valid | right pad] per row; row 3 is empty (all pad), row 4 unpadded
 SPANS = [(3, 10), (0, 7), (2, 12), (0, 0), (0, 14)]

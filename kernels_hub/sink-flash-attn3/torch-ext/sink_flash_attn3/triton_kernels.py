@@ -84,8 +84,7 @@ _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
 # Triton would otherwise compile a new binary whenever T crosses "divisible by 16" (measured on the H200 in an RL
 # run: two ~50 s compile stalls of the fp32 kernels within the first 5 steps).  Strides and windows stay
-# specialised: they are fixed per model.
-_VARYING_FWD = ["stride_lse_h"]  # = T_q (lse is [H, T_q])
+# specialised: they are fixed per model.  (The forward's `stride_lse_h` is T_q: lse is [H, T_q].)
 
 
 def _config(kernel: str, head_dim: int, device: torch.device) -> dict[str, int]:
@@ -187,7 +186,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_row, desc_
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=_VARYING_FWD)
+@triton.jit(do_not_specialize=["stride_lse_h"])
 def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_lse_h, qk_scale, win_left, win_right,
