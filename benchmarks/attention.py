@@ -368,37 +368,31 @@ def sweep(S=16384, D=64):
 
 # Kernel variants (module switches of triton_kernels + block configs), compared at S=16k causal / window 128 and
 # 4k causal with `--variants`; the fastest accurate forward and backward become the settings of the main table.
+# Measured losers of earlier runs (benchmarks/notes/attention.md, v3) are no longer timed: pointer loads, 128x128
+# forward tiles, warp specialisation, per-element dQ atomics, other tile reduce-add tiles.
 FWD_VARIANTS = {
-    "pointers 64x64 w4": dict(FWD_TMA=False, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 3)),
     "TMA 64x64 w4": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 3)),
     "TMA 128x64 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(128, 64, 8, 3)),
-    "TMA 128x128 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(128, 128, 8, 2)),
-    "TMA + warp-spec 128x64 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=True, fwd=(128, 64, 8, 3)),
-    "TMA + warp-spec 128x128 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=True, fwd=(128, 128, 8, 2)),
 }
 BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
-    "deterministic (7 matmuls)": dict(ATOMIC_DQ=False, deterministic=True),
+    "deterministic (7 matmuls)": dict(ATOMIC_DQ=False, BWD_TMA=False, BWD_CONCURRENT=False, deterministic=True),
     # BWD_TMA: Q/dO and K/V tiles through tensor descriptors (the dQ kernel then compiles without spills on sm_90)
-    "deterministic, TMA loads": dict(ATOMIC_DQ=False, BWD_TMA=True, deterministic=True),
-    "deterministic, TMA loads, dQ 128x64 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, dq=(128, 64, 8, 3),
-                                                   deterministic=True),
-    "deterministic, TMA loads, dK/dV 64x128 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, dkdv=(64, 128, 8, 3),
-                                                      deterministic=True),
-    "atomic elementwise 64x128 w8": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="atomic", DQ_REVERSE=False,
-                                         dkdv_atomic=(64, 128, 8, 3), deterministic=False),
-    "atomic elementwise 64x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="atomic", DQ_REVERSE=True,
-                                                     dkdv_atomic=(64, 128, 8, 3), deterministic=False),
-    "TMA reduce 64x128 w8": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=False,
-                                 dkdv_atomic=(64, 128, 8, 3), deterministic=False),
+    "deterministic, TMA loads": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False, deterministic=True),
+    "deterministic, TMA loads, dQ 128x64 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False,
+                                                   dq=(128, 64, 8, 3), deterministic=True),
+    "deterministic, TMA loads, dK/dV 64x128 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False,
+                                                      dkdv=(64, 128, 8, 3), deterministic=True),
+    # BWD_CONCURRENT: the dQ kernel on a side stream, sharing the SMs with the dK/dV kernel
+    "deterministic, concurrent dQ": dict(ATOMIC_DQ=False, BWD_TMA=False, BWD_CONCURRENT=True,
+                                         deterministic=True),
+    "deterministic, TMA loads, concurrent dQ": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=True,
+                                                    deterministic=True),
     "TMA reduce 64x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
                                              dkdv_atomic=(64, 128, 8, 3), deterministic=False),
-    "TMA reduce 32x128 w4, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
-                                             dkdv_atomic=(32, 128, 4, 4), deterministic=False),
     "TMA reduce 64x64 w4, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
                                             dkdv_atomic=(64, 64, 4, 3), deterministic=False),
-    "TMA reduce 128x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
-                                              dkdv_atomic=(128, 128, 8, 2), deterministic=False),
 }
+SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE", "DQ_REVERSE")
 VARIANT_SHAPES = ((16384, None), (16384, 128), (4096, None))
 VARIANT_ACCURACY_S = 1024
 
@@ -433,8 +427,7 @@ def compare_variants(max_err=1e-2):
         q, k, v, dout, sinks = acc_inputs
         refs[window] = reference_fp64(q, k, v, sinks, dout, [0, S_acc],
                                       window_left=-1 if window is None else window - 1)
-    saved = {name: getattr(TK, name) for name in ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "ATOMIC_DQ",
-                                                  "ATOMIC_DQ_MODE", "DQ_REVERSE")}
+    saved = {name: getattr(TK, name) for name in SWITCHES}
     saved_cfg = dict(TK.KERNEL_CONFIGS)
 
     def restore_defaults():
@@ -548,7 +541,7 @@ def main():
         print(f"[accuracy] {name}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in errs.items()), flush=True)
     configs = {f"{k}/{d}": v for (k, d), v in TK.KERNEL_CONFIGS.items()}
-    switches = {name: getattr(TK, name) for name in ("FWD_TMA", "FWD_WARP_SPEC", "ATOMIC_DQ_MODE", "DQ_REVERSE")}
+    switches = {name: getattr(TK, name) for name in SWITCHES}
     print("[switches]", json.dumps(switches), flush=True)
     print("[configs]", json.dumps(configs), flush=True)
 
@@ -613,6 +606,11 @@ def _row(rows, S, window, prefix):
 def write_markdown(result, path):
     rows = result["rows"]
     env = result["env"]
+    have_fa4 = any(r["impl"].startswith("FA4") for r in rows)
+    fa4_source = ("FA4 rows: flash-attn-4 4.0.0b36 (CuTe DSL, `learnable_sink`), carried onto the image with "
+                  "`scripts/fa4_carry.sh`, timed in the same process." if have_fa4 else
+                  "FA4 is not installed on the GPU image: its rows are quoted from `FACTS.md` §6 (same GPU kind, an "
+                  "earlier session, not this run).")
     lines = [
         "# Attention benchmark: sink-aware flash attention on one H200",
         "",
@@ -625,8 +623,8 @@ def write_markdown(result, path):
         "no_grad. flex is compiled once per shape with its block mask built once, outside the timing; it runs",
         "up to S=16k (`--flex-max-s`: every shape is a fresh compile) and eager up to 4k (O(S^2) memory:",
         "128.6 GiB at 16k, FACTS). TFLOP/s count the visible query-key pairs, backward as 2.5x forward. Peak =",
-        "`max_memory_allocated` over one fwd+bwd, inputs included. FA4 is not installed on the GPU image: its",
-        "rows are quoted from `FACTS.md` §6 (same GPU kind, an earlier session, not this run).",
+        "`max_memory_allocated` over one fwd+bwd, inputs included.",
+        fa4_source,
         "",
         "| S | mask | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB |"
         " flex / this (fwd+bwd) |",
@@ -638,7 +636,6 @@ def write_markdown(result, path):
         ratio = f"{fl['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if fl else "-"
         lines.append(f"| {r['S']} | {mask} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
                      f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_tflops']:.0f} | {r['peak_gib']:.2f} | {ratio} |")
-    have_fa4 = any(r["impl"].startswith("FA4") for r in rows)
     if not have_fa4:
         for (S, w), (f, fb, m) in FA4_FACTS.items():
             mask = "causal" if w is None else f"window {w}"
@@ -659,7 +656,7 @@ def write_markdown(result, path):
         lines.append(f"| {S} | {mask} | {variant} | {me['fwd_bwd_ms']:.2f} | {flex_cells} | {fa_cells} |")
     if result.get("variants"):
         vlog = result["variants"]
-        lines += ["", "## Kernel variants (`--variants`, same run)", "",
+        lines += ["", "## Kernel variants (`--variants`)", "",
                   "Forward rows time the forward alone, backward rows the backward alone (given out and LSE).",
                   "Max error: largest relative L2 error of out/dq/dk/dv/dsink against fp64 (bf16, S=1024, causal",
                   "and window 128). Chosen: " + ", ".join(f"{k} = {v}" for k, v in vlog.get("chosen", {}).items()),

@@ -261,14 +261,15 @@ def worker(spec: dict) -> dict:
 
     warmup, repeats = int(spec["warmup"]), int(spec["repeats"])
     result["grpo_step"] = _measure(grpo_step, device, warmup, repeats)
+    # the GRPO step's own LoRA gradients, before the other measurements replace or (OOM) half-write them
+    lora_grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
+    result["lora_grads_finite"] = bool(lora_grads) and all(bool(torch.isfinite(g).all()) for g in lora_grads)
     # the GRPO warm-up already compiled the forward kernels; compile here only if that step did not run
     result["logprob_pass"] = _measure(logprob_pass, device, 0 if "seconds" in result["grpo_step"] else 1, repeats)
     if spec["run_plain_step"]:
         result["plain_step"] = _measure(plain_step, device, 0 if "seconds" in result["grpo_step"] else 1, repeats)
     if spec.get("profile") and "seconds" in result["grpo_step"]:
         result["step_profile"] = profile_step(grpo_step, device)
-    lora_grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
-    result["lora_grads_finite"] = bool(lora_grads) and all(bool(torch.isfinite(g).all()) for g in lora_grads)
     return result
 
 
@@ -391,6 +392,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         for key, m in (("GRPO", g), ("log-prob", lp), ("plain", pl)):
             if m and "error" in m:
                 note += f" {key} {'OOM' if m.get('oom') else 'error'}: {m['error'][:100]}"
+        if g and "seconds" in g and r.get("lora_grads_finite") is False:
+            note += " GRPO step: some LoRA gradients not finite"
         lines.append(
             f"| {VARIANTS[r['variant']]['label']} | {r['seq_len']:,} | {cell_time(g)} | {cell_tps(g, r['seq_len'])} | "
             f"{cell_peak(g)} | {cell_time(lp)} | {cell_peak(lp)} | {cell_time(pl)} | {cell_tps(pl, r['seq_len'])} | "
@@ -421,6 +424,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         ]
         lines += [f"| `{t['op'][:90]}` | {t['calls']} | {t['self_ms']:.1f} | {t['share']:.1%} |" for t in prof["top"]]
         lines.append("")
+    if meta.get("notes"):
+        lines += ["## Notes", "", *[f"- {note}" for note in meta["notes"]], ""]
     (out / "full_step.md").write_text("\n".join(lines) + "\n")
     (out / "full_step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     plot(out / meta["png_name"], results)

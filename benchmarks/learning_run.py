@@ -153,7 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--max-seconds",
         type=float,
-        default=180.0,
+        default=120.0,
         help="wall-clock limit of each variant's RL phase",
     )
     p.add_argument(
@@ -195,13 +195,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--warmup-steps",
         type=int,
-        default=0,
-        help="linear learning-rate warm-up of the RL phase (0 = none, as in the documented H200 run; its reward "
-        "dipped over the first ~20 steps, which a warm-up may avoid: untested)",
+        default=10,
+        help="linear learning-rate warm-up of the RL phase (0 = none)",
     )
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument(
-        "--batch-size", type=int, default=32, help="completions per optimizer step"
+        "--batch-size", type=int, default=64, help="completions per optimizer step (8 prompts x 8 generations)"
     )
     p.add_argument(
         "--num-iterations",

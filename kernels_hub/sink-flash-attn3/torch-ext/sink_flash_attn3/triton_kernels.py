@@ -31,6 +31,8 @@ dQ by one program per query block that loops over key blocks, and dsink by one p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -77,9 +79,19 @@ DQ_REVERSE = True
 # Triton's automatic warp specialisation of the unmasked key loop (no gain measured: off).
 FWD_TMA = True
 FWD_WARP_SPEC = False
-# Backward: Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors on sm_90+, as the forward does.
-# Off until timed on the H200 (`benchmarks/attention.py --variants` compares both).
-BWD_TMA = False
+# Backward: Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors on sm_90+, as the forward does:
+# 16k causal backward 16.45 -> 15.55 ms on the H200.  16-bit inputs only: fp32 tiles at head_dim 128 overflow the
+# shared memory of the dK/dV kernel (262,680 B needed, 232,448 B on an H200).
+BWD_TMA = True
+# Deterministic backward: the dK/dV and dQ kernels read the same inputs and write disjoint outputs, so the dQ kernel
+# can run on a side stream while the dK/dV kernel runs (their programs then share the SMs, and the dK/dV kernel's
+# long-tail programs no longer leave SMs idle).  H200, bf16 backward alone (benchmarks/notes/attention.md, v4): 4k
+# causal 1.45 -> 1.20 ms, 16k window 128 1.07 -> 1.03 ms, 16k causal 15.55 -> 15.71 ms (slightly slower: the
+# 1,024 dK/dV programs already fill the GPU).  "auto": concurrent for windowed layers and for keys up to
+# _CONCURRENT_MAX_SEQLEN; True / False force it.
+BWD_CONCURRENT = "auto"
+_CONCURRENT_MAX_SEQLEN = 8192
+_SIDE_STREAMS: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
 # Triton would otherwise compile a new binary whenever T crosses "divisible by 16" (measured on the H200 in an RL
@@ -527,6 +539,16 @@ def _row_descriptor(t: torch.Tensor, block_rows: int):
     return _TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D])
 
 
+def _side_stream(device: torch.device):
+    """One cached side stream per CUDA device (None elsewhere: the interpreter runs kernels in order anyway)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (no TF32) so that fp32 results match an fp64 reference to ~1e-6
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -616,10 +638,16 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     if atomic_dq:
         dq_mode = 2 if ATOMIC_DQ_MODE == "tma" and _tma_ok(dq32) else 1
     dq_desc = _row_descriptor(dq32, cfg["BLOCK_M"]) if dq_mode == 2 else dq32
-    tma_qdo = BWD_TMA and _tma_ok(q, dout)
+    tma_qdo = BWD_TMA and q.element_size() == 2 and _tma_ok(q, dout)
     q_desc = _row_descriptor(q, cfg["BLOCK_M"]) if tma_qdo else q
     do_desc = _row_descriptor(dout, cfg["BLOCK_M"]) if tma_qdo else dout
     grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
+    concurrent = BWD_CONCURRENT
+    if concurrent == "auto":
+        concurrent = left < _UNBOUNDED or int(max_seqlen_k) <= _CONCURRENT_MAX_SEQLEN
+    side = _side_stream(q.device) if concurrent and not atomic_dq else None
+    if side is not None:  # the dQ kernel below starts on the side stream once delta/lse2 are written
+        side.wait_stream(torch.cuda.current_stream(q.device))
     if T_k > 0 and int(max_seqlen_k) > 0:
         _sink_attn_bwd_dkdv[grid](
             q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, q_desc, do_desc, cu_seqlens_q, cu_seqlens_k,
@@ -633,12 +661,16 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     cfg = _config("dq", D, q.device)
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
-    tma_kv = BWD_TMA and _tma_ok(k, v)
+    tma_kv = BWD_TMA and k.element_size() == 2 and _tma_ok(k, v)
     k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if tma_kv else k
     v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if tma_kv else v
-    _sink_attn_bwd_dq[grid](
-        q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-        dout.stride(1), dq.stride(0), dq.stride(1), T_q, qk_scale, float(softmax_scale), left, right,
-        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, USE_TMA=tma_kv, **cfg)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        _sink_attn_bwd_dq[grid](
+            q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+            dout.stride(1), dq.stride(0), dq.stride(1), T_q, qk_scale, float(softmax_scale), left, right,
+            GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, USE_TMA=tma_kv, **cfg)
+    if side is not None:
+        # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return dq, dk, dv, dsink
