@@ -451,4 +451,6 @@ def _sandbox_fusion_tool(url: str):
 
 
 if __name__ == "__main__":
-    main()
+    # end_training destroys the process group before interpreter exit (under torchrun/accelerate, letting it be
+    # torn down during shutdown can abort a rank after training finished)
+    main().accelerator.end_training()

@@ -28,3 +28,6 @@ trainer.train()
 if trainer.accelerator.is_main_process:
     torch.save(trainer.model.state_dict(), out / "params.pt")
     (out / "history.json").write_text(json.dumps(trainer.state.log_history))
+# destroy the process group explicitly: left to interpreter shutdown, gloo's teardown once aborted a rank here
+# ("terminate called without an active exception") after training had finished
+trainer.accelerator.end_training()
