@@ -515,7 +515,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tune block configs at S=16k first")
     parser.add_argument("--variants", action="store_true",
-                        help="compare the kernel variants (TMA, warp specialisation, dQ reduction) first")
+                        help="compare the kernel variants (TMA loads, concurrent dQ, dQ reduction) first")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks")))
     parser.add_argument("--seqlens", default="4096,16384,32768")
     parser.add_argument("--skip-flex", action="store_true")

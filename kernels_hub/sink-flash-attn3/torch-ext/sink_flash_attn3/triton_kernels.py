@@ -411,16 +411,16 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, Q_desc,
         dq_base = DQ32 + q_start.to(tl.int64) * stride_dqt + off_h * stride_dqh
         dq_col = off_h * HEAD_DIM
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
-                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, a_lo, a_hi,
-                                 len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
+                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d,
+                                 a_lo, a_hi, len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
                                  DOT_PRECISION, DQ_MODE, REVERSE, USE_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
-                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, full_lo,
-                                 full_hi, len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, False,
-                                 DOT_PRECISION, DQ_MODE, REVERSE, USE_TMA)
+                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d,
+                                 full_lo, full_hi, len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M,
+                                 False, DOT_PRECISION, DQ_MODE, REVERSE, USE_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
-                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d, c_lo, c_hi,
-                                 len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
+                                 dq_col, Q_desc, DO_desc, stride_qt, stride_dot, stride_dqt, offs_m0, offs_n, offs_d,
+                                 c_lo, c_hi, len_q, shift, win_left, win_right, qk_scale, sm_scale, BLOCK_M, True,
                                  DOT_PRECISION, DQ_MODE, REVERSE, USE_TMA)
     dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
     dk_ptrs = DK + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkt + off_kh * stride_dkh + offs_d[None, :]
@@ -638,7 +638,8 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     if atomic_dq:
         dq_mode = 2 if ATOMIC_DQ_MODE == "tma" and _tma_ok(dq32) else 1
     dq_desc = _row_descriptor(dq32, cfg["BLOCK_M"]) if dq_mode == 2 else dq32
-    tma_qdo = BWD_TMA and q.element_size() == 2 and _tma_ok(q, dout)
+    bwd_tma = BWD_TMA and q.element_size() == 2  # 16-bit only (see BWD_TMA)
+    tma_qdo = bwd_tma and _tma_ok(q, dout)
     q_desc = _row_descriptor(q, cfg["BLOCK_M"]) if tma_qdo else q
     do_desc = _row_descriptor(dout, cfg["BLOCK_M"]) if tma_qdo else dout
     grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
@@ -661,7 +662,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     cfg = _config("dq", D, q.device)
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
-    tma_kv = BWD_TMA and k.element_size() == 2 and _tma_ok(k, v)
+    tma_kv = bwd_tma and _tma_ok(k, v)
     k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if tma_kv else k
     v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if tma_kv else v
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
