@@ -451,6 +451,5 @@ def _sandbox_fusion_tool(url: str):
 
 
 if __name__ == "__main__":
-    # end_training destroys the process group before interpreter exit (under torchrun/accelerate, letting it be
-    # torn down during shutdown can abort a rank after training finished)
+    # end_training destroys the process group before interpreter exit, as torch.distributed asks
     main().accelerator.end_training()
