@@ -8,6 +8,12 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
 
 - `project`: the project's sink kernel + `experts_implementation="memory_efficient"` + chunked log-probs
   (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`, no `[T, vocab]` logits);
+- `project_sac` / `project_sac_experts` (optional, `--variants`): the project's stack with selective activation
+  checkpointing (`hf_gptoss_rl.checkpointing`): the recompute skips the sink kernel's forward (and the experts op),
+  whose outputs are kept instead (~0.26 GiB and ~1.6 GiB per layer at 32k tokens);
+- `project_sac_experts_liger` / `project_sac_liger` (optional): the same (attention + experts kept / attention
+  kept) plus Liger-Kernel's Triton RMSNorm with GPT-OSS's own rounding
+  (`hf_gptoss_rl.fused_layers.apply_liger_gptoss_rms_norm`); needs `liger-kernel` and CUDA;
 - `flex_grouped_mm`: `flex_attention` (sinks by LSE renormalisation) + `grouped_mm` experts (transformers'
   default) + full-vocabulary logits (`model(..., logits_to_keep=T+1).logits`, fp32 log-softmax), as a stock
   trainer without a fused LM head computes them;
@@ -65,6 +71,36 @@ VARIANTS = {
         "attn": "project",
         "experts": "memory_efficient",
         "logprobs": "chunked",
+    },
+    "project_sac": {
+        "label": "project + selective checkpointing (keeps attention outputs)",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "checkpoint_saves": ("attention",),
+    },
+    "project_sac_experts": {
+        "label": "project + selective checkpointing (keeps attention + experts outputs)",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "checkpoint_saves": ("attention", "experts"),
+    },
+    "project_sac_experts_liger": {
+        "label": "project + selective checkpointing (attention + experts) + Liger RMSNorm",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "checkpoint_saves": ("attention", "experts"),
+        "liger": True,
+    },
+    "project_sac_liger": {
+        "label": "project + selective checkpointing (attention) + Liger RMSNorm",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "checkpoint_saves": ("attention",),
+        "liger": True,
     },
     "flex_grouped_mm": {
         "label": "flex_attention + grouped_mm + full logits",
@@ -205,6 +241,7 @@ def worker(spec: dict) -> dict:
     seq_len = int(spec["seq_len"])
     result = {"variant": spec["variant"], "seq_len": seq_len}
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
+    from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
     from hf_gptoss_rl.testing import gptoss_20b_config, tiny_gptoss_config
     from peft import LoraConfig, get_peft_model
@@ -224,7 +261,16 @@ def worker(spec: dict) -> dict:
     model.set_experts_implementation(variant["experts"])
     if variant["logprobs"] == "chunked":
         add_chunked_logprob_head(model)  # what AgenticGRPOTrainer installs for its chunked log-probs
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant.get("liger"):  # Liger's RMSNorm kernel with GPT-OSS's rounding (hf_gptoss_rl.fused_layers)
+        from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
+
+        apply_liger_gptoss_rms_norm(model)
+    saves = variant.get("checkpoint_saves", ())
+    result["checkpoint_saves"] = list(saves)
+    # selective checkpointing keeps the named ops' outputs instead of recomputing them (hf_gptoss_rl.checkpointing)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=selective_checkpointing_kwargs(saves) if saves else {"use_reentrant": False}
+    )
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
     model.train()
     _sync(device)
@@ -314,6 +360,13 @@ def availability(name: str, device: torch.device) -> str | None:
         return "skipped: flex_attention refuses sinks on CPU"
     if attn == "flash_attention_4" and not flash_attention_4_available():
         return "skipped: flash_attention_4 not importable here (flash-attn CuTe / nvidia-cutlass-dsl missing)"
+    if VARIANTS[name].get("liger"):
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "skipped: liger-kernel not installed"
+        if device.type != "cuda":
+            return "skipped: Liger's Triton kernels need CUDA"
     return None
 
 
@@ -402,12 +455,17 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     lines += ["", "Speed-up of the project's GRPO step over each stock variant at the same S (tokens/s ratio):", ""]
     by_key = {(r["variant"], r["seq_len"]): r for r in results}
     ratio_lines = []
-    for (name, s), r in sorted(by_key.items(), key=lambda kv: kv[0][1]):
-        if name == "project":
-            continue
-        ours, theirs = by_key.get(("project", s), {}).get("grpo_step") or {}, (r.get("grpo_step") or {})
-        if "seconds" in ours and "seconds" in theirs:
-            ratio_lines.append(f"- S={s:,}: {theirs['seconds'] / ours['seconds']:.2f}× vs {VARIANTS[name]['label']}")
+    ours_names = [n for n, v in VARIANTS.items() if v["attn"] == "project"]
+    for s in sorted({r["seq_len"] for r in results}):
+        for ours_name in ours_names:
+            ours = (by_key.get((ours_name, s)) or {}).get("grpo_step") or {}
+            for name in VARIANTS:
+                theirs = (by_key.get((name, s)) or {}).get("grpo_step") or {}
+                if name not in ours_names and "seconds" in ours and "seconds" in theirs:
+                    ratio_lines.append(
+                        f"- S={s:,}: {ours_name}: {theirs['seconds'] / ours['seconds']:.2f}× vs "
+                        f"{VARIANTS[name]['label']}"
+                    )
     lines += ratio_lines or ["- (no pair measured)"]
     lines += ["", f"![full step]({meta['png_name']})", ""]
     profiled = [r for r in results if r.get("step_profile")]

@@ -50,13 +50,15 @@ def _store_pairs(ptr, rows64, stride, col0, row_mask, n_inter, even, odd, BLOCK_
 
 @triton.jit
 def _gate_forward_kernel(
-    pre_ptr,  # [R, 2I] up-projection output without bias; overwritten with pre + bias when STORE_PRE
+    pre_ptr,  # [R, 2I] up-projection output without bias
+    pre_out_ptr,  # [R, 2I] receives pre + bias when STORE_PRE (may be pre_ptr itself: in place)
     bias_ptr,  # [E, 2I]
     expert_ptr,  # [R] global expert id of each row
     h_ptr,  # [R, I] gate output (unused when not WRITE_H)
     n_rows,
     n_inter,
     stride_pre,
+    stride_pre_out,
     stride_bias,
     stride_h,
     alpha,
@@ -80,7 +82,7 @@ def _gate_forward_kernel(
     gate = (gate.to(tl.float32) + gate_b.to(tl.float32)).to(pre_ptr.dtype.element_ty)
     up = (up.to(tl.float32) + up_b.to(tl.float32)).to(pre_ptr.dtype.element_ty)
     if STORE_PRE:
-        _store_pairs(pre_ptr, rows64, stride_pre, col0, row_mask, n_inter, gate, up, BLOCK_M, BLOCK_N)
+        _store_pairs(pre_out_ptr, rows64, stride_pre_out, col0, row_mask, n_inter, gate, up, BLOCK_M, BLOCK_N)
 
     if WRITE_H:
         gate = tl.minimum(gate.to(tl.float32), limit)
@@ -186,8 +188,11 @@ def gate_forward(
     limit: float,
     write_h: bool = True,
     store_pre: bool = True,
+    pre_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Return the gated activation `[R, I]` (or None); with `store_pre`, add the expert bias to `pre` in place."""
+    """Return the gated activation `[R, I]` (or None); with `store_pre`, write `pre` + expert bias to `pre_out`
+    (default: `pre` itself, in place)."""
+    pre_out = pre if pre_out is None else pre_out
     n_rows, two_inter = pre.shape
     n_inter = two_inter // 2
     h = torch.empty(n_rows, n_inter, device=pre.device, dtype=pre.dtype) if write_h else pre
@@ -196,8 +201,9 @@ def gate_forward(
     block_m, block_n = 32, 64
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_inter, block_n))
     _gate_forward_kernel[grid](
-        pre, bias, expert, h, n_rows, n_inter, pre.stride(0), bias.stride(0), h.stride(0),
-        float(alpha), float(limit), STORE_PRE=store_pre, WRITE_H=write_h, BLOCK_M=block_m, BLOCK_N=block_n,
+        pre, pre_out, bias, expert, h, n_rows, n_inter, pre.stride(0), pre_out.stride(0), bias.stride(0),
+        h.stride(0), float(alpha), float(limit),
+        STORE_PRE=store_pre, WRITE_H=write_h, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return h if write_h else None
 

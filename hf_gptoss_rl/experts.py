@@ -15,10 +15,12 @@ How it saves memory (S = tokens × top_k token-expert pairs):
   chunks of at most ``chunk_rows`` pairs. A chunk gathers its token rows, runs the up projection, the gate
   and the down projection, and scatter-adds ``w * (y + b_down)`` into an fp32 ``[T, H]`` accumulator. No
   ``[S, H]`` or ``[S, 2I]`` tensor exists in the no-grad pass, and expert weights are sliced, never copied.
-- Training goes through :class:`MemoryEfficientExpertsFunction`, which saves only the biased up-projection
-  output (``[S, 2I]``, or nothing with ``recompute_gate_up=True``) and recomputes the gate activations in
-  the backward. Weight and bias gradients are skipped when the experts are frozen (PEFT LoRA on attention),
-  the routing-weight gradient when the router is frozen.
+- Training goes through the custom op ``hf_gptoss_rl::memory_efficient_experts`` (forward and backward ops
+  joined by ``register_autograd``), which saves only the biased up-projection output (``[S, 2I]``, or nothing
+  with ``recompute_gate_up=True``) and recomputes the gate activations in the backward. Being one op, its
+  outputs can be kept by selective activation checkpointing (``hf_gptoss_rl.checkpointing``), which then skips
+  the whole experts forward in the recompute. Weight and bias gradients are skipped when the experts are
+  frozen (PEFT LoRA on attention), the routing-weight gradient when the router is frozen.
 - EP sentinel indices (``>= num_experts``) are sorted to the tail and never processed: they contribute
   nothing to the output and get a zero routing-weight gradient, as transformers' ``grouped_mm`` does.
 
@@ -44,7 +46,7 @@ except Exception:  # pragma: no cover - triton missing or unusable on this machi
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
-    "MemoryEfficientExpertsFunction",
+    "EXPERTS_OP",
     "memory_efficient_experts_forward",
 ]
 
@@ -207,11 +209,15 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or backend == "triton"
 
 
-def _gate_forward(pre, bias, expert, alpha, limit, write_h=True, store_pre=True):
-    """Return the gated activation of `pre` + bias; `store_pre`: keep the biased `pre` (rounded) in place."""
+def _gate_forward(pre, bias, expert, alpha, limit, write_h=True, store_pre=True, pre_out=None):
+    """Return the gated activation of `pre` + bias; `store_pre`: write the biased `pre` (rounded) to `pre_out`
+    (default: `pre` itself, in place)."""
     if _use_triton(pre):
-        return _experts_triton.gate_forward(pre, bias, expert, alpha, limit, write_h, store_pre)
-    pre.add_(bias.index_select(0, expert))
+        return _experts_triton.gate_forward(pre, bias, expert, alpha, limit, write_h, store_pre, pre_out)
+    if pre_out is not None and pre_out is not pre:
+        pre = torch.add(pre, bias.index_select(0, expert), out=pre_out)
+    else:
+        pre.add_(bias.index_select(0, expert))
     if not write_h:
         return None
     gate, up = pre[:, 0::2].float(), pre[:, 1::2].float()
@@ -252,24 +258,24 @@ def _scatter_add_rows(dst, src, index, w=None, bias=None, expert=None):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Forward over chunks, and the autograd function.
+# Forward over chunks, and the training ops (forward + backward custom ops).
 # --------------------------------------------------------------------------------------------------------
 
 
 def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, alpha, limit, save_pre):
-    """Return (fp32 [T, H] output, list of biased pre-activation chunks when `save_pre`)."""
+    """Return (fp32 [T, H] output, the biased pre-activations [S_valid, 2I] in sorted-pair order when `save_pre`)."""
     use_grouped_mm = _grouped_mm_supported(x)
     out = torch.zeros(plan.num_tokens, x.shape[1], device=x.device, dtype=torch.float32)
-    saved = []
+    # One buffer for every chunk's biased pre-activation: the gate kernel writes there directly (no copy).
+    saved = x.new_empty(plan.num_valid, gate_up.shape[-1]) if save_pre else None
     for chunk in plan.chunks:
         token = plan.token[chunk.start : chunk.stop]
         expert = plan.expert[chunk.start : chunk.stop]
         x_chunk = x.index_select(0, token)
         pre = _gmm(x_chunk, gate_up[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)
         del x_chunk
-        h = _gate_forward(pre, gate_up_bias, expert, alpha, limit, store_pre=save_pre)
-        if save_pre:
-            saved.append(pre)
+        pre_out = saved[chunk.start : chunk.stop] if save_pre else None
+        h = _gate_forward(pre, gate_up_bias, expert, alpha, limit, store_pre=save_pre, pre_out=pre_out)
         del pre
         y = _gmm(h, down[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)
         del h
@@ -277,114 +283,169 @@ def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, 
     return out, saved
 
 
-class MemoryEfficientExpertsFunction(torch.autograd.Function):
-    """GPT-OSS experts with a chunked forward and a backward that recomputes the gate activations.
+# The training path is a pair of custom ops (forward, backward) joined by `register_autograd`, rather than an
+# autograd.Function: an op is one unit to the dispatcher, so selective activation checkpointing
+# (`hf_gptoss_rl.checkpointing`) can keep its outputs and skip the whole experts forward in the recompute.
+EXPERTS_OP = "hf_gptoss_rl::memory_efficient_experts"
 
-    Saves the input, the sorted routing plan and the biased up-projection output ``[S, 2I]`` (or, with
-    ``recompute_gate_up``, nothing of size S: the backward re-runs the up projection chunk by chunk).
-    Gradients are computed only for the inputs that need them.
+
+@torch.library.custom_op(EXPERTS_OP, mutates_args=())
+def _experts_op(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_proj_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_proj_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+    chunk_rows: int,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts output `[T, H]` (input dtype) and the biased pre-activations `[S_valid, 2I]` for the backward (`[0, 2I]`
+    without `save_pre`: the backward recomputes the up projection chunk by chunk)."""
+    plan = _plan_routing(top_k_index, gate_up_proj.shape[0], chunk_rows)
+    out, saved = _experts_forward(
+        hidden_states, _sorted_weights(top_k_weights, plan), plan, gate_up_proj, gate_up_proj_bias, down_proj,
+        down_proj_bias, alpha, limit, save_pre,
+    )  # fmt: skip
+    if saved is None:
+        saved = hidden_states.new_empty(0, gate_up_proj.shape[-1])
+    return out.to(hidden_states.dtype), saved
+
+
+@_experts_op.register_fake
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+      alpha, limit, chunk_rows, save_pre):  # fmt: skip
+    rows = torch.library.get_ctx().new_dynamic_size() if save_pre else 0  # pairs routed to a real expert
+    return torch.empty_like(hidden_states), hidden_states.new_empty(rows, gate_up_proj.shape[-1])
+
+
+@torch.library.custom_op("hf_gptoss_rl::memory_efficient_experts_backward", mutates_args=())
+def _experts_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    saved_pre: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down: torch.Tensor,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+    chunk_rows: int,
+    needs_grad: list[bool],
+) -> list[torch.Tensor]:
+    """Gradients of (x, top_k_weights, gate_up, gate_up_bias, down, down_bias); an empty tensor where not needed.
+
+    The routing plan is rebuilt from `top_k_index` (a stable sort: the same plan as the forward's).
     """
+    need_x, need_w, need_gu, need_gub, need_d, need_db = needs_grad
+    plan = _plan_routing(top_k_index, gate_up.shape[0], chunk_rows)
+    w_sorted = _sorted_weights(top_k_weights, plan)
+    saved = saved_pre if saved_pre.shape[0] > 0 else None  # empty: recompute the up projection
+    use_grouped_mm = _grouped_mm_supported(x)
+    grad_out = grad_out.to(x.dtype).contiguous()
 
-    @staticmethod
-    def forward(
-        ctx,
-        hidden_states: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        plan: _RoutingPlan,
-        gate_up_proj: torch.Tensor,
-        gate_up_proj_bias: torch.Tensor,
-        down_proj: torch.Tensor,
-        down_proj_bias: torch.Tensor,
-        alpha: float,
-        limit: float,
-        recompute_gate_up: bool,
-    ) -> torch.Tensor:
-        w_sorted = _sorted_weights(top_k_weights, plan)
-        out, saved = _experts_forward(
-            hidden_states, w_sorted, plan, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
-            alpha, limit, save_pre=not recompute_gate_up,
-        )  # fmt: skip
-        ctx.plan, ctx.alpha, ctx.limit, ctx.recompute = plan, alpha, limit, recompute_gate_up
-        ctx.weights_dtype = top_k_weights.dtype
-        ctx.save_for_backward(
-            hidden_states, w_sorted, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, *saved
-        )
-        return out.to(hidden_states.dtype)
+    grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32) if need_x else None
+    grad_w_sorted = torch.zeros(plan.perm.shape[0], device=x.device, dtype=torch.float32) if need_w else None
+    # Expert weight gradients are written chunk by chunk: copied where an expert is first seen, added only
+    # for the one expert a chunk boundary splits; experts no chunk touches are zeroed.
+    grad_gu = torch.empty_like(gate_up) if need_gu else None
+    grad_gub = torch.zeros_like(gate_up_bias) if need_gub else None
+    grad_d = torch.empty_like(down) if need_d else None
+    grad_db = torch.zeros_like(down_bias) if need_db else None
+    written_hi = 0  # experts [0, written_hi) hold a gradient already
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        x, w_sorted, gate_up, gate_up_bias, down, down_bias, *saved = ctx.saved_tensors
-        plan, alpha, limit = ctx.plan, ctx.alpha, ctx.limit
-        need_x, need_w, _, need_gu, need_gub, need_d, need_db = ctx.needs_input_grad[:7]
-        use_grouped_mm = _grouped_mm_supported(x)
-        grad_out = grad_out.to(x.dtype).contiguous()
-
-        grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32) if need_x else None
-        grad_w_sorted = torch.zeros(plan.perm.shape[0], device=x.device, dtype=torch.float32) if need_w else None
-        # Expert weight gradients are written chunk by chunk: copied where an expert is first seen, added only
-        # for the one expert a chunk boundary splits; experts no chunk touches are zeroed.
-        grad_gu = torch.empty_like(gate_up) if need_gu else None
-        grad_gub = torch.zeros_like(gate_up_bias) if need_gub else None
-        grad_d = torch.empty_like(down) if need_d else None
-        grad_db = torch.zeros_like(down_bias) if need_db else None
-        written_hi = 0  # experts [0, written_hi) hold a gradient already
-
-        for index, chunk in enumerate(plan.chunks):
-            lo, hi = chunk.expert_lo, chunk.expert_hi
-            split_expert = lo < written_hi
-            for grad in (grad_gu, grad_d):
-                if grad is not None and lo > written_hi:  # empty experts between two chunks
-                    grad[written_hi:lo].zero_()
-            token = plan.token[chunk.start : chunk.stop]
-            expert = plan.expert[chunk.start : chunk.stop]
-            w = w_sorted[chunk.start : chunk.stop]
-            x_chunk = x.index_select(0, token) if (need_gu or ctx.recompute) else None
-            if ctx.recompute:
-                pre = _gmm(x_chunk, gate_up[lo:hi], chunk, use_grouped_mm)
-                _gate_forward(pre, gate_up_bias, expert, alpha, limit, write_h=False)
-            else:
-                pre = saved[index]
-            dy = grad_out.index_select(0, token)
-            g = _gmm(dy, down[lo:hi].transpose(1, 2), chunk, use_grouped_mm)  # dOut @ W_downᵀ, unweighted
-            dpre, hw, dw = _gate_backward(pre, g, w, alpha, limit, write_hw=need_d, write_dw=need_w)
-            del g, pre
-            if need_w:
-                # d w = dOut · (h @ W_down + b_down) = rowsum(g * h) + dOut · b_down
-                local = (expert - lo).unsqueeze(1)
-                dw += (dy @ down_bias[lo:hi].t()).gather(1, local).squeeze(1).float()
-                grad_w_sorted[chunk.start : chunk.stop] = dw
-            if need_d:
-                _write_weight_grad(grad_d, _gmm_weight_grad(hw.t(), dy, chunk, use_grouped_mm), lo, split_expert)
-            del hw
-            if need_db:
-                grad_db[lo:hi] += _segment_sum(dy, chunk, expert, w)
-            del dy
-            if need_gu:
-                part = _gmm_weight_grad(x_chunk.t(), dpre, chunk, use_grouped_mm)
-                _write_weight_grad(grad_gu, part, lo, split_expert)
-                del part
-            del x_chunk
-            if need_gub:
-                grad_gub[lo:hi] += _segment_sum(dpre, chunk, expert, None)
-            if need_x:
-                dx = _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)
-                _scatter_add_rows(grad_x, dx, token)
-                del dx
-            del dpre
-            written_hi = hi
-
+    for chunk in plan.chunks:
+        lo, hi = chunk.expert_lo, chunk.expert_hi
+        split_expert = lo < written_hi
         for grad in (grad_gu, grad_d):
-            if grad is not None:
-                grad[written_hi:].zero_()  # empty experts after the last chunk (or all, with no chunk)
-        grad_weights = None
+            if grad is not None and lo > written_hi:  # empty experts between two chunks
+                grad[written_hi:lo].zero_()
+        token = plan.token[chunk.start : chunk.stop]
+        expert = plan.expert[chunk.start : chunk.stop]
+        w = w_sorted[chunk.start : chunk.stop]
+        x_chunk = x.index_select(0, token) if (need_gu or saved is None) else None
+        if saved is None:
+            pre = _gmm(x_chunk, gate_up[lo:hi], chunk, use_grouped_mm)
+            _gate_forward(pre, gate_up_bias, expert, alpha, limit, write_h=False)
+        else:
+            pre = saved[chunk.start : chunk.stop]
+        dy = grad_out.index_select(0, token)
+        g = _gmm(dy, down[lo:hi].transpose(1, 2), chunk, use_grouped_mm)  # dOut @ W_downᵀ, unweighted
+        dpre, hw, dw = _gate_backward(pre, g, w, alpha, limit, write_hw=need_d, write_dw=need_w)
+        del g, pre
         if need_w:
-            flat = torch.zeros_like(grad_w_sorted)
-            flat[plan.perm] = grad_w_sorted  # sentinel pairs keep a zero gradient
-            grad_weights = flat.view(plan.num_tokens, plan.top_k).to(ctx.weights_dtype)
-        if grad_x is not None:
-            grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_weights, None, grad_gu, grad_gub, grad_d, grad_db, None, None, None
+            # d w = dOut · (h @ W_down + b_down) = rowsum(g * h) + dOut · b_down
+            local = (expert - lo).unsqueeze(1)
+            dw += (dy @ down_bias[lo:hi].t()).gather(1, local).squeeze(1).float()
+            grad_w_sorted[chunk.start : chunk.stop] = dw
+        if need_d:
+            _write_weight_grad(grad_d, _gmm_weight_grad(hw.t(), dy, chunk, use_grouped_mm), lo, split_expert)
+        del hw
+        if need_db:
+            grad_db[lo:hi] += _segment_sum(dy, chunk, expert, w)
+        del dy
+        if need_gu:
+            part = _gmm_weight_grad(x_chunk.t(), dpre, chunk, use_grouped_mm)
+            _write_weight_grad(grad_gu, part, lo, split_expert)
+            del part
+        del x_chunk
+        if need_gub:
+            grad_gub[lo:hi] += _segment_sum(dpre, chunk, expert, None)
+        if need_x:
+            dx = _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)
+            _scatter_add_rows(grad_x, dx, token)
+            del dx
+        del dpre
+        written_hi = hi
+
+    for grad in (grad_gu, grad_d):
+        if grad is not None:
+            grad[written_hi:].zero_()  # empty experts after the last chunk (or all, with no chunk)
+    grad_weights = None
+    if need_w:
+        flat = torch.zeros_like(grad_w_sorted)
+        flat[plan.perm] = grad_w_sorted  # sentinel pairs keep a zero gradient
+        grad_weights = flat.view(plan.num_tokens, plan.top_k)
+    if grad_x is not None:
+        grad_x = grad_x.to(x.dtype)
+    grads = (grad_x, grad_weights, grad_gu, grad_gub, grad_d, grad_db)
+    return [x.new_empty(0) if g is None else g for g in grads]
+
+
+@_experts_backward_op.register_fake
+def _(grad_out, x, top_k_index, top_k_weights, saved_pre, gate_up, gate_up_bias, down, down_bias, alpha, limit,
+      chunk_rows, needs_grad):  # fmt: skip
+    like = (x, top_k_weights.float(), gate_up, gate_up_bias, down, down_bias)
+    return [torch.empty_like(t) if need else x.new_empty(0) for t, need in zip(like, needs_grad)]
+
+
+def _experts_setup_context(ctx, inputs, output):
+    x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, alpha, limit, chunk_rows, _ = inputs
+    ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, output[1])
+    ctx.params = (alpha, limit, chunk_rows)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _experts_backward(ctx, grad_out, _grad_saved):
+    x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, saved_pre = ctx.saved_tensors
+    need_x, _, need_w, *need_params = ctx.needs_input_grad[:7]
+    needs = [need_x, need_w, *need_params]
+    grads = _experts_backward_op(
+        grad_out.contiguous(), x, top_k_index, top_k_weights, saved_pre, gate_up, gate_up_bias, down, down_bias,
+        *ctx.params, needs,
+    )  # fmt: skip
+    grad_x, grad_w, grad_gu, grad_gub, grad_d, grad_db = (g if need else None for g, need in zip(grads, needs))
+    if grad_w is not None:
+        grad_w = grad_w.to(top_k_weights.dtype)
+    return grad_x, None, grad_w, grad_gu, grad_gub, grad_d, grad_db, None, None, None, None
+
+
+torch.library.register_autograd(EXPERTS_OP, _experts_backward, setup_context=_experts_setup_context)
 
 
 def _write_weight_grad(grad: torch.Tensor, part: torch.Tensor, lo: int, split_expert: bool) -> None:
@@ -458,7 +519,6 @@ def memory_efficient_experts_forward(
     weights = (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
     # Like transformers' grouped_mm: compute in the weights' dtype (autocast can hand us fp32 activations).
     x = hidden_states.to(self.gate_up_proj.dtype).contiguous()
-    plan = _plan_routing(top_k_index, self.num_experts, chunk_rows)
 
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or top_k_weights.requires_grad or any(p.requires_grad for p in weights)
@@ -466,10 +526,10 @@ def memory_efficient_experts_forward(
     # Everything runs in the weights' dtype on purpose: autocast must not recast the chunk matmuls.
     with torch.autocast(device_type=x.device.type, enabled=False):
         if needs_grad:
-            out = MemoryEfficientExpertsFunction.apply(x, top_k_weights, plan, *weights, alpha, limit, recompute)
+            out, _ = _experts_op(x, top_k_index, top_k_weights, *weights, alpha, limit, chunk_rows, not recompute)
         else:
-            w_sorted = _sorted_weights(top_k_weights, plan)
-            out, _ = _experts_forward(x, w_sorted, plan, *weights, alpha, limit, False)
+            plan = _plan_routing(top_k_index, self.num_experts, chunk_rows)
+            out, _ = _experts_forward(x, _sorted_weights(top_k_weights, plan), plan, *weights, alpha, limit, False)
     return out.to(hidden_states.dtype)
 
 

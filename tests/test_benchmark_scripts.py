@@ -242,7 +242,8 @@ def test_full_step_runs_on_cpu(tmp_path):
         [
             "benchmarks/full_step.py",
             "--model", "tiny", "--device", "cpu", "--seq-lens", "64",
-            "--variants", "project,eager_grouped_mm,flex_grouped_mm", "--max-seconds", "200", "--profile",
+            "--variants", "project,project_sac_experts,eager_grouped_mm,flex_grouped_mm", "--max-seconds", "200",
+            "--profile",
             "--out", str(tmp_path),
         ]
     )  # fmt: skip
@@ -251,7 +252,7 @@ def test_full_step_runs_on_cpu(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     results = {r["variant"]: r for r in json.loads((tmp_path / "full_step.json").read_text())["results"]}
     assert "skipped" in results["flex_grouped_mm"]["skip"]
-    for name in ("project", "eager_grouped_mm"):
+    for name in ("project", "project_sac_experts", "eager_grouped_mm"):
         r = results[name]
         assert "error" not in r, r
         for key in ("grpo_step", "logprob_pass", "plain_step"):
@@ -259,6 +260,8 @@ def test_full_step_runs_on_cpu(tmp_path):
         assert r["lora_grads_finite"]
         assert r["trainable_params"] < r["params"] / 5  # LoRA only
     assert results["project"]["attn_implementation"] in (common.DIRECT_KERNEL_ATTENTION, KERNEL_REPO_ID)
+    assert results["project_sac_experts"]["checkpoint_saves"] == ["attention", "experts"]
+    assert "project_sac_experts: " in (tmp_path / "full_step.md").read_text()  # its own speed-up line
     # --profile: one profiled step per run, ops ranked by self time; the project's attention is its custom op
     prof = results["project"]["step_profile"]
     shares = [t["share"] for t in prof["top"]]

@@ -422,3 +422,33 @@ def test_sequence_parallel_matches_data_parallel(tmp_path):
     assert [h["grad_norm"] for h in sp_log if "grad_norm" in h] == pytest.approx(dp_norms, rel=1e-4, abs=1e-7)
     for name, tensor in dp_params.items():
         torch.testing.assert_close(sp_params[name], tensor, rtol=0, atol=2e-5)
+
+
+def test_checkpoint_saves_make_gradient_checkpointing_selective(tmp_path, tokenizer):
+    """`checkpoint_saves` turns the checkpointing Trainer.train enables into selective checkpointing."""
+    with pytest.raises(ValueError, match="checkpoint_saves: unknown"):
+        make_config(tmp_path, checkpoint_saves=["mlp"])
+    with pytest.raises(ValueError, match="non-reentrant"):
+        make_config(tmp_path, checkpoint_saves="attention", gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert make_config(tmp_path, checkpoint_saves="attention, experts").checkpoint_saves == ["attention", "experts"]
+
+    trainer, _ = scripted_trainer(
+        tmp_path,
+        tokenizer,
+        max_steps=1,
+        attn_implementation="hf-gptoss-rl/sink-flash-attn3",
+        experts_implementation="memory_efficient",
+        gradient_checkpointing=True,
+        checkpoint_saves=["attention", "experts"],
+    )
+    trainer.train()
+    assert math.isfinite(_logged(trainer, "loss")[0])
+    layer = trainer.model.model.layers[0]
+    assert layer.gradient_checkpointing
+    context_fn = layer._gradient_checkpointing_func.keywords["context_fn"]
+    policy = context_fn.args[0]  # functools.partial(create_selective_checkpoint_contexts, policy)
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    experts_op = torch.ops.hf_gptoss_rl.memory_efficient_experts.default
+    assert policy(None, experts_op) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -77,6 +77,15 @@ class AgenticGRPOConfig(GRPOConfig):
             `"trl"` (TRL's fused LM head, Triton on GPUs) or `"auto"` (`"trl"` where Triton runs, else `"chunked"`).
         logprobs_chunk_size (`int`, defaults to `512`):
             Tokens per `[chunk, vocab]` float32 tile of the `"chunked"` implementation (201,088 × 512 × 4 B = 412 MB).
+        checkpoint_saves (`list[str]`, defaults to `[]`):
+            Selective activation checkpointing (`hf_gptoss_rl.checkpointing`, with `gradient_checkpointing=True`):
+            ops whose outputs are kept instead of recomputed in the backward. `"attention"` (the sink kernel;
+            ~0.26 GiB per layer at 32k tokens for gpt-oss-20b) and `"experts"` (the `memory_efficient` experts;
+            ~1.6 GiB per layer at 32k). Gradients are bitwise those of plain checkpointing. `[]`: plain checkpointing.
+        liger_rms_norm (`bool`, defaults to `False`):
+            Replace GPT-OSS's RMSNorms by Liger-Kernel's Triton RMSNorm with GPT-OSS's own rounding
+            (`hf_gptoss_rl.fused_layers`; CUDA, needs `liger-kernel`). Prefer it to `use_liger_kernel=True`, whose
+            RMSNorm rounds to bf16 before the weight multiply (GPT-OSS and the rollout engines do not).
     """
 
     rollout_backend: str = field(
@@ -111,6 +120,10 @@ class AgenticGRPOConfig(GRPOConfig):
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel degree."})
     logprobs_implementation: str = field(default="auto", metadata={"help": "auto | chunked | trl."})
     logprobs_chunk_size: int = field(default=512, metadata={"help": "Tokens per tile of the chunked log-probs."})
+    checkpoint_saves: list[str] = field(
+        default_factory=list, metadata={"help": "Ops kept under gradient checkpointing: attention, experts."}
+    )
+    liger_rms_norm: bool = field(default=False, metadata={"help": "Liger's RMSNorm with GPT-OSS rounding (CUDA)."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -155,6 +168,15 @@ class AgenticGRPOConfig(GRPOConfig):
             )
         if self.logprobs_chunk_size < 1:
             raise ValueError(f"logprobs_chunk_size must be >= 1, got {self.logprobs_chunk_size}.")
+        if isinstance(self.checkpoint_saves, str):  # the CLI may pass "attention,experts"
+            self.checkpoint_saves = [part.strip() for part in self.checkpoint_saves.split(",") if part.strip()]
+        from hf_gptoss_rl.checkpointing import SAVE_CHOICES
+
+        unknown = sorted(set(self.checkpoint_saves) - set(SAVE_CHOICES))
+        if unknown:
+            raise ValueError(f"checkpoint_saves: unknown {unknown}; choose from {sorted(SAVE_CHOICES)}.")
+        if self.checkpoint_saves and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            raise ValueError("checkpoint_saves needs non-reentrant checkpointing; unset use_reentrant.")
         if self.use_vllm:
             raise ValueError(
                 "AgenticGRPOTrainer generates with its own rollout engine (rollout_backend); set use_vllm=False."

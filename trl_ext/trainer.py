@@ -135,6 +135,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "LoRA under FSDP: exporting merged adapters from sharded weights is not implemented; train LoRA with "
                 "DDP (`accelerate launch --multi_gpu`), or full weights with FSDP."
             )
+        if args.liger_rms_norm:  # after super().__init__: the policy is loaded and on its device
+            from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
+
+            apply_liger_gptoss_rms_norm(self.accelerator.unwrap_model(self.model))
+        if args.checkpoint_saves:
+            self._install_selective_checkpointing()
         if self._use_chunked_logprobs():
             from hf_gptoss_rl.logprobs import add_chunked_logprob_head
 
@@ -199,6 +205,27 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if args.experts_implementation is not None:
             model.set_experts_implementation(args.experts_implementation)
         return model
+
+    def _install_selective_checkpointing(self):
+        """Make every `gradient_checkpointing_enable` call on the policy selective (`args.checkpoint_saves`).
+
+        `Trainer.train` (re-)enables checkpointing from `args.gradient_checkpointing_kwargs`, which must stay
+        JSON-serialisable (it is logged), so the `context_fn` is added at that call rather than stored in the args.
+        """
+        from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
+
+        saves = tuple(self.args.checkpoint_saves)
+        model = self.model
+        enable = model.gradient_checkpointing_enable
+
+        def gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, **kwargs):
+            kwargs_ = dict(gradient_checkpointing_kwargs or {})
+            kwargs_.pop("use_reentrant", None)  # refused for True in the config; False is what we set
+            return enable(gradient_checkpointing_kwargs=selective_checkpointing_kwargs(saves, **kwargs_), **kwargs)
+
+        model.gradient_checkpointing_enable = gradient_checkpointing_enable
+        if self.args.gradient_checkpointing:  # already enabled by TRL for PEFT models: make it selective now
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
 
     def _use_chunked_logprobs(self) -> bool:
         choice = self.args.logprobs_implementation

@@ -1,0 +1,111 @@
+"""Selective activation checkpointing (`hf_gptoss_rl.checkpointing`) on a tiny GPT-OSS, on CPU.
+
+Keeping the sink kernel's and the experts op's outputs must skip exactly those ops in the recompute and leave
+every gradient bitwise equal to plain checkpointing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_gptoss_rl  # noqa: F401  (registers the kernel id and the experts implementation)
+from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
+from hf_gptoss_rl.checkpointing import (
+    selective_checkpoint_policy,
+    selective_checkpointing_kwargs,
+)
+from hf_gptoss_rl.testing import tiny_gptoss_config
+
+pytest.importorskip("kernels")
+from transformers import GptOssForCausalLM  # noqa: E402
+
+VOCAB = 96
+NUM_LAYERS = 2
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that actually run (an op SAC serves from its cache never reaches this outer mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name.endswith("::fwd") and "sink_flash_attn3" in name:
+            self.counts["attention"] += 1
+        elif name == "hf_gptoss_rl::memory_efficient_experts":
+            self.counts["experts"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def state_dict():
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_gptoss_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn_like(layer.self_attn.sinks) * 2.0)
+    return model.state_dict()
+
+
+def run_step(state_dict, checkpoint_kwargs):
+    """One forward + backward; returns (op counts, loss, {name: grad})."""
+    model = GptOssForCausalLM(tiny_gptoss_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS))
+    model.load_state_dict(state_dict)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.set_experts_implementation("memory_efficient")
+    model.train()
+    if checkpoint_kwargs is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    input_ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    counter = OpCounter()
+    with counter:
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return counter.counts, loss.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "save, expected",
+    [
+        ((), {"attention": 2 * NUM_LAYERS, "experts": 2 * NUM_LAYERS}),
+        (("attention",), {"attention": NUM_LAYERS, "experts": 2 * NUM_LAYERS}),
+        ("attention,experts", {"attention": NUM_LAYERS, "experts": NUM_LAYERS}),
+        (("experts",), {"attention": 2 * NUM_LAYERS, "experts": NUM_LAYERS}),
+    ],
+)
+def test_saved_ops_skip_the_recompute_and_gradients_are_bitwise_equal(state_dict, save, expected):
+    plain_counts, plain_loss, plain_grads = run_step(state_dict, {"use_reentrant": False})
+    assert dict(plain_counts) == {"attention": 2 * NUM_LAYERS, "experts": 2 * NUM_LAYERS}  # forward + recompute
+
+    counts, loss, grads = run_step(state_dict, selective_checkpointing_kwargs(save))
+    assert dict(counts) == expected
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys()
+    assert any("sinks" in name for name in grads)
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+def test_selective_checkpointing_matches_no_checkpointing(state_dict):
+    _, ref_loss, ref_grads = run_step(state_dict, None)
+    counts, loss, grads = run_step(state_dict, selective_checkpointing_kwargs(("attention", "experts")))
+    assert dict(counts) == {"attention": NUM_LAYERS, "experts": NUM_LAYERS}
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="unknown checkpoint save target"):
+        selective_checkpoint_policy(("attention", "mlp"))
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        selective_checkpointing_kwargs(("attention",), use_reentrant=True)
+    with pytest.raises(ValueError, match="context_fn"):
+        selective_checkpointing_kwargs(("attention",), context_fn=lambda: None)
