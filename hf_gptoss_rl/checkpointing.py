@@ -33,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 __all__ = [
     "SAVE_CHOICES",
+    "parse_checkpoint_saves",
     "selective_checkpoint_context_fn",
     "selective_checkpoint_policy",
     "selective_checkpointing_kwargs",
@@ -54,11 +55,12 @@ def _is_sink_attention_forward(func) -> bool:
     return name == "fwd" and "sink_flash_attn3" in namespace
 
 
-def _check_save(save: Iterable[str]) -> frozenset[str]:
+def parse_checkpoint_saves(save: Iterable[str] | str) -> list[str]:
+    """`save` as a list of names from `SAVE_CHOICES` (an iterable, or one comma-separated string); bad names raise."""
     if isinstance(save, str):
         save = [part.strip() for part in save.split(",") if part.strip()]
-    chosen = frozenset(save)
-    unknown = sorted(chosen - set(SAVE_CHOICES))
+    chosen = list(dict.fromkeys(save))
+    unknown = sorted(set(chosen) - set(SAVE_CHOICES))
     if unknown:
         raise ValueError(f"unknown checkpoint save target(s) {unknown}; choose from {sorted(SAVE_CHOICES)}")
     return chosen
@@ -69,7 +71,7 @@ def selective_checkpoint_policy(save: Iterable[str] = ("attention",)) -> Callabl
 
     `save`: names from `SAVE_CHOICES` (an iterable, or one comma-separated string such as ``"attention,experts"``).
     """
-    chosen = _check_save(save)
+    chosen = frozenset(parse_checkpoint_saves(save))
 
     def policy(ctx, func, *args, **kwargs):
         if isinstance(func, torch._ops.OpOverload):

@@ -168,13 +168,12 @@ class AgenticGRPOConfig(GRPOConfig):
             )
         if self.logprobs_chunk_size < 1:
             raise ValueError(f"logprobs_chunk_size must be >= 1, got {self.logprobs_chunk_size}.")
-        if isinstance(self.checkpoint_saves, str):  # the CLI may pass "attention,experts"
-            self.checkpoint_saves = [part.strip() for part in self.checkpoint_saves.split(",") if part.strip()]
-        from hf_gptoss_rl.checkpointing import SAVE_CHOICES
+        from hf_gptoss_rl.checkpointing import parse_checkpoint_saves
 
-        unknown = sorted(set(self.checkpoint_saves) - set(SAVE_CHOICES))
-        if unknown:
-            raise ValueError(f"checkpoint_saves: unknown {unknown}; choose from {sorted(SAVE_CHOICES)}.")
+        try:  # the CLI may pass "attention,experts"
+            self.checkpoint_saves = parse_checkpoint_saves(self.checkpoint_saves)
+        except ValueError as e:
+            raise ValueError(f"checkpoint_saves: {e}") from None
         if self.checkpoint_saves and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
             raise ValueError("checkpoint_saves needs non-reentrant checkpointing; unset use_reentrant.")
         if self.use_vllm:
