@@ -14,6 +14,10 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
 - `project_sac_experts_liger` / `project_sac_liger` (optional): the same (attention + experts kept / attention
   kept) plus Liger-Kernel's Triton RMSNorm with GPT-OSS's own rounding
   (`hf_gptoss_rl.fused_layers.apply_liger_gptoss_rms_norm`); needs `liger-kernel` and CUDA;
+  `project_sac_experts_liger_rope` / `project_sac_liger_rope` add the fused rotary embedding
+  (`hf_gptoss_rl.fused_layers.apply_fused_gptoss_rope`);
+  `project_sac_experts_liger_torchlp` is the first of these with the log-prob chunks in PyTorch ops
+  (`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch`) instead of the fused Triton kernels, the CUDA default;
 - `flex_grouped_mm`: `flex_attention` (sinks by LSE renormalisation) + `grouped_mm` experts (transformers'
   default) + full-vocabulary logits (`model(..., logits_to_keep=T+1).logits`, fp32 log-softmax), as a stock
   trainer without a fused LM head computes them;
@@ -91,6 +95,33 @@ VARIANTS = {
         "attn": "project",
         "experts": "memory_efficient",
         "logprobs": "chunked",
+        "checkpoint_saves": ("attention", "experts"),
+        "liger": True,
+    },
+    "project_sac_experts_liger_rope": {
+        "label": "project + SAC (attention + experts) + Liger RMSNorm + fused RoPE",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "checkpoint_saves": ("attention", "experts"),
+        "liger": True,
+        "rope": True,
+    },
+    "project_sac_liger_rope": {
+        "label": "project + SAC (attention) + Liger RMSNorm + fused RoPE",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "checkpoint_saves": ("attention",),
+        "liger": True,
+        "rope": True,
+    },
+    "project_sac_experts_liger_torchlp": {  # the previous log-prob chunk math, to time the fused kernels' share
+        "label": "project + SAC (attention + experts) + Liger RMSNorm, log-prob chunks in PyTorch ops",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "logprobs_backend": "torch",
         "checkpoint_saves": ("attention", "experts"),
         "liger": True,
     },
@@ -259,12 +290,18 @@ def worker(spec: dict) -> dict:
         model.set_attn_implementation(attn)
     result["attn_implementation"] = attn
     model.set_experts_implementation(variant["experts"])
+    if variant.get("logprobs_backend"):  # this worker process only
+        os.environ["HF_GPTOSS_RL_LOGPROBS_BACKEND"] = variant["logprobs_backend"]
     if variant["logprobs"] == "chunked":
         add_chunked_logprob_head(model)  # what AgenticGRPOTrainer installs for its chunked log-probs
     if variant.get("liger"):  # Liger's RMSNorm kernel with GPT-OSS's rounding (hf_gptoss_rl.fused_layers)
         from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
 
         apply_liger_gptoss_rms_norm(model)
+    if variant.get("rope"):  # one Triton kernel each way instead of seven bf16 passes (hf_gptoss_rl.fused_layers)
+        from hf_gptoss_rl.fused_layers import apply_fused_gptoss_rope
+
+        apply_fused_gptoss_rope(model)
     saves = variant.get("checkpoint_saves", ())
     result["checkpoint_saves"] = list(saves)
     # selective checkpointing keeps the named ops' outputs instead of recomputing them (hf_gptoss_rl.checkpointing)
@@ -330,10 +367,13 @@ def profile_step(fn, device, top: int = 25) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(device)
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         fn()
         _sync(device)
     wall = time.perf_counter() - t0
+    by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
+                if e.device_type == DeviceType.CPU and (getattr(e, "self_device_time_total", 0.0) if cuda
+                                                        else e.self_cpu_time_total) > 0]
 
     def self_us(e):
         return getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total
@@ -347,6 +387,9 @@ def profile_step(fn, device, top: int = 25) -> dict:
         "busy_ms": busy_us / 1e3,
         "top": [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "share": self_us(e) / busy_us}
                 for e in ops[:top]],
+        # the same ops split by input shapes (which layer part a `mul` or `copy_` belongs to), for the json only
+        "top_by_shape": [{"op": e.key, "shapes": str(e.input_shapes)[:200], "calls": e.count,
+                          "self_ms": self_us(e) / 1e3} for e in sorted(by_shape, key=self_us, reverse=True)[:2 * top]],
     }
 
 

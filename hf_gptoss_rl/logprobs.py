@@ -9,12 +9,16 @@ turns it into the gradients of the hidden states, the head weight and its bias, 
 Math, with `z = (h W^T + b) / T` for one token, `p = softmax(z)`, `lse = logsumexp(z)`, target `t`:
     log p_t = z_t - lse                          d log p_t / dz = onehot(t) - p
     H       = lse - sum_j p_j z_j                dH / dz        = -p * (z - (lse - H))
-and dz/dlogits = 1/T. Only torch is needed (no TRL, no Triton), so this runs wherever the model runs.
+and dz/dlogits = 1/T. On CUDA the elementwise work on each chunk's logits runs in two fused Triton kernels
+(`hf_gptoss_rl._logprobs_triton`: one read of the logits in the forward, one read and one write in the backward);
+elsewhere the same math runs in PyTorch ops, so this works wherever the model runs. Override with
+`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch|triton` (`triton` on CPU needs TRITON_INTERPRET=1 set before triton is imported).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import types
 from dataclasses import dataclass
 
@@ -31,6 +35,25 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_SIZE = 512
+
+try:  # Triton is optional: the PyTorch path covers CPU and any device Triton cannot drive.
+    from . import _logprobs_triton
+except Exception:  # pragma: no cover - triton missing or unusable on this machine
+    _logprobs_triton = None
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """Fused Triton kernels for float32 logits on CUDA; on CPU only when asked (tests, under TRITON_INTERPRET=1)."""
+    backend = os.environ.get("HF_GPTOSS_RL_LOGPROBS_BACKEND", "auto")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"HF_GPTOSS_RL_LOGPROBS_BACKEND must be auto, torch or triton, got {backend!r}")
+    if backend == "torch" or t.dtype == torch.float64:  # float64 inputs: float64 math, in PyTorch
+        return False
+    if _logprobs_triton is None:
+        if backend == "triton":
+            raise RuntimeError("HF_GPTOSS_RL_LOGPROBS_BACKEND=triton but triton could not be imported")
+        return False
+    return t.is_cuda or backend == "triton"
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -52,6 +75,17 @@ def _chunk_logits(hidden, weight, bias, temperature):
     return logits / temperature
 
 
+def _accumulate_head_grads(grad_logits, h, weight, start, end, grad_hidden, grad_weight, grad_bias, acc):
+    """One chunk's logit gradient `[C, V]` -> the hidden states' rows, the head weight's and bias' sums."""
+    if grad_hidden is not None:
+        # each token's hidden gradient is one matmul over the vocabulary (accumulated in fp32 by the GEMM)
+        grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(acc)
+    if grad_weight is not None:
+        grad_weight += grad_logits.to(acc).t() @ h.to(acc)  # summed over chunks: keep fp32
+    if grad_bias is not None:
+        grad_bias += grad_logits.to(acc).sum(0)
+
+
 class ChunkedLogProbs(torch.autograd.Function):
     """`log_softmax((hidden @ weight.T + bias) / T)[target]` and the entropy, chunked over tokens.
 
@@ -66,8 +100,16 @@ class ChunkedLogProbs(torch.autograd.Function):
         logps = torch.empty(n, device=hidden.device, dtype=acc)
         entropy = torch.empty_like(logps)
         lse = torch.empty_like(logps)
+        fused = _use_triton(hidden)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
+            if fused:  # raw fp32 logits; bias, temperature and every reduction in one Triton pass
+                logits = _mm_fp32(hidden[start:end], weight.t())
+                lse[start:end], logps[start:end], entropy[start:end] = _logprobs_triton.row_stats(
+                    logits, bias, targets[start:end], 1.0 / temperature
+                )
+                del logits
+                continue
             z = _chunk_logits(hidden[start:end], weight, bias, temperature)  # [C, V] float32
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[start:end] = chunk_lse
@@ -90,9 +132,20 @@ class ChunkedLogProbs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_w else None
         grad_bias = torch.zeros_like(bias, dtype=acc) if (need_b and bias is not None) else None
         n = hidden.shape[0]
+        fused = _use_triton(hidden)
+        # the hidden-state gradient's matmul runs in the head's dtype; weight / bias gradients need fp32 logits
+        grad_dtype = acc if (grad_weight is not None or grad_bias is not None) else weight.dtype
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             h = hidden[start:end]
+            if fused:
+                grad_logits = _logprobs_triton.grad_logits(
+                    _mm_fp32(h, weight.t()), bias, targets[start:end], lse[start:end], entropy[start:end],
+                    None if grad_logps is None else grad_logps[start:end],
+                    None if grad_entropy is None else grad_entropy[start:end], 1.0 / temperature, grad_dtype,
+                )
+                _accumulate_head_grads(grad_logits, h, weight, start, end, grad_hidden, grad_weight, grad_bias, acc)
+                continue
             z = _chunk_logits(h, weight, bias, temperature)  # [C, V] float32
             p = torch.exp(z - lse[start:end].unsqueeze(-1))
             # d loss / dz = p * (-g_logp - g_H * (z - E_p[z])) + onehot(target) * g_logp, built in z's buffer
@@ -111,13 +164,7 @@ class ChunkedLogProbs(torch.autograd.Function):
             if g_lp is not None:
                 grad_logits.scatter_add_(-1, targets[start:end].unsqueeze(-1), g_lp)
             grad_logits.div_(temperature)  # dz/dlogits = 1/T
-            if grad_hidden is not None:
-                # each token's hidden gradient is one matmul over the vocabulary (accumulated in fp32 by the GEMM)
-                grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(acc)
-            if grad_weight is not None:
-                grad_weight += grad_logits.t() @ h.to(acc)  # summed over chunks: keep fp32
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
+            _accumulate_head_grads(grad_logits, h, weight, start, end, grad_hidden, grad_weight, grad_bias, acc)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),

@@ -283,3 +283,28 @@ def test_full_step_reports_a_crashing_run_without_stopping(tmp_path, monkeypatch
     )
     assert results[0]["error"].startswith("OOM")
     assert "OOM" in (tmp_path / "full_step.md").read_text()
+
+
+def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypatch):
+    """`benchmarks/logprobs.py` (GPU-only for timing): its three variants compute the same log-probs / entropies on a
+    small head on CPU (the fused one in Triton's interpreter), and its report renders from the committed json."""
+    import os
+
+    import logprobs as bench
+
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 16)
+    weight = torch.randn(300, 16)
+    targets = torch.randint(0, 300, (6,))
+    logp_all = torch.log_softmax((hidden.double() @ weight.double().t()) / 0.8, dim=-1)
+    ref = (logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1))
+    names = ["full_logits", "chunked_torch"] + (["chunked_fused"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    for name in names:
+        lp, ent = bench.run_variant(name, hidden, weight, targets, 0.8)
+        torch.testing.assert_close(lp.double(), ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.double(), ref[1], rtol=1e-5, atol=1e-5)
+    assert "HF_GPTOSS_RL_LOGPROBS_BACKEND" not in os.environ  # the variant switch does not leak
+    saved = json.loads((REPO / "docs" / "benchmarks" / "logprobs.json").read_text())
+    bench.write_report(tmp_path, {int(s): v for s, v in saved["results"].items()}, saved["correctness"], saved["meta"])
+    text = (tmp_path / "logprobs.md").read_text()
+    assert "| 32768 | chunked_fused |" in text and "d hidden" in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -422,6 +423,22 @@ def test_sequence_parallel_matches_data_parallel(tmp_path):
     assert [h["grad_norm"] for h in sp_log if "grad_norm" in h] == pytest.approx(dp_norms, rel=1e-4, abs=1e-7)
     for name, tensor in dp_params.items():
         torch.testing.assert_close(sp_params[name], tensor, rtol=0, atol=2e-5)
+
+
+def test_fused_rope_routes_the_policy_through_the_kernel(tmp_path, tokenizer, monkeypatch):
+    """`fused_rope=True` installs the fused rotary dispatcher; training (CPU, Triton interpreter) stays finite."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(modeling_gpt_oss, "apply_rotary_pos_emb", modeling_gpt_oss.apply_rotary_pos_emb)
+    monkeypatch.setenv("HF_GPTOSS_RL_ROPE_BACKEND", "triton")
+    original = modeling_gpt_oss.apply_rotary_pos_emb
+    trainer, _ = scripted_trainer(tmp_path, tokenizer, max_steps=1, fused_rope=True)
+    assert modeling_gpt_oss.apply_rotary_pos_emb.hf_gptoss_rl_original is original
+    trainer.train()
+    assert math.isfinite(_logged(trainer, "loss")[0])
 
 
 def test_checkpoint_saves_make_gradient_checkpointing_selective(tmp_path, tokenizer):

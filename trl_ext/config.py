@@ -86,6 +86,10 @@ class AgenticGRPOConfig(GRPOConfig):
             Replace GPT-OSS's RMSNorms by Liger-Kernel's Triton RMSNorm with GPT-OSS's own rounding
             (`hf_gptoss_rl.fused_layers`; CUDA, needs `liger-kernel`). Prefer it to `use_liger_kernel=True`, whose
             RMSNorm rounds to bf16 before the weight multiply (GPT-OSS and the rollout engines do not).
+        fused_rope (`bool`, defaults to `False`):
+            Apply GPT-OSS's rotary embedding with one Triton kernel each way (`hf_gptoss_rl.fused_layers`; fp32 math
+            rounded once, no copy before the attention call) instead of seven bf16 elementwise passes. Swaps the
+            GPT-OSS modeling module's `apply_rotary_pos_emb` for a dispatcher that keeps the original for CPU tensors.
     """
 
     rollout_backend: str = field(
@@ -124,6 +128,7 @@ class AgenticGRPOConfig(GRPOConfig):
         default_factory=list, metadata={"help": "Ops kept under gradient checkpointing: attention, experts."}
     )
     liger_rms_norm: bool = field(default=False, metadata={"help": "Liger's RMSNorm with GPT-OSS rounding (CUDA)."})
+    fused_rope: bool = field(default=False, metadata={"help": "GPT-OSS rotary embedding in one Triton kernel (CUDA)."})
 
     def __post_init__(self):
         super().__post_init__()

@@ -139,6 +139,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
 
             apply_liger_gptoss_rms_norm(self.accelerator.unwrap_model(self.model))
+        if args.fused_rope:
+            from hf_gptoss_rl.fused_layers import apply_fused_gptoss_rope
+
+            apply_fused_gptoss_rope(self.accelerator.unwrap_model(self.model))
         if args.checkpoint_saves:
             self._install_selective_checkpointing()
         if self._use_chunked_logprobs():

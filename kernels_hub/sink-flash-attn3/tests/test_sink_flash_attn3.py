@@ -230,6 +230,8 @@ BAD_INPUTS = {
     "softcap": (lambda q, k, v, cu: dict(softcap=30.0), "softcap"),
     "alibi": (lambda q, k, v, cu: dict(alibi_slopes=torch.ones(4)), "ALiBi"),
     "window": (lambda q, k, v, cu: dict(window_size=(-2, 0)), "window_size"),
+    "negative scale": (lambda q, k, v, cu: dict(softmax_scale=-0.125), "softmax_scale"),
+    "nan scale": (lambda q, k, v, cu: dict(softmax_scale=float("nan")), "softmax_scale"),
 }
 
 

@@ -192,6 +192,17 @@ torch.library.register_autograd(f"{OPS_NAMESPACE}::fwd", _backward, setup_contex
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _softmax_scale(softmax_scale, head_dim: int) -> float:
+    """FA's default ``1 / sqrt(head_dim)``; a given scale must be positive and finite (the kernels fold it into the
+    row max of the online softmax, which a negative scale would turn into a row min)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(softmax_scale)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return scale
+
+
 def _check_inputs(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, window_size, dropout_p, softcap, alibi_slopes,
                   return_attn_probs, varlen: bool) -> tuple[int, int]:  # fmt: skip
     """Validates the arguments up front; returns ``(window_left, window_right)``."""
@@ -335,7 +346,7 @@ def flash_attn_func(
     window_left, window_right = _check_inputs(
         q, k, v, s_aux, None, None, window_size, dropout_p, softcap, alibi_slopes, return_attn_probs, varlen=False
     )
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _softmax_scale(softmax_scale, q.shape[-1])
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     # A fixed-length batch is the varlen problem with equal lengths: flatten the batch into the token axis.
@@ -389,7 +400,7 @@ def flash_attn_varlen_func(
         q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, window_size, dropout_p, softcap, alibi_slopes,
         return_attn_probs, varlen=True,
     )  # fmt: skip
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _softmax_scale(softmax_scale, q.shape[-1])
     out, lse = _fwd_op(
         q.contiguous(), k.contiguous(), v.contiguous(), s_aux, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q),
         _as_int(max_seqlen_k), scale, bool(causal), window_left, window_right, bool(deterministic),
