@@ -37,6 +37,15 @@ def _config(t: torch.Tensor, vocab: int) -> dict:
 
 
 @triton.jit
+def _scaled_logits(row_base, Bias, offs, ok, inv_temp, HAS_BIAS: tl.constexpr):
+    """One tile of `z = (x + b) / T` in fp32 (0 past the vocabulary)."""
+    x = tl.load(row_base + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        x += tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
+    return x * inv_temp
+
+
+@triton.jit
 def _row_stats_kernel(Logits, Bias, Targets, Lse, Logp, Entropy, V, stride_row, inv_temp,
                       HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
@@ -48,10 +57,7 @@ def _row_stats_kernel(Logits, Bias, Targets, Lse, Logp, Entropy, V, stride_row, 
     for start in range(0, V, BLOCK_V):
         offs = start + offs0
         ok = offs < V
-        x = tl.load(base + offs, mask=ok, other=0.0)
-        if HAS_BIAS:
-            x += tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
-        z = x * inv_temp  # 0 past V
+        z = _scaled_logits(base, Bias, offs, ok, inv_temp, HAS_BIAS)
         z_max = tl.max(tl.where(ok, z, float("-inf")), axis=0)
         m_new = tl.maximum(m, z_max)  # finite from the first tile on (offs 0 < V)
         alpha = tl.exp(m - m_new)  # exp(-inf) = 0 on the first tile
@@ -90,10 +96,7 @@ def _grad_logits_kernel(Logits, Bias, Targets, Lse, Entropy, GradLogp, GradEntro
     for start in range(0, V, BLOCK_V):
         offs = start + offs0
         ok = offs < V
-        x = tl.load(base + offs, mask=ok, other=0.0)
-        if HAS_BIAS:
-            x += tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
-        z = x * inv_temp
+        z = _scaled_logits(base, Bias, offs, ok, inv_temp, HAS_BIAS)
         p = tl.exp(z - lse)
         g = -p * (g_lp + g_h * (z - mean_z))
         if HAS_GRAD_LOGP:

@@ -27,8 +27,8 @@ __all__ = ["rotate_half_pairs"]
 
 @triton.jit
 def _rope_kernel(X, Cos, Sin, Out, S, H, stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os,
-                 stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_H: tl.constexpr, INVERSE: tl.constexpr):
+                 stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+                 HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr):
     pid_s = tl.program_id(0)
     pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -58,7 +58,9 @@ def _rope_kernel(X, Cos, Sin, Out, S, H, stride_xb, stride_xh, stride_xs, stride
 
 def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate `x [B, H, S, D]` (any strides, unit stride on D) by `cos, sin [B or 1, S, D/2]` (any strides: some
-    transformers versions build them as a transposed matmul); `inverse=True` rotates back (the backward). The result has x's shape, dtype and memory order (``torch.empty_like``)."""
+    transformers versions build them as a transposed matmul); `inverse=True` rotates back (the backward).
+
+    The result has x's shape, dtype and memory order (``torch.empty_like``)."""
     if x.dim() != 4 or x.stride(-1) != 1:
         raise ValueError(f"x must be [batch, heads, seq, head_dim] with a unit last stride, got {tuple(x.shape)} "
                          f"strides {x.stride()}")

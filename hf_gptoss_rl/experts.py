@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from ._backend import use_triton
+
 try:  # Triton is optional: the PyTorch path covers CPU and any device Triton cannot drive.
     from . import _experts_triton
 except Exception:  # pragma: no cover - triton missing or unusable on this machine
@@ -199,14 +201,7 @@ def _segment_sum(d: torch.Tensor, chunk: _Chunk, expert: torch.Tensor, w: torch.
 
 def _use_triton(t: torch.Tensor) -> bool:
     """Triton on CUDA; on CPU only when asked (`HF_GPTOSS_RL_EXPERTS_BACKEND=triton` with TRITON_INTERPRET=1)."""
-    backend = os.environ.get("HF_GPTOSS_RL_EXPERTS_BACKEND", "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"HF_GPTOSS_RL_EXPERTS_BACKEND must be auto, torch or triton, got {backend!r}")
-    if backend == "torch" or _experts_triton is None:
-        if backend == "triton":
-            raise RuntimeError("HF_GPTOSS_RL_EXPERTS_BACKEND=triton but triton could not be imported")
-        return False
-    return t.is_cuda or backend == "triton"
+    return use_triton("HF_GPTOSS_RL_EXPERTS_BACKEND", t, _experts_triton is not None)
 
 
 def _gate_forward(pre, bias, expert, alpha, limit, write_h=True, store_pre=True, pre_out=None):

@@ -38,12 +38,13 @@ gradient, other layouts) go to the original function, so other models in the pro
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import warnings
 
 import torch
 from torch import nn
+
+from ._backend import backend_from_env
 
 __all__ = ["apply_fused_gptoss_rope", "apply_liger_gptoss_rms_norm", "fused_rotary_pos_emb", "liger_available"]
 
@@ -103,10 +104,7 @@ class _FusedRotary(torch.autograd.Function):
 
 
 def _rope_backend() -> str:
-    backend = os.environ.get("HF_GPTOSS_RL_ROPE_BACKEND", "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"HF_GPTOSS_RL_ROPE_BACKEND must be auto, torch or triton, got {backend!r}")
-    return backend
+    return backend_from_env("HF_GPTOSS_RL_ROPE_BACKEND")
 
 
 def _fused_rope_declines(q, k, cos, sin, unsqueeze_dim) -> str | None:

@@ -18,13 +18,14 @@ elsewhere the same math runs in PyTorch ops, so this works wherever the model ru
 from __future__ import annotations
 
 import functools
-import os
 import types
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.utils import ModelOutput
+
+from ._backend import backend_from_env, use_triton
 
 __all__ = [
     "ChunkedLogProbs",
@@ -44,16 +45,10 @@ except Exception:  # pragma: no cover - triton missing or unusable on this machi
 
 def _use_triton(t: torch.Tensor) -> bool:
     """Fused Triton kernels for float32 logits on CUDA; on CPU only when asked (tests, under TRITON_INTERPRET=1)."""
-    backend = os.environ.get("HF_GPTOSS_RL_LOGPROBS_BACKEND", "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"HF_GPTOSS_RL_LOGPROBS_BACKEND must be auto, torch or triton, got {backend!r}")
-    if backend == "torch" or t.dtype == torch.float64:  # float64 inputs: float64 math, in PyTorch
+    if t.dtype == torch.float64:  # float64 inputs: float64 math, in PyTorch (the setting is still validated)
+        backend_from_env("HF_GPTOSS_RL_LOGPROBS_BACKEND")
         return False
-    if _logprobs_triton is None:
-        if backend == "triton":
-            raise RuntimeError("HF_GPTOSS_RL_LOGPROBS_BACKEND=triton but triton could not be imported")
-        return False
-    return t.is_cuda or backend == "triton"
+    return use_triton("HF_GPTOSS_RL_LOGPROBS_BACKEND", t, _logprobs_triton is not None)
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
