@@ -379,24 +379,37 @@ FWD_VARIANTS = {
     "TMA 64x128 w4 s2": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 128, 4, 2)),
 }
 BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
-    "deterministic (7 matmuls)": dict(ATOMIC_DQ=False, BWD_TMA=False, BWD_CONCURRENT=False, deterministic=True),
     # BWD_TMA: Q/dO and K/V tiles through tensor descriptors (the dQ kernel then compiles without spills on sm_90)
-    "deterministic, TMA loads": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False, deterministic=True),
-    "deterministic, TMA loads, dQ 128x64 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False,
-                                                   dq=(128, 64, 8, 3), deterministic=True),
-    "deterministic, TMA loads, dK/dV 64x128 w8": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False,
-                                                      dkdv=(64, 128, 8, 3), deterministic=True),
+    "deterministic, TMA loads": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False, GLUON_BWD=False,
+                                     deterministic=True),
     # BWD_CONCURRENT: the dQ kernel on a side stream, sharing the SMs with the dK/dV kernel
-    "deterministic, concurrent dQ": dict(ATOMIC_DQ=False, BWD_TMA=False, BWD_CONCURRENT=True,
-                                         deterministic=True),
     "deterministic, TMA loads, concurrent dQ": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=True,
-                                                    deterministic=True),
-    "TMA reduce 64x128 w8, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
-                                             dkdv_atomic=(64, 128, 8, 3), deterministic=False),
+                                                    GLUON_BWD=False, deterministic=True),
     "TMA reduce 64x64 w4, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
-                                            dkdv_atomic=(64, 64, 4, 3), deterministic=False),
+                                            dkdv_atomic=(64, 64, 4, 3), GLUON_BWD=False, deterministic=False),
+    # Gluon (gluon_kernels.py, sm_90): the same two deterministic kernels with asynchronous warpgroup MMAs;
+    # gluon_dkdv / gluon_dq = (BLOCK_M, BLOCK_N, num_warps, TMA stages, DEFER).  Session 7, first run (2 stages, 16k causal
+    # / window 128 / 4k causal, ms): 64x128 w8 + 128x64 w8 17.10 / 0.898 / 1.192; 64x64 w4 both 15.64 / 0.640 /
+    # 1.009; 32x128 w8 + 128x128 w8 24.10 / 1.277 / 1.650.
+    "Gluon 64x64 w4 s2": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True, gluon_dkdv=(64, 64, 4, 2, 0),
+                              gluon_dq=(64, 64, 4, 2, 0), deterministic=True),
+    # DEFER: the dV/dK (dQ) products of a step are retired by the next step's first wait instead of its end
+    "Gluon 64x64 w4 s3 defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
+                                    gluon_dkdv=(64, 64, 4, 3, 1), gluon_dq=(64, 64, 4, 3, 1), deterministic=True),
+    "Gluon 64x64 w4 s4 defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
+                                    gluon_dkdv=(64, 64, 4, 4, 1), gluon_dq=(64, 64, 4, 4, 1), deterministic=True),
+    "Gluon 64x64 w4 s3 defer, concurrent dQ": dict(ATOMIC_DQ=False, BWD_CONCURRENT=True, GLUON_BWD=True,
+                                                   gluon_dkdv=(64, 64, 4, 3, 1), gluon_dq=(64, 64, 4, 3, 1),
+                                                   deterministic=True),
+    "Gluon dK/dV 64x64 w4 s3, dQ 64x128 w4 s3, defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
+                                                            gluon_dkdv=(64, 64, 4, 3, 1),
+                                                            gluon_dq=(64, 128, 4, 3, 1), deterministic=True),
+    "Gluon dK/dV 64x128 w8 s3, dQ 64x64 w4 s3, defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
+                                                            gluon_dkdv=(64, 128, 8, 3, 1),
+                                                            gluon_dq=(64, 64, 4, 3, 1), deterministic=True),
 }
-SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE", "DQ_REVERSE")
+SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE", "DQ_REVERSE",
+            "GLUON_BWD")
 VARIANT_SHAPES = ((16384, None), (16384, 128), (4096, None))
 VARIANT_ACCURACY_S = 1024
 
@@ -408,7 +421,13 @@ def _shape_key(S, window):
 def _apply_variant(spec, D=64):
     """Set the module switches and block configs of one variant; returns the backward's `deterministic`."""
     for key, value in spec.items():
-        if key in ("fwd", "fwd_window", "dkdv", "dkdv_atomic", "dq"):
+        if key in ("gluon_dkdv", "gluon_dq"):
+            gluon = TK._gluon_kernels()
+            if gluon is not None:
+                bm, bn, w, st, defer = value
+                gluon.CONFIGS[(key.split("_", 1)[1], D)] = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=st,
+                                                                 DEFER=defer)
+        elif key in ("fwd", "fwd_window", "dkdv", "dkdv_atomic", "dq"):
             bm, bn, w, st = value
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
             TK.KERNEL_CONFIGS[(key, D)] = cfg
@@ -417,6 +436,24 @@ def _apply_variant(spec, D=64):
         elif key != "deterministic":
             setattr(TK, key, value)
     return spec.get("deterministic", True)
+
+
+def kernel_times(fn, reps=5):
+    """Per-kernel GPU time (ms per call) of ``fn``, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total > 0:
+            times[event.key[:48]] = round(total / reps / 1000, 4)
+    return times
 
 
 def compare_variants(max_err=1e-2):
@@ -433,12 +470,18 @@ def compare_variants(max_err=1e-2):
                                       window_left=-1 if window is None else window - 1)
     saved = {name: getattr(TK, name) for name in SWITCHES}
     saved_cfg = dict(TK.KERNEL_CONFIGS)
+    gluon = TK._gluon_kernels()
+    print(f"[variant] Gluon kernels: {'loaded' if gluon is not None else TK._GLUON.get('error')}", flush=True)
+    saved_gluon_cfg = dict(gluon.CONFIGS) if gluon is not None else {}
 
     def restore_defaults():
         for attr, value in saved.items():
             setattr(TK, attr, value)
         TK.KERNEL_CONFIGS.clear()
         TK.KERNEL_CONFIGS.update(saved_cfg)
+        if gluon is not None:
+            gluon.CONFIGS.clear()
+            gluon.CONFIGS.update(saved_gluon_cfg)
 
     for kind, table in (("fwd", FWD_VARIANTS), ("bwd", BWD_VARIANTS)):
         for name, spec in table.items():
@@ -457,6 +500,8 @@ def compare_variants(max_err=1e-2):
                     for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), refs[window]):
                         errs[n] = max(errs.get(n, 0.0), rel(x, r))
                 row["max_err"] = errs
+                if spec.get("GLUON_BWD") and TK.GLUON_BWD is False:  # _run_gluon fell back to Triton (it warned)
+                    raise RuntimeError(f"Gluon kernel unavailable: {TK._GLUON.get('error', 'compile error')}")
                 for S, window in VARIANT_SHAPES:
                     q, k, v, dout, sinks = make_inputs(S)
                     cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
@@ -472,12 +517,14 @@ def compare_variants(max_err=1e-2):
                                                               True, wl, 0, deterministic)
                         t = bench(run, rep=100)
                     row[_shape_key(S, window)] = t
+                    if kind == "bwd" and (S, window) == VARIANT_SHAPES[0]:
+                        row["kernels_ms"] = kernel_times(run)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             log[kind].append(row)
             print(f"[variant] {kind} {name}: " + ", ".join(
                 f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                if k.endswith("_ms") or k == "error") + (" | max err " + ", ".join(
+                if k.endswith("_ms") or k in ("error", "kernels_ms")) + (" | max err " + ", ".join(
                     f"{n}={e:.1e}" for n, e in row.get("max_err", {}).items())), flush=True)
     restore_defaults()
 
@@ -522,6 +569,7 @@ def main():
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep (no table)")
     parser.add_argument("--variants", action="store_true",
                         help="compare the kernel variants (TMA loads, concurrent dQ, dQ reduction) first")
+    parser.add_argument("--variants-only", action="store_true", help="stop after --variants (no table)")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks")))
     parser.add_argument("--seqlens", default="4096,16384,32768")
     parser.add_argument("--skip-flex", action="store_true")
@@ -548,16 +596,33 @@ def main():
         (out_dir / "attention_sweep.json").write_text(json.dumps(sweep_log, indent=1))
         return
     variants_log = compare_variants() if args.variants else None
+    if args.variants_only:
+        (out_dir / "attention_variants.json").write_text(json.dumps(variants_log, indent=1))
+        return
     accuracy = check_accuracy()  # with the settings the table runs with
     for name, errs in accuracy.items():
         print(f"[accuracy] {name}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in errs.items()), flush=True)
     configs = {f"{k}/{d}": v for (k, d), v in TK.KERNEL_CONFIGS.items()}
+    gluon = TK._gluon_kernels()
+    if gluon is not None:
+        configs.update({f"gluon_{k}/{d}": v for (k, d), v in gluon.CONFIGS.items()})
+    if gluon is None:
+        dispatch = f"Gluon kernels unavailable ({TK._GLUON.get('error')}): the Triton backward everywhere"
+    elif TK.GLUON_BWD == "auto":
+        dispatch = (f"the Gluon kernels (gluon_kernels.py, asynchronous warpgroup MMAs) for windowed layers with keys "
+                    f"from {TK._GLUON_MIN_WINDOWED_SEQLEN} and full layers with keys up to {TK._GLUON_MAX_SEQLEN}, "
+                    "the Triton kernels otherwise")
+    elif TK.GLUON_BWD is False:
+        dispatch = "the Triton kernels everywhere"
+    else:
+        dispatch = f"the Gluon kernels for {TK.GLUON_BWD!r} wherever they apply"
+    notes = [f"Backward (GLUON_BWD={TK.GLUON_BWD!r}): {dispatch}; the forward is Triton."]
     switches = {name: getattr(TK, name) for name in SWITCHES}
     print("[switches]", json.dumps(switches), flush=True)
     print("[configs]", json.dumps(configs), flush=True)
 
-    variants = {"sink-flash-attn3 (Triton, this repo)": ours,
+    variants = {"sink-flash-attn3 (this repo)": ours,
                 "sink-flash-attn3, atomic dQ (deterministic=False)": ours_atomic}
     if not args.skip_flex:
         variants["flex + sink renorm (compiled)"] = flex
@@ -600,7 +665,7 @@ def main():
                 # written after every row, so a run stopped at its time limit still leaves its table
                 result = dict(env=env, command=" ".join(["attention.py", *sys.argv[1:]]), accuracy=accuracy,
                               configs=configs, sweep=sweep_log, variants=variants_log,
-                              switches=switches, rows=rows,
+                              switches=switches, rows=rows, notes=notes,
                               wall_s=time.time() - t0)
                 (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
                 write_markdown(result, out_dir / "attention.md")

@@ -380,3 +380,67 @@ def test_cuda_concurrent_backward_is_bitwise_sequential(monkeypatch, window):
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), results[False], results[True]):
         assert torch.equal(a, b), f"{name} differs between the sequential and the concurrent backward"
     run_and_compare(tk_cuda, case, True, *window, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon backward kernels need an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "seqlens_q, seqlens_k, hq, hkv, causal, window",
+    [
+        ([700, 1029, 64], [700, 1029, 64], 16, 2, True, (-1, -1)),  # varlen, GQA 8, partial tiles
+        ([700, 1029, 64], [700, 1029, 64], 16, 2, True, (127, 0)),  # GPT-OSS sliding window
+        ([5, 1, 300], [37, 23, 300], 8, 2, True, (-1, -1)),  # decode: queries shorter than keys (bottom-right)
+        ([257], [257], 4, 4, True, (-1, -1)),  # GQA 1, odd length
+        ([333, 190], [333, 190], 8, 2, True, (31, 0)),  # window smaller than one tile
+        ([300, 77], [300, 77], 8, 2, False, (40, 9)),  # non-causal, two-sided window
+    ],
+)
+def test_cuda_gluon_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
+    # The Gluon dK/dV and dQ kernels (sm_90, 16-bit, head_dim 64) against fp64, against the Triton kernels, and
+    # bitwise reproducible; a compile failure must not hide behind the silent Triton fallback.
+    tk_cuda = _load_kernels(interpret=False)
+    monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", False)
+    monkeypatch.setattr(tk_cuda, "GLUON_BWD", True)  # wherever it applies ("auto" picks Triton for some shapes)
+    case = make_case(seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, seed=31 + hq, device="cuda")
+    q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
+    assert tk_cuda._gluon_backward_kernels(q, k, v, dout) == ("dkdv", "dq"), tk_cuda._GLUON.get("error")
+    _, (out, lse, *gluon_grads) = run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
+    assert tk_cuda.GLUON_BWD is True, f"Gluon fell back to Triton: {tk_cuda._GLUON.get('error')}"
+    args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, causal, *window)
+    out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
+    first = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, True)
+    again = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, True)
+    monkeypatch.setattr(tk_cuda, "GLUON_BWD", False)
+    triton_grads = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, True)
+    for name, a, b, t in zip(("dq", "dk", "dv", "dsink"), first, again, triton_grads):
+        assert torch.equal(a, b), f"{name}: the Gluon backward is not bitwise reproducible"
+        assert rel_err(a, t) < 1e-2, f"{name}: Gluon and Triton backward differ by {rel_err(a, t):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon backward kernels need an sm_90 GPU")
+@pytest.mark.parametrize(
+    "seqlens_q, seqlens_k, causal, window",
+    [
+        ([700, 1029, 64], [700, 1029, 64], True, (-1, -1)),
+        ([700, 1029, 64], [700, 1029, 64], True, (127, 0)),
+        ([5, 1, 300], [37, 23, 300], True, (-1, -1)),
+        ([300, 77], [300, 77], False, (40, 9)),
+    ],
+)
+@pytest.mark.parametrize("stages, defer", [(3, 1), (4, 1), (3, 0)])
+def test_cuda_gluon_backward_pipelines(monkeypatch, seqlens_q, seqlens_k, causal, window, stages, defer):
+    # deeper TMA pipelines and deferred MMA retirement (the loop-carried register operands) against fp64
+    tk_cuda = _load_kernels(interpret=False)
+    gluon = tk_cuda._gluon_kernels()
+    assert gluon is not None, tk_cuda._GLUON.get("error")
+    monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", False)
+    monkeypatch.setattr(tk_cuda, "GLUON_BWD", True)
+    for name in ("dkdv", "dq"):
+        monkeypatch.setitem(gluon.CONFIGS, (name, 64), dict(gluon.CONFIGS[(name, 64)], STAGES=stages, DEFER=defer))
+    case = make_case(seqlens_q, seqlens_k, 8, 2, 64, dtype=torch.bfloat16, seed=41, device="cuda")
+    run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
+    assert tk_cuda.GLUON_BWD is True, f"Gluon fell back to Triton: {tk_cuda._GLUON.get('error')}"

@@ -32,6 +32,10 @@ dQ by one program per query block that loops over key blocks, and dsink by one p
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import warnings
+from pathlib import Path
 
 import torch
 import triton
@@ -92,6 +96,20 @@ BWD_TMA = True
 BWD_CONCURRENT = "auto"
 _CONCURRENT_MAX_SEQLEN = 8192
 _SIDE_STREAMS: dict = {}
+# Backward on Hopper (sm_90): the Gluon kernels of gluon_kernels.py, same math and the same deterministic structure,
+# with asynchronous warpgroup MMAs so that exp2 and the dS arithmetic overlap the tensor cores (which Triton's
+# tl.dot does not do), for 16-bit inputs at the head dims in gluon_kernels.CONFIGS.  H200, same-run fwd+bwd, ms
+# (docs/benchmarks/attention.md; benchmarks/notes/attention.md, v6): 16k window 128 1.32 -> 0.93, 4k causal
+# 1.53 -> 1.37; but 16k causal backward 15.2 -> 16.1 (the Triton dK/dV kernel's 128-key tiles win there) and 4k
+# window 128 0.35 -> 0.72 (not understood yet).  "auto" follows those measurements: Gluon for windowed layers with
+# keys from _GLUON_MIN_WINDOWED_SEQLEN and for full layers with keys up to _GLUON_MAX_SEQLEN, Triton otherwise;
+# True / "dkdv" / "dq": Gluon for both / one kernel whenever it applies; False: Triton only.  If this Triton cannot
+# compile them (Gluon is experimental and its API moves between releases), the first call warns and the Triton
+# kernels take over for the rest of the process.
+GLUON_BWD = "auto"
+_GLUON_MAX_SEQLEN = 8192
+_GLUON_MIN_WINDOWED_SEQLEN = 8192
+_GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
 # Triton would otherwise compile a new binary whenever T crosses "divisible by 16" (measured on the H200 in an RL
@@ -550,6 +568,53 @@ def _side_stream(device: torch.device):
     return _SIDE_STREAMS[index]
 
 
+def _gluon_kernels():
+    """gluon_kernels.py, imported once (None when this Triton has no usable Gluon)."""
+    if "module" not in _GLUON:
+        try:
+            if __package__:
+                module = importlib.import_module(".gluon_kernels", __package__)
+            else:  # this file was loaded on its own (tests, benchmark fallback): load the sibling by path
+                path = Path(__file__).with_name("gluon_kernels.py")
+                spec = importlib.util.spec_from_file_location(f"{__name__}_gluon", path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - Triton without Gluon, or a Gluon API this code predates
+            module = None
+            _GLUON["error"] = f"{type(exc).__name__}: {exc}"
+        _GLUON["module"] = module
+    return _GLUON["module"]
+
+
+def _gluon_backward_kernels(q, k, v, dout, windowed: bool = False, max_seqlen_k: int = 0) -> tuple[str, ...]:
+    """Which backward kernels ("dkdv", "dq") run in Gluon for these inputs (empty: Triton only)."""
+    if GLUON_BWD is False or q.device.type != "cuda" or torch.version.hip is not None:
+        return ()
+    if GLUON_BWD == "auto" and (max_seqlen_k < _GLUON_MIN_WINDOWED_SEQLEN if windowed
+                                else max_seqlen_k > _GLUON_MAX_SEQLEN):
+        return ()  # where the Triton kernels measured faster (see GLUON_BWD)
+    if q.dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return ()  # warpgroup MMA is sm_90(a) only
+    if not _tma_ok(q, k, v, dout) or _gluon_kernels() is None:
+        return ()
+    kernels = ("dkdv", "dq") if GLUON_BWD in ("auto", True) else (GLUON_BWD,)
+    return tuple(name for name in kernels if (name, q.shape[2]) in _GLUON["module"].CONFIGS)
+
+
+def _run_gluon(name: str, *args) -> bool:
+    """Launch one Gluon backward kernel; on a compile error warn once, switch Gluon off and return False."""
+    try:
+        getattr(_GLUON["module"], name)(*args)
+        return True
+    except Exception as exc:  # noqa: BLE001 - compile errors surface before the launch: nothing was written
+        global GLUON_BWD
+        GLUON_BWD = False
+        _GLUON["error"] = f"{name}: {type(exc).__name__}: {exc}"
+        warnings.warn(f"sink_flash_attn3: the Gluon {name} kernel failed ({type(exc).__name__}: {exc}); using the "
+                      "Triton backward kernels from now on", RuntimeWarning, stacklevel=3)
+        return False
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (no TF32) so that fp32 results match an fp64 reference to ~1e-6
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -644,13 +709,18 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     q_desc = _row_descriptor(q, cfg["BLOCK_M"]) if tma_qdo else q
     do_desc = _row_descriptor(dout, cfg["BLOCK_M"]) if tma_qdo else dout
     grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
+    gluon = () if atomic_dq else _gluon_backward_kernels(q, k, v, dout, left < _UNBOUNDED, int(max_seqlen_k))
     concurrent = BWD_CONCURRENT
-    if concurrent == "auto":
-        concurrent = left < _UNBOUNDED or int(max_seqlen_k) <= _CONCURRENT_MAX_SEQLEN
+    if concurrent == "auto":  # (measured with the Gluon kernels: no gain, 0.83 -> 0.91 ms at 16k window 128)
+        concurrent = not gluon and (left < _UNBOUNDED or int(max_seqlen_k) <= _CONCURRENT_MAX_SEQLEN)
     side = _side_stream(q.device) if concurrent and not atomic_dq else None
     if side is not None:  # the dQ kernel below starts on the side stream once delta/lse2 are written
         side.wait_stream(torch.cuda.current_stream(q.device))
-    if T_k > 0 and int(max_seqlen_k) > 0:
+    dkdv_done = T_k == 0 or int(max_seqlen_k) == 0
+    if not dkdv_done and "dkdv" in gluon:
+        dkdv_done = _run_gluon("dkdv", q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                               qk_scale, float(softmax_scale), left, right)
+    if not dkdv_done:
         _sink_attn_bwd_dkdv[grid](
             q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, q_desc, do_desc, cu_seqlens_q, cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
@@ -667,11 +737,16 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if tma_kv else k
     v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if tma_kv else v
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        _sink_attn_bwd_dq[grid](
-            q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-            dout.stride(1), dq.stride(0), dq.stride(1), T_q, qk_scale, float(softmax_scale), left, right,
-            GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, USE_TMA=tma_kv, **cfg)
+        dq_done = "dq" in gluon and GLUON_BWD is not False and _run_gluon(
+            "dq", q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale,
+            float(softmax_scale), left, right)
+    if not dq_done:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _sink_attn_bwd_dq[grid](
+                q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+                dout.stride(1), dq.stride(0), dq.stride(1), T_q, qk_scale, float(softmax_scale), left, right,
+                GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, USE_TMA=tma_kv, **cfg)
     if side is not None:
         # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
         torch.cuda.current_stream(q.device).wait_stream(side)

@@ -1,0 +1,362 @@
+"""Hopper (sm_90) backward kernels in Gluon: the same math and the same deterministic two-kernel structure as
+``triton_kernels.py`` (dK/dV per key block looping over the KV group's query heads; dQ per query block), written
+with explicit asynchronous warpgroup MMAs so that the exponentials and the elementwise dS work run on the
+MUFU/FMA units while the tensor cores compute the next product.
+
+Why: the Triton compiler (3.6, sm_90) waits for every ``tl.dot`` right after issuing it (``warp_group_dot_wait
+{pendings = 0}``), so in its kernels the tensor cores idle during ``exp2`` and the dS arithmetic; at head_dim 64
+those cost about as much as the matmuls (benchmarks/notes/attention.md).  Per iteration here (dK/dV kernel,
+transposed tiles, keys x queries)::
+
+    issue  S^T = K Q^T,  dP^T = V dO^T            (async; Q, dO tiles arrived by TMA, next tiles already in flight)
+    wait S^T     ->  P^T = exp2(S^T - LSE)         (overlaps dP^T on the tensor cores)
+    issue  dV += P^T dO                            (async, P^T from registers)
+    wait dP^T    ->  dS^T = P^T (dP^T - D)         (overlaps dV)
+    issue  dK += dS^T Q ;  wait all                (the registers of P^T / dS^T live until their MMAs finish)
+
+and the dQ kernel does the same with S = Q K^T, dP = dO V^T, dQ += dS K.  Loads go through TMA with two
+buffers: the tiles of step i+1 are requested at the start of step i.
+
+Scope (the caller checks it, ``triton_kernels._gluon_backward_ok``): CUDA sm_90+, 16-bit inputs, head_dim 64,
+rows 16-byte aligned.  Everything else runs the Triton kernels.  Gluon has no interpreter, so CPU CI cannot run
+these kernels; ``tests/test_triton_kernels.py`` compares them with the fp64 reference on the GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["dkdv", "dq", "CONFIGS"]
+
+# Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+# (kernel, head_dim) -> tile sizes and warps.  8 warps = two warpgroups, each owning 64 rows of the output tile.
+CONFIGS: dict[tuple[str, int], dict[str, int]] = {
+    ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0),
+    ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0),
+}
+
+
+@gluon.jit
+def _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr):
+    """Query blocks that see keys [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi, hi), as in
+    ``triton_kernels._query_block_ranges`` (blocks in [full_lo, full_hi) need no mask)."""
+    n_max = gl.minimum(start_n + BLOCK_N, len_k) - 1
+    lo_raw = gl.maximum(start_n - win_right - shift, 0)
+    hi = gl.minimum(len_q, n_max + win_left - shift + 1)
+    lo = (lo_raw // BLOCK_M) * BLOCK_M
+    hi = gl.maximum(hi, lo)
+    end = gl.cdiv(hi, BLOCK_M) * BLOCK_M
+    full_lo = gl.cdiv(gl.maximum(n_max - win_right - shift, 0), BLOCK_M) * BLOCK_M
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), end)
+    full_hi = (gl.maximum(gl.minimum(len_q, start_n + win_left - shift + 1), 0) // BLOCK_M) * BLOCK_M
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), end)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
+    """Key blocks seen by query rows [start_m, start_m + BLOCK_M), as ``triton_kernels._key_block_ranges``."""
+    a_min = start_m + shift
+    a_max = gl.minimum(start_m + BLOCK_M, len_q) - 1 + shift
+    lo_raw = gl.maximum(a_min - win_left, 0)
+    hi = gl.minimum(len_k, a_max + win_right + 1)
+    lo = (lo_raw // BLOCK_N) * BLOCK_N
+    hi = gl.maximum(hi, lo)
+    end = gl.cdiv(hi, BLOCK_N) * BLOCK_N
+    full_lo = gl.cdiv(gl.maximum(a_max - win_left, 0), BLOCK_N) * BLOCK_N
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), end)
+    full_hi = (gl.maximum(gl.minimum(len_k, a_min + win_right + 1), 0) // BLOCK_N) * BLOCK_N
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), end)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _dkdv_request(q_desc, do_desc, q_smem, do_smem, bars, step, total, num_m, lo, q_start, off_kh,
+                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """TMA request of step ``step``'s Q and dO tiles into buffer ``step % STAGES`` (nothing past the last step)."""
+    if step < total:
+        g = step // num_m
+        row = q_start + lo + (step - g * num_m) * BLOCK_M
+        col = (off_kh * GROUP + g) * HEAD_DIM
+        buf = step % STAGES
+        mbarrier.expect(bars.index(buf), 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [row, col], bars.index(buf), q_smem.index(buf))
+        _tma_load(do_desc, [row, col], bars.index(buf), do_smem.index(buf))
+
+
+@gluon.jit
+def _dkdv_rows(Lse2, Delta, step, num_m, lo, off_kh, q_start, len_q, T_q, offs_m0, GROUP: gl.constexpr,
+               BLOCK_M: gl.constexpr):
+    """Base-2 LSE and D of step ``step``'s query rows (+inf / 0 past len_q; any values past the last step)."""
+    g = step // num_m
+    offs_m = lo + (step - g * num_m) * BLOCK_M + offs_m0
+    ok = (offs_m < len_q) & (g < GROUP)
+    base = (off_kh * GROUP + g) * T_q + q_start
+    lse2 = gl.load(Lse2 + base + offs_m, mask=ok, other=float("inf"))
+    delta = gl.load(Delta + base + offs_m, mask=ok, other=0.0)
+    return lse2, delta
+
+
+@gluon.jit(do_not_specialize=["T_q"])
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
+                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, T_q, qk_scale, sm_scale, win_left, win_right,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
+    off_kh = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    off_b = gl.program_id(2)
+    q_start = gl.load(cu_seqlens_q + off_b)
+    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = gl.load(cu_seqlens_k + off_b)
+    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    start_n = pid_n * BLOCK_N
+    if start_n >= len_k:
+        return
+    shift = len_k - len_q
+    dtype: gl.constexpr = q_desc.dtype
+
+    # S^T / dP^T tiles [BLOCK_N, BLOCK_M] and the dK / dV accumulators [BLOCK_N, HEAD_DIM]: warps stacked along keys
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # vectors over queries
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over keys
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    col = off_kh * HEAD_DIM
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    _tma_load(k_desc, [k_start + start_n, col], kv_bar, k_smem)
+    _tma_load(v_desc, [k_start + start_n, col], kv_bar, v_smem)
+
+    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right,
+                                                   BLOCK_M, BLOCK_N)
+    num_m = gl.cdiv(hi - lo, BLOCK_M)
+    total = GROUP * num_m  # steps: (query head g of the group, query block), heads outermost
+    # Q / dO tiles are requested AHEAD steps early.  A buffer is free once the MMAs of its step retired: with DEFER
+    # the dV / dK products of step s are retired by the first wait of step s + 1 (they overlap its loads and its
+    # S^T / dP^T), so one buffer fewer is free at the start of a step.
+    AHEAD: gl.constexpr = STAGES - 1 - DEFER
+    for i in gl.static_range(AHEAD):
+        _dkdv_request(q_desc, do_desc, q_smem, do_smem, bars, i, total, num_m, lo, q_start, off_kh, GROUP,
+                      HEAD_DIM, BLOCK_M, STAGES)
+
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
+    offs_m0 = gl.arange(0, BLOCK_M, layout=col_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    pT_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)  # register operands of the MMAs in flight
+    dsT_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout)
+    mbarrier.wait(kv_bar, 0)
+    for step in range(total):
+        g = step // num_m
+        start_m = lo + (step - g * num_m) * BLOCK_M
+        buf = step % STAGES
+        _dkdv_request(q_desc, do_desc, q_smem, do_smem, bars, step + AHEAD, total, num_m, lo, q_start,
+                      off_kh, GROUP, HEAD_DIM, BLOCK_M, STAGES)
+        # (rows past len_q, the next sequence's or TMA zeros: LSE = +inf and D = 0 make P = dS = 0 there)
+        lse2, delta = _dkdv_rows(Lse2, Delta, step, num_m, lo, off_kh, q_start, len_q, T_q, offs_m0, GROUP, BLOCK_M)
+        mbarrier.wait(bars.index(buf), (step // STAGES) % 2)
+        q_tile = q_smem.index(buf)
+        do_tile = do_smem.index(buf)
+        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # retires S^T (and, with DEFER, the previous step's dV / dK); dP^T may still run
+        sT, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv, pT_op, dsT_op))
+        pT = gl.exp2(sT * qk_scale - lse2[None, :])
+        if (start_m < full_lo) | (start_m >= full_hi):  # edge block: causal / window mask
+            row_pos = start_m + offs_m0 + shift
+            visible = ((offs_n[:, None] >= row_pos[None, :] - win_left)
+                       & (offs_n[:, None] <= row_pos[None, :] + win_right))
+            pT = gl.where(visible, pT, 0.0)
+        pT_op = gl.convert_layout(pT.to(dtype), a_layout)
+        dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+        dsT = pT * (dpT - delta[None, :])
+        dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
+        dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
+        if not DEFER:
+            dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+            dk = warpgroup_mma_init(dk)
+            dv = warpgroup_mma_init(dv)
+    dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
+    out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    out_ok = (out_rows < len_k)[:, None]
+    rows64 = (k_start + out_rows).to(gl.int64)[:, None]
+    gl.store(DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :], dk.to(DK.dtype.element_ty),
+             mask=out_ok)
+    gl.store(DV + rows64 * stride_dvt + off_kh * stride_dvh + out_cols[None, :], dv.to(DV.dtype.element_ty),
+             mask=out_ok)
+
+
+@gluon.jit
+def _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step, num_n, row0, col, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr):
+    """TMA request of step ``step``'s K and V tiles into buffer ``step % STAGES`` (nothing past the last step)."""
+    if step < num_n:
+        buf = step % STAGES
+        mbarrier.expect(bars.index(buf), 2 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row0 + step * BLOCK_N, col], bars.index(buf), k_smem.index(buf))
+        _tma_load(v_desc, [row0 + step * BLOCK_N, col], bars.index(buf), v_smem.index(buf))
+
+
+@gluon.jit(do_not_specialize=["T_q"])
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, stride_dqt,
+               stride_dqh, T_q, qk_scale, sm_scale, win_left, win_right, GROUP: gl.constexpr,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               DEFER: gl.constexpr, num_warps: gl.constexpr):
+    off_h = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    off_b = gl.program_id(2)
+    q_start = gl.load(cu_seqlens_q + off_b)
+    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = gl.load(cu_seqlens_k + off_b)
+    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    start_m = (gl.num_programs(1) - 1 - pid_m) * BLOCK_M  # longest (last) query blocks first
+    if start_m >= len_q:
+        return
+    shift = len_k - len_q
+    off_kh = off_h // GROUP
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over queries
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # vectors over keys
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], q_bar, q_smem)
+    _tma_load(do_desc, [q_start + start_m, off_h * HEAD_DIM], q_bar, do_smem)
+
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
+                                                 BLOCK_M, BLOCK_N)
+    num_n = gl.cdiv(hi - lo, BLOCK_N)
+    kv_col = off_kh * HEAD_DIM
+    AHEAD: gl.constexpr = STAGES - 1 - DEFER  # as in _dkdv_kernel
+    for i in gl.static_range(AHEAD):
+        _dq_request(k_desc, v_desc, k_smem, v_smem, bars, i, num_n, k_start + lo, kv_col, BLOCK_N, STAGES)
+
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    row_ok = offs_m < len_q
+    lse2 = gl.load(Lse2 + off_h * T_q + q_start + offs_m, mask=row_ok, other=float("inf"))
+    delta = gl.load(Delta + off_h * T_q + q_start + offs_m, mask=row_ok, other=0.0)
+    row_pos = offs_m + shift
+    offs_n0 = gl.arange(0, BLOCK_N, layout=col_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+    ds_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, a_layout)  # register operand of the dQ MMA in flight
+    mbarrier.wait(q_bar, 0)
+    for step in range(num_n):
+        start_n = lo + step * BLOCK_N
+        buf = step % STAGES
+        _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step + AHEAD, num_n, k_start + lo, kv_col, BLOCK_N,
+                    STAGES)
+        mbarrier.wait(bars.index(buf), (step // STAGES) % 2)
+        k_tile = k_smem.index(buf)
+        s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, dq, ds_op = warpgroup_mma_wait(num_outstanding=1, deps=(s, dq, ds_op))
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+        if (start_n < full_lo) | (start_n >= full_hi):  # edge block (keys past len_k are masked here too)
+            offs_n = start_n + offs_n0
+            visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
+                       & (offs_n[None, :] <= row_pos[:, None] + win_right)
+                       & (offs_n[None, :] < len_k))
+            p = gl.where(visible, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        ds = p * (dp - delta[:, None])
+        ds_op = gl.convert_layout(ds.to(dtype), a_layout)
+        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+        if not DEFER:
+            dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
+            dq = warpgroup_mma_init(dq)
+    dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    dq = dq * sm_scale
+    out_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(DQ + (q_start + out_rows).to(gl.int64)[:, None] * stride_dqt + off_h * stride_dqh + out_cols[None, :],
+             dq.to(DQ.dtype.element_ty), mask=(out_rows < len_q)[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+_GL_DTYPES = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}
+
+
+def _descriptor(t, block_rows: int):
+    """TMA descriptor over ``t [T, H, D]`` viewed as ``[T, H * D]``, tiles ``[block_rows, D]``."""
+    T, H, D = t.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, D], _GL_DTYPES[str(t.dtype)])
+    return TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D], layout)
+
+
+def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, qk_scale, sm_scale,
+         win_left, win_right, config=None):
+    """dK, dV into ``dk``, ``dv`` (see ``triton_kernels.sink_attention_backward`` for the contract)."""
+    T_q, H_q, D = q.shape
+    H_kv = k.shape[1]
+    cfg = dict(config or CONFIGS[("dkdv", D)])
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (H_kv, triton.cdiv(int(max_seqlen_k), bn), cu_seqlens_q.numel() - 1)
+    _dkdv_kernel[grid](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), lse2, delta, dk, dv,
+        cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), T_q, qk_scale,
+        sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
+
+
+def dq(q, k, v, dout, lse2, delta, dq_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, sm_scale,
+       win_left, win_right, config=None):
+    """dQ into ``dq_out``."""
+    T_q, H_q, D = q.shape
+    H_kv = k.shape[1]
+    cfg = dict(config or CONFIGS[("dq", D)])
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
+    _dq_kernel[grid](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), lse2, delta, dq_out,
+        cu_seqlens_q, cu_seqlens_k, dq_out.stride(0), dq_out.stride(1), T_q, qk_scale, sm_scale, win_left,
+        win_right, GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
