@@ -391,22 +391,17 @@ BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in f
     # gluon_dkdv / gluon_dq = (BLOCK_M, BLOCK_N, num_warps, TMA stages, DEFER).  Session 7, first run (2 stages, 16k causal
     # / window 128 / 4k causal, ms): 64x128 w8 + 128x64 w8 17.10 / 0.898 / 1.192; 64x64 w4 both 15.64 / 0.640 /
     # 1.009; 32x128 w8 + 128x128 w8 24.10 / 1.277 / 1.650.
-    "Gluon 64x64 w4 s2": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True, gluon_dkdv=(64, 64, 4, 2, 0),
-                              gluon_dq=(64, 64, 4, 2, 0), deterministic=True),
-    # DEFER: the dV/dK (dQ) products of a step are retired by the next step's first wait instead of its end
+    # session 7 runs 2-4 (16k causal / window 128 / 4k causal, ms): 64x64 w4 s2 15.64-16.09 / 0.640-0.685 /
+    # 1.01-1.07; 3 stages + DEFER 16.22 / 0.826 / 1.077; 4 stages + DEFER 16.29 / 0.813 / 1.097; dK/dV 32x128 w4
+    # 10.19 ms alone (Triton's 32x128: 9.3-9.5); dK/dV 64x128 w8 12.3 ms; dQ 128x64 w8 5.3 ms, 64x128 w4 5.2-5.7 ms
+    # (Triton's: 4.9).  Only the shipped default and one DEFER variant stay in the table.
+    "Gluon 64x64 w4 s2": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
+                              gluon_dkdv=(64, 64, 4, 2, 0), gluon_dq=(64, 64, 4, 2, 0), deterministic=True),
     "Gluon 64x64 w4 s3 defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
                                     gluon_dkdv=(64, 64, 4, 3, 1), gluon_dq=(64, 64, 4, 3, 1), deterministic=True),
-    "Gluon 64x64 w4 s4 defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
-                                    gluon_dkdv=(64, 64, 4, 4, 1), gluon_dq=(64, 64, 4, 4, 1), deterministic=True),
-    "Gluon 64x64 w4 s3 defer, concurrent dQ": dict(ATOMIC_DQ=False, BWD_CONCURRENT=True, GLUON_BWD=True,
-                                                   gluon_dkdv=(64, 64, 4, 3, 1), gluon_dq=(64, 64, 4, 3, 1),
-                                                   deterministic=True),
-    "Gluon dK/dV 64x64 w4 s3, dQ 64x128 w4 s3, defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
-                                                            gluon_dkdv=(64, 64, 4, 3, 1),
-                                                            gluon_dq=(64, 128, 4, 3, 1), deterministic=True),
-    "Gluon dK/dV 64x128 w8 s3, dQ 64x64 w4 s3, defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
-                                                            gluon_dkdv=(64, 128, 8, 3, 1),
-                                                            gluon_dq=(64, 64, 4, 3, 1), deterministic=True),
+    "Gluon dK/dV 32x128 w4 s2, dQ 64x64 w4 s2": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
+                                                     gluon_dkdv=(32, 128, 4, 2, 0), gluon_dq=(64, 64, 4, 2, 0),
+                                                     deterministic=True),
 }
 SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE", "DQ_REVERSE",
             "GLUON_BWD")
@@ -610,9 +605,8 @@ def main():
     if gluon is None:
         dispatch = f"Gluon kernels unavailable ({TK._GLUON.get('error')}): the Triton backward everywhere"
     elif TK.GLUON_BWD == "auto":
-        dispatch = (f"the Gluon kernels (gluon_kernels.py, asynchronous warpgroup MMAs) for windowed layers with keys "
-                    f"from {TK._GLUON_MIN_WINDOWED_SEQLEN} and full layers with keys up to {TK._GLUON_MAX_SEQLEN}, "
-                    "the Triton kernels otherwise")
+        dispatch = (f"the Gluon kernels (gluon_kernels.py, asynchronous warpgroup MMAs) for windowed layers and full "
+                    f"layers with keys up to {TK._GLUON_MAX_SEQLEN}, the Triton kernels for longer full layers")
     elif TK.GLUON_BWD is False:
         dispatch = "the Triton kernels everywhere"
     else:

@@ -60,11 +60,9 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
 
 
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
-@pytest.mark.parametrize("stages, defer", [(None, None), (3, 1)])
-def test_gluon_backward_compiles_for_sm90(gk, kernel, stages, defer):
-    cfg = dict(gk.CONFIGS[(kernel, 64)])
-    if stages is not None:
-        cfg.update(STAGES=stages, DEFER=defer)
+@pytest.mark.parametrize("options", [{}, dict(STAGES=3, DEFER=1)])
+def test_gluon_backward_compiles_for_sm90(gk, kernel, options):
+    cfg = dict(gk.CONFIGS[(kernel, 64)], **options)
     fn = gk._dkdv_kernel if kernel == "dkdv" else gk._dq_kernel
     try:
         compiled = _compile(fn, cfg, cfg["BLOCK_M"], cfg["BLOCK_N"])

@@ -98,17 +98,15 @@ _CONCURRENT_MAX_SEQLEN = 8192
 _SIDE_STREAMS: dict = {}
 # Backward on Hopper (sm_90): the Gluon kernels of gluon_kernels.py, same math and the same deterministic structure,
 # with asynchronous warpgroup MMAs so that exp2 and the dS arithmetic overlap the tensor cores (which Triton's
-# tl.dot does not do), for 16-bit inputs at the head dims in gluon_kernels.CONFIGS.  H200, same-run fwd+bwd, ms
-# (docs/benchmarks/attention.md; benchmarks/notes/attention.md, v6): 16k window 128 1.32 -> 0.93, 4k causal
-# 1.53 -> 1.37; but 16k causal backward 15.2 -> 16.1 (the Triton dK/dV kernel's 128-key tiles win there) and 4k
-# window 128 0.35 -> 0.72 (not understood yet).  "auto" follows those measurements: Gluon for windowed layers with
-# keys from _GLUON_MIN_WINDOWED_SEQLEN and for full layers with keys up to _GLUON_MAX_SEQLEN, Triton otherwise;
-# True / "dkdv" / "dq": Gluon for both / one kernel whenever it applies; False: Triton only.  If this Triton cannot
-# compile them (Gluon is experimental and its API moves between releases), the first call warns and the Triton
-# kernels take over for the rest of the process.
+# tl.dot does not do), for 16-bit inputs at the head dims in gluon_kernels.CONFIGS.  H200 (benchmarks/notes/
+# attention.md, v6): same-run fwd+bwd 16k window 128 1.32 -> 0.93 ms, 4k causal 1.53 -> 1.37 ms; backward kernels
+# alone 4k window 128 0.28 -> 0.17 ms; but 16k causal backward 15.2 -> 16.1 ms (the Triton dK/dV kernel's 128-key
+# tiles win there).  "auto" follows those measurements: Gluon for windowed layers and for full layers with keys up
+# to _GLUON_MAX_SEQLEN, Triton otherwise; True / "dkdv" / "dq": Gluon for both / one kernel whenever it applies;
+# False: Triton only.  If this Triton cannot compile them (Gluon is experimental and its API moves between
+# releases), the first call warns and the Triton kernels take over for the rest of the process.
 GLUON_BWD = "auto"
 _GLUON_MAX_SEQLEN = 8192
-_GLUON_MIN_WINDOWED_SEQLEN = 8192
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
@@ -590,9 +588,8 @@ def _gluon_backward_kernels(q, k, v, dout, windowed: bool = False, max_seqlen_k:
     """Which backward kernels ("dkdv", "dq") run in Gluon for these inputs (empty: Triton only)."""
     if GLUON_BWD is False or q.device.type != "cuda" or torch.version.hip is not None:
         return ()
-    if GLUON_BWD == "auto" and (max_seqlen_k < _GLUON_MIN_WINDOWED_SEQLEN if windowed
-                                else max_seqlen_k > _GLUON_MAX_SEQLEN):
-        return ()  # where the Triton kernels measured faster (see GLUON_BWD)
+    if GLUON_BWD == "auto" and not windowed and max_seqlen_k > _GLUON_MAX_SEQLEN:
+        return ()  # long full-causal layers: the Triton kernels measured faster (see GLUON_BWD)
     if q.dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(q.device) != (9, 0):
         return ()  # warpgroup MMA is sm_90(a) only
     if not _tma_ok(q, k, v, dout) or _gluon_kernels() is None:
