@@ -191,6 +191,18 @@ def test_matches_fp64(tk, seqlens, hq, hkv, d, causal, window):
     run_and_compare(tk, case, causal, *window)
 
 
+def test_gluon_switch_from_environment(tk):
+    # SINK_FLASH_ATTN3_GLUON_BWD sets triton_kernels.GLUON_BWD at import; a typo must not silently mean "auto"
+    assert tk._gluon_setting("auto") == "auto"
+    assert tk._gluon_setting(" 0 ") is False and tk._gluon_setting("OFF") is False
+    assert tk._gluon_setting("1") is True and tk._gluon_setting("dq") == "dq"
+    with pytest.raises(ValueError, match="SINK_FLASH_ATTN3_GLUON_BWD"):
+        tk._gluon_setting("yes please")
+    # on CPU tensors the Gluon kernels never apply, whatever the switch says
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    assert tk._gluon_backward_kernels(q, q[:, :1], q[:, :1], q) == ()
+
+
 def test_decode_shorter_queries_bottom_right(tk):
     # len_q < len_k (KV cache): causal aligned bottom-right, with a window and a 1-token decode sequence
     case = make_case([5, 1, 19], [37, 23, 19], 4, 2, 64, seed=3)

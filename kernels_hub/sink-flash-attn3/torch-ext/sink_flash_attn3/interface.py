@@ -11,7 +11,8 @@ copies (e.g. the Hub kernel loaded by ``kernels`` under its hashed module name, 
 
 Backend dispatch (per call, from the tensors' device):
 
-- CUDA tensors -> Triton kernels (``triton_kernels.py``);
+- CUDA tensors -> Triton kernels (``triton_kernels.py``; on sm_90 it runs part of the backward in Gluon,
+  ``gluon_kernels.py``);
 - CPU tensors -> plain PyTorch (``reference.py``), or the Triton kernels when ``TRITON_INTERPRET=1`` is set
   (the interpreter runs them on CPU tensors, so CI exercises the real kernel code);
 - override with the ``backend=`` argument or the ``SINK_FLASH_ATTN3_BACKEND`` environment variable

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 import warnings
 from pathlib import Path
 
@@ -104,8 +105,21 @@ _SIDE_STREAMS: dict = {}
 # tiles win there).  "auto" follows those measurements: Gluon for windowed layers and for full layers with keys up
 # to _GLUON_MAX_SEQLEN, Triton otherwise; True / "dkdv" / "dq": Gluon for both / one kernel whenever it applies;
 # False: Triton only.  If this Triton cannot compile them (Gluon is experimental and its API moves between
-# releases), the first call warns and the Triton kernels take over for the rest of the process.
-GLUON_BWD = "auto"
+# releases), the first call warns and the Triton kernels take over for the rest of the process.  The environment
+# variable SINK_FLASH_ATTN3_GLUON_BWD (auto | 1 | 0 | dkdv | dq) sets it at import.
+GLUON_BWD_ENV_VAR = "SINK_FLASH_ATTN3_GLUON_BWD"
+_GLUON_SETTINGS = {"auto": "auto", "1": True, "true": True, "on": True, "0": False, "false": False, "off": False,
+                   "dkdv": "dkdv", "dq": "dq"}
+
+
+def _gluon_setting(value: str):
+    try:
+        return _GLUON_SETTINGS[value.strip().lower()]
+    except KeyError:
+        raise ValueError(f"{GLUON_BWD_ENV_VAR} must be one of {sorted(_GLUON_SETTINGS)}, got {value!r}") from None
+
+
+GLUON_BWD = _gluon_setting(os.environ.get(GLUON_BWD_ENV_VAR, "auto"))
 _GLUON_MAX_SEQLEN = 8192
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
