@@ -43,40 +43,22 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
 }
 
 
-@gluon.jit
-def _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr):
-    """Query blocks that see keys [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi, hi), as in
-    ``triton_kernels._query_block_ranges`` (blocks in [full_lo, full_hi) need no mask)."""
-    n_max = gl.minimum(start_n + BLOCK_N, len_k) - 1
-    lo_raw = gl.maximum(start_n - win_right - shift, 0)
-    hi = gl.minimum(len_q, n_max + win_left - shift + 1)
-    lo = (lo_raw // BLOCK_M) * BLOCK_M
-    hi = gl.maximum(hi, lo)
-    end = gl.cdiv(hi, BLOCK_M) * BLOCK_M
-    full_lo = gl.cdiv(gl.maximum(n_max - win_right - shift, 0), BLOCK_M) * BLOCK_M
-    full_lo = gl.minimum(gl.maximum(full_lo, lo), end)
-    full_hi = (gl.maximum(gl.minimum(len_q, start_n + win_left - shift + 1), 0) // BLOCK_M) * BLOCK_M
-    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), end)
-    return lo, full_lo, full_hi, hi
+# Which query (key) blocks a tile visits, and which of them need no mask, is triton_kernels' band arithmetic
+# (`_query_block_ranges` / `_key_block_ranges`, @triton.jit scalar functions that Gluon kernels can call).
+# triton_kernels binds it here when it loads this module (`triton_kernels._gluon_kernels`), so there is one copy.
+_query_block_ranges = None
+_key_block_ranges = None
 
 
-@gluon.jit
-def _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr):
-    """Key blocks seen by query rows [start_m, start_m + BLOCK_M), as ``triton_kernels._key_block_ranges``."""
-    a_min = start_m + shift
-    a_max = gl.minimum(start_m + BLOCK_M, len_q) - 1 + shift
-    lo_raw = gl.maximum(a_min - win_left, 0)
-    hi = gl.minimum(len_k, a_max + win_right + 1)
-    lo = (lo_raw // BLOCK_N) * BLOCK_N
-    hi = gl.maximum(hi, lo)
-    end = gl.cdiv(hi, BLOCK_N) * BLOCK_N
-    full_lo = gl.cdiv(gl.maximum(a_max - win_left, 0), BLOCK_N) * BLOCK_N
-    full_lo = gl.minimum(gl.maximum(full_lo, lo), end)
-    full_hi = (gl.maximum(gl.minimum(len_k, a_min + win_right + 1), 0) // BLOCK_N) * BLOCK_N
-    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), end)
-    return lo, full_lo, full_hi, hi
+def bind_band_arithmetic(key_block_ranges, query_block_ranges) -> None:
+    global _key_block_ranges, _query_block_ranges
+    _key_block_ranges, _query_block_ranges = key_block_ranges, query_block_ranges
+
+
+def _check_bound() -> None:
+    if _key_block_ranges is None or _query_block_ranges is None:
+        raise RuntimeError("gluon_kernels: load it through triton_kernels._gluon_kernels(), which binds the band "
+                           "arithmetic the kernels call")
 
 
 @gluon.jit
@@ -337,6 +319,7 @@ def _descriptor(t, block_rows: int):
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, qk_scale, sm_scale,
          win_left, win_right, config=None):
     """dK, dV into ``dk``, ``dv`` (see ``triton_kernels.sink_attention_backward`` for the contract)."""
+    _check_bound()
     T_q, H_q, D = q.shape
     H_kv = k.shape[1]
     cfg = dict(config or CONFIGS[("dkdv", D)])
@@ -351,6 +334,7 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seq
 def dq(q, k, v, dout, lse2, delta, dq_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, sm_scale,
        win_left, win_right, config=None):
     """dQ into ``dq_out``."""
+    _check_bound()
     T_q, H_q, D = q.shape
     H_kv = k.shape[1]
     cfg = dict(config or CONFIGS[("dq", D)])

@@ -591,6 +591,7 @@ def _gluon_kernels():
                 spec = importlib.util.spec_from_file_location(f"{__name__}_gluon", path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
+            module.bind_band_arithmetic(_key_block_ranges, _query_block_ranges)  # one copy of which blocks to visit
         except Exception as exc:  # noqa: BLE001 - Triton without Gluon, or a Gluon API this code predates
             module = None
             _GLUON["error"] = f"{type(exc).__name__}: {exc}"
@@ -709,17 +710,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
 
     atomic_dq = ATOMIC_DQ and not deterministic
     dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
-    cfg = _config("dkdv_atomic" if atomic_dq else "dkdv", D, q.device)
-    block_n = cfg.pop("BLOCK_N")
-    dq_mode = 0
-    if atomic_dq:
-        dq_mode = 2 if ATOMIC_DQ_MODE == "tma" and _tma_ok(dq32) else 1
-    dq_desc = _row_descriptor(dq32, cfg["BLOCK_M"]) if dq_mode == 2 else dq32
     bwd_tma = BWD_TMA and q.element_size() == 2  # 16-bit only (see BWD_TMA)
-    tma_qdo = bwd_tma and _tma_ok(q, dout)
-    q_desc = _row_descriptor(q, cfg["BLOCK_M"]) if tma_qdo else q
-    do_desc = _row_descriptor(dout, cfg["BLOCK_M"]) if tma_qdo else dout
-    grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
     gluon = () if atomic_dq else _gluon_backward_kernels(q, k, v, dout, left < _UNBOUNDED, int(max_seqlen_k))
     concurrent = BWD_CONCURRENT
     if concurrent == "auto":  # (measured with the Gluon kernels: no gain, 0.83 -> 0.91 ms at 16k window 128)
@@ -732,6 +723,16 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
         dkdv_done = _run_gluon("dkdv", q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                                qk_scale, float(softmax_scale), left, right)
     if not dkdv_done:
+        cfg = _config("dkdv_atomic" if atomic_dq else "dkdv", D, q.device)
+        block_n = cfg.pop("BLOCK_N")
+        dq_mode = 0
+        if atomic_dq:
+            dq_mode = 2 if ATOMIC_DQ_MODE == "tma" and _tma_ok(dq32) else 1
+        dq_desc = _row_descriptor(dq32, cfg["BLOCK_M"]) if dq_mode == 2 else dq32
+        tma_qdo = bwd_tma and _tma_ok(q, dout)
+        q_desc = _row_descriptor(q, cfg["BLOCK_M"]) if tma_qdo else q
+        do_desc = _row_descriptor(dout, cfg["BLOCK_M"]) if tma_qdo else dout
+        grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
         _sink_attn_bwd_dkdv[grid](
             q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, q_desc, do_desc, cu_seqlens_q, cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
@@ -741,18 +742,18 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     if atomic_dq:
         dq.copy_(dq32)
         return dq, dk, dv, dsink
-    cfg = _config("dq", D, q.device)
-    block_m = cfg.pop("BLOCK_M")
-    grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
-    tma_kv = bwd_tma and _tma_ok(k, v)
-    k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if tma_kv else k
-    v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if tma_kv else v
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        # (GLUON_BWD is checked again: a failed Gluon dK/dV compile above switched it off)
         dq_done = "dq" in gluon and GLUON_BWD is not False and _run_gluon(
             "dq", q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale,
             float(softmax_scale), left, right)
-    if not dq_done:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if not dq_done:
+            cfg = _config("dq", D, q.device)
+            block_m = cfg.pop("BLOCK_M")
+            grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
+            tma_kv = bwd_tma and _tma_ok(k, v)
+            k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if tma_kv else k
+            v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if tma_kv else v
             _sink_attn_bwd_dq[grid](
                 q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
