@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import os
 import sys
 import time
@@ -377,7 +378,13 @@ FWD_VARIANTS = {
     "TMA 128x64 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(128, 64, 8, 3)),
     # session 6 tile sweep (with the FMA softmax): 64x128 w4 s2 4.99 ms at 16k causal vs 5.35 for 128x64 w8 s3
     "TMA 64x128 w4 s2": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 128, 4, 2)),
+    # optional 5th entry: maxnreg.  Session 8 (16k causal / window 128, ms): 64x128 w4 s2 capped at 168 / 160
+    # 4.98 / 4.93 (uncapped 5.00, 216 registers); 64x64 w4 s2 at 128 (four programs per SM) 5.28 / 0.238, shipped
+    # for windowed layers; 64x64 s3 at 128 5.37 / 0.296; 128x64 w8 s2 at 128 5.46 / 0.357
+    "TMA 64x128 w4 s2 maxnreg 160": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 128, 4, 2, 160)),
+    "TMA 64x64 w4 s2 maxnreg 128": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 2, 128)),
 }
+_GLUON_DET = dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True, deterministic=True)
 BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
     # BWD_TMA: Q/dO and K/V tiles through tensor descriptors (the dQ kernel then compiles without spills on sm_90)
     "deterministic, TMA loads": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False, GLUON_BWD=False,
@@ -388,20 +395,15 @@ BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in f
     "TMA reduce 64x64 w4, last-first": dict(ATOMIC_DQ=True, ATOMIC_DQ_MODE="tma", DQ_REVERSE=True,
                                             dkdv_atomic=(64, 64, 4, 3), GLUON_BWD=False, deterministic=False),
     # Gluon (gluon_kernels.py, sm_90): the same two deterministic kernels with asynchronous warpgroup MMAs;
-    # gluon_dkdv / gluon_dq = (BLOCK_M, BLOCK_N, num_warps, TMA stages, DEFER).  Session 7, first run (2 stages, 16k causal
-    # / window 128 / 4k causal, ms): 64x128 w8 + 128x64 w8 17.10 / 0.898 / 1.192; 64x64 w4 both 15.64 / 0.640 /
-    # 1.009; 32x128 w8 + 128x128 w8 24.10 / 1.277 / 1.650.
-    # session 7 runs 2-4 (16k causal / window 128 / 4k causal, ms): 64x64 w4 s2 15.64-16.09 / 0.640-0.685 /
-    # 1.01-1.07; 3 stages + DEFER 16.22 / 0.826 / 1.077; 4 stages + DEFER 16.29 / 0.813 / 1.097; dK/dV 32x128 w4
-    # 10.19 ms alone (Triton's 32x128: 9.3-9.5); dK/dV 64x128 w8 12.3 ms; dQ 128x64 w8 5.3 ms, 64x128 w4 5.2-5.7 ms
-    # (Triton's: 4.9).  Only the shipped default and one DEFER variant stay in the table.
-    "Gluon 64x64 w4 s2": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
-                              gluon_dkdv=(64, 64, 4, 2, 0), gluon_dq=(64, 64, 4, 2, 0), deterministic=True),
-    "Gluon 64x64 w4 s3 defer": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
-                                    gluon_dkdv=(64, 64, 4, 3, 1), gluon_dq=(64, 64, 4, 3, 1), deterministic=True),
-    "Gluon dK/dV 32x128 w4 s2, dQ 64x64 w4 s2": dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True,
-                                                     gluon_dkdv=(32, 128, 4, 2, 0), gluon_dq=(64, 64, 4, 2, 0),
-                                                     deterministic=True),
+    # gluon_dkdv / gluon_dq = (BLOCK_M, BLOCK_N, num_warps, TMA stages, DEFER[, maxnreg]), or a dict of changes to
+    # the shipped config.  Measured losers (benchmarks/notes/attention.md, v6-v7) are no longer timed: 8-warp and
+    # 32x128 tiles, DEFER, deeper pipelines, register caps below 168 (spills), dS from the 16-bit P, a capped
+    # 4-program dQ kernel.
+    "Gluon 64x64 w4 s2 (shipped: dK/dV maxnreg 168)": dict(_GLUON_DET),
+    "Gluon 64x64 w4 s2, no register cap": dict(_GLUON_DET, gluon_dkdv=(64, 64, 4, 2, 0)),
+    "Gluon 64x64 w4 s3, dK/dV maxnreg 168": dict(_GLUON_DET, gluon_dkdv=(64, 64, 4, 3, 0, 168),
+                                                 gluon_dq=(64, 64, 4, 3, 0)),
+    "Gluon, dQ on a side stream": dict(_GLUON_DET, BWD_CONCURRENT=True),
 }
 SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE", "DQ_REVERSE",
             "GLUON_BWD")
@@ -419,12 +421,18 @@ def _apply_variant(spec, D=64):
         if key in ("gluon_dkdv", "gluon_dq"):
             gluon = TK._gluon_kernels()
             if gluon is not None:
-                bm, bn, w, st, defer = value
-                gluon.CONFIGS[(key.split("_", 1)[1], D)] = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=st,
-                                                                 DEFER=defer)
+                name = (key.split("_", 1)[1], D)
+                if isinstance(value, dict):  # changes to the kernel's default config
+                    gluon.CONFIGS[name] = dict(gluon.CONFIGS[name], **value)
+                    continue
+                bm, bn, w, st, defer, *maxnreg = value  # optional 6th: a register cap per thread
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=st, DEFER=defer)  # no cap unless given
+                gluon.CONFIGS[name] = dict(cfg, maxnreg=maxnreg[0]) if maxnreg else cfg
         elif key in ("fwd", "fwd_window", "dkdv", "dkdv_atomic", "dq"):
-            bm, bn, w, st = value
+            bm, bn, w, st, *maxnreg = value  # optional 5th: a register cap per thread
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            if maxnreg:
+                cfg["maxnreg"] = maxnreg[0]
             TK.KERNEL_CONFIGS[(key, D)] = cfg
             if key == "fwd":  # a forward variant is timed with the same tiles for full and windowed layers
                 TK.KERNEL_CONFIGS[("fwd_window", D)] = dict(cfg)
@@ -451,9 +459,10 @@ def kernel_times(fn, reps=5):
     return times
 
 
-def compare_variants(max_err=1e-2):
+def compare_variants(max_err=1e-2, name_filter=None):
     """Accuracy (bf16, S=1024 vs fp64) and speed of every forward and backward variant, side by side; keeps the
-    fastest accurate forward, the fastest deterministic backward and the fastest non-deterministic one."""
+    fastest accurate forward, the fastest deterministic backward and the fastest non-deterministic one.
+    ``name_filter``: a regular expression; only the variants whose name it matches (``re.search``) run."""
     log = dict(fwd=[], bwd=[])
     S_acc = VARIANT_ACCURACY_S
     acc_inputs = make_inputs(S_acc, seed=3)
@@ -480,6 +489,8 @@ def compare_variants(max_err=1e-2):
 
     for kind, table in (("fwd", FWD_VARIANTS), ("bwd", BWD_VARIANTS)):
         for name, spec in table.items():
+            if name_filter and not re.search(name_filter, name):
+                continue
             restore_defaults()
             deterministic = _apply_variant(spec)
             row = dict(name=name, kind=kind, spec={k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()})
@@ -565,6 +576,7 @@ def main():
     parser.add_argument("--variants", action="store_true",
                         help="compare the kernel variants (TMA loads, concurrent dQ, dQ reduction) first")
     parser.add_argument("--variants-only", action="store_true", help="stop after --variants (no table)")
+    parser.add_argument("--variant-filter", help="regular expression: only the --variants whose name matches")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks")))
     parser.add_argument("--seqlens", default="4096,16384,32768")
     parser.add_argument("--skip-flex", action="store_true")
@@ -590,7 +602,7 @@ def main():
     if args.sweep_only:
         (out_dir / "attention_sweep.json").write_text(json.dumps(sweep_log, indent=1))
         return
-    variants_log = compare_variants() if args.variants else None
+    variants_log = compare_variants(name_filter=args.variant_filter) if args.variants else None
     if args.variants_only:
         (out_dir / "attention_variants.json").write_text(json.dumps(variants_log, indent=1))
         return
@@ -604,9 +616,8 @@ def main():
         configs.update({f"gluon_{k}/{d}": v for (k, d), v in gluon.CONFIGS.items()})
     if gluon is None:
         dispatch = f"Gluon kernels unavailable ({TK._GLUON.get('error')}): the Triton backward everywhere"
-    elif TK.GLUON_BWD == "auto":
-        dispatch = (f"the Gluon kernels (gluon_kernels.py, asynchronous warpgroup MMAs) for windowed layers and full "
-                    f"layers with keys up to {TK._GLUON_MAX_SEQLEN}, the Triton kernels for longer full layers")
+    elif TK.GLUON_BWD in ("auto", True):
+        dispatch = "the Gluon kernels (gluon_kernels.py, asynchronous warpgroup MMAs) wherever they apply"
     elif TK.GLUON_BWD is False:
         dispatch = "the Triton kernels everywhere"
     else:

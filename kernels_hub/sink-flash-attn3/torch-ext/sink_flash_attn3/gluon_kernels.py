@@ -15,9 +15,11 @@ transposed tiles, keys x queries)::
     issue  dK += dS^T Q ;  wait all                (the registers of P^T / dS^T live until their MMAs finish)
 
 and the dQ kernel does the same with S = Q K^T, dP = dO V^T, dQ += dS K.  Loads go through TMA with two
-buffers: the tiles of step i+1 are requested at the start of step i.
+buffers: the tiles of step i+1 are requested at the start of step i; in the dK/dV kernel the query rows' LSE and
+D come with them (1-D copies; a per-row global load per step cost ~25% of that kernel's instructions).  The dK/dV
+kernel is compiled with a register cap (``maxnreg`` in CONFIGS) so that three programs share an SM.
 
-Scope (the caller checks it, ``triton_kernels._gluon_backward_ok``): CUDA sm_90+, 16-bit inputs, head_dim 64,
+Scope (the caller checks it, ``triton_kernels._gluon_backward_kernels``): CUDA sm_90, 16-bit inputs, head_dim 64,
 rows 16-byte aligned.  Everything else runs the Triton kernels.  Gluon has no interpreter, so CPU CI cannot run
 these kernels; ``tests/test_triton_kernels.py`` compares them with the fp64 reference on the GPU.
 """
@@ -37,60 +39,57 @@ __all__ = ["dkdv", "dq", "CONFIGS"]
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 # (kernel, head_dim) -> tile sizes and warps.  8 warps = two warpgroups, each owning 64 rows of the output tile.
+# maxnreg caps the registers per thread: the dK/dV kernel compiles to ~195 without a cap (two programs per SM) and
+# to 168 without spills with it (three per SM: 16k causal dK/dV kernel 9.3 -> 7.3 ms on the H200, notes v7).
 CONFIGS: dict[tuple[str, int], dict[str, int]] = {
-    ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0),
+    ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0, maxnreg=168),
     ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0),
 }
 
 
-# Which query (key) blocks a tile visits, and which of them need no mask, is triton_kernels' band arithmetic
-# (`_query_block_ranges` / `_key_block_ranges`, @triton.jit scalar functions that Gluon kernels can call).
-# triton_kernels binds it here when it loads this module (`triton_kernels._gluon_kernels`), so there is one copy.
+# Which query (key) blocks a tile visits and which of them need no mask (`_query_block_ranges` /
+# `_key_block_ranges`), and where a sequence's LSE / D values start (`_row_vector_start`), are triton_kernels'
+# @triton.jit scalar functions, which Gluon kernels can call.  triton_kernels binds them here when it loads this
+# module (`triton_kernels._gluon_kernels`), so there is one copy.
 _query_block_ranges = None
 _key_block_ranges = None
+_row_vector_start = None
 
 
-def bind_band_arithmetic(key_block_ranges, query_block_ranges) -> None:
-    global _key_block_ranges, _query_block_ranges
-    _key_block_ranges, _query_block_ranges = key_block_ranges, query_block_ranges
+def bind_triton_helpers(key_block_ranges, query_block_ranges, row_vector_start) -> None:
+    global _key_block_ranges, _query_block_ranges, _row_vector_start
+    _key_block_ranges, _query_block_ranges, _row_vector_start = key_block_ranges, query_block_ranges, row_vector_start
 
 
 def _check_bound() -> None:
-    if _key_block_ranges is None or _query_block_ranges is None:
-        raise RuntimeError("gluon_kernels: load it through triton_kernels._gluon_kernels(), which binds the band "
-                           "arithmetic the kernels call")
+    if None in (_key_block_ranges, _query_block_ranges, _row_vector_start):
+        raise RuntimeError("gluon_kernels: load it through triton_kernels._gluon_kernels(), which binds the "
+                           "triton_kernels helpers the kernels call")
 
 
 @gluon.jit
-def _dkdv_request(q_desc, do_desc, q_smem, do_smem, bars, step, total, num_m, lo, q_start, off_kh,
-                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """TMA request of step ``step``'s Q and dO tiles into buffer ``step % STAGES`` (nothing past the last step)."""
+def _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, step, total,
+                  num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """TMA request of step ``step``'s Q and dO tiles and their rows' LSE and D into buffer ``step % STAGES``
+    (nothing past the last step)."""
     if step < total:
         g = step // num_m
-        row = q_start + lo + (step - g * num_m) * BLOCK_M
-        col = (off_kh * GROUP + g) * HEAD_DIM
+        start_m = lo + (step - g * num_m) * BLOCK_M
+        off_h = off_kh * GROUP + g
         buf = step % STAGES
-        mbarrier.expect(bars.index(buf), 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [row, col], bars.index(buf), q_smem.index(buf))
-        _tma_load(do_desc, [row, col], bars.index(buf), do_smem.index(buf))
+        mbarrier.expect(bars.index(buf), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], bars.index(buf), q_smem.index(buf))
+        _tma_load(do_desc, [q_start + start_m, off_h * HEAD_DIM], bars.index(buf), do_smem.index(buf))
+        # (16-byte aligned start: rows_start is, BLOCK_M and the row stride are multiples of 4)
+        at = off_h * stride_rows + rows_start + start_m
+        _tma_load(lse_desc, [at], bars.index(buf), lse_smem.index(buf))
+        _tma_load(delta_desc, [at], bars.index(buf), delta_smem.index(buf))
 
 
-@gluon.jit
-def _dkdv_rows(Lse2, Delta, step, num_m, lo, off_kh, q_start, len_q, T_q, offs_m0, GROUP: gl.constexpr,
-               BLOCK_M: gl.constexpr):
-    """Base-2 LSE and D of step ``step``'s query rows (+inf / 0 past len_q; any values past the last step)."""
-    g = step // num_m
-    offs_m = lo + (step - g * num_m) * BLOCK_M + offs_m0
-    ok = (offs_m < len_q) & (g < GROUP)
-    base = (off_kh * GROUP + g) * T_q + q_start
-    lse2 = gl.load(Lse2 + base + offs_m, mask=ok, other=float("inf"))
-    delta = gl.load(Delta + base + offs_m, mask=ok, other=0.0)
-    return lse2, delta
-
-
-@gluon.jit(do_not_specialize=["T_q"])
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
-                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, T_q, qk_scale, sm_scale, win_left, win_right,
+@gluon.jit(do_not_specialize=["stride_rows"])
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, cu_seqlens_q, cu_seqlens_k,
+                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rows, qk_scale, sm_scale, win_left, win_right,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
     off_kh = gl.program_id(0)
@@ -104,6 +103,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DK, DV, cu_seqlen
     if start_n >= len_k:
         return
     shift = len_k - len_q
+    rows_start = _row_vector_start(q_start, off_b)
     dtype: gl.constexpr = q_desc.dtype
 
     # S^T / dP^T tiles [BLOCK_N, BLOCK_M] and the dK / dV accumulators [BLOCK_N, HEAD_DIM]: warps stacked along keys
@@ -119,6 +119,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DK, DV, cu_seqlen
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -139,8 +141,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DK, DV, cu_seqlen
     # S^T / dP^T), so one buffer fewer is free at the start of a step.
     AHEAD: gl.constexpr = STAGES - 1 - DEFER
     for i in gl.static_range(AHEAD):
-        _dkdv_request(q_desc, do_desc, q_smem, do_smem, bars, i, total, num_m, lo, q_start, off_kh, GROUP,
-                      HEAD_DIM, BLOCK_M, STAGES)
+        _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, i, total,
+                      num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP, HEAD_DIM, BLOCK_M, STAGES)
 
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
     offs_m0 = gl.arange(0, BLOCK_M, layout=col_layout)
@@ -154,10 +156,9 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DK, DV, cu_seqlen
         g = step // num_m
         start_m = lo + (step - g * num_m) * BLOCK_M
         buf = step % STAGES
-        _dkdv_request(q_desc, do_desc, q_smem, do_smem, bars, step + AHEAD, total, num_m, lo, q_start,
-                      off_kh, GROUP, HEAD_DIM, BLOCK_M, STAGES)
-        # (rows past len_q, the next sequence's or TMA zeros: LSE = +inf and D = 0 make P = dS = 0 there)
-        lse2, delta = _dkdv_rows(Lse2, Delta, step, num_m, lo, off_kh, q_start, len_q, T_q, offs_m0, GROUP, BLOCK_M)
+        _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars,
+                      step + AHEAD, total, num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP, HEAD_DIM,
+                      BLOCK_M, STAGES)
         mbarrier.wait(bars.index(buf), (step // STAGES) % 2)
         q_tile = q_smem.index(buf)
         do_tile = do_smem.index(buf)
@@ -165,16 +166,19 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DK, DV, cu_seqlen
         dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # retires S^T (and, with DEFER, the previous step's dV / dK); dP^T may still run
         sT, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv, pT_op, dsT_op))
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])
-        if (start_m < full_lo) | (start_m >= full_hi):  # edge block: causal / window mask
+        # (rows past len_q hold the next sequence's or TMA's zero rows: only edge blocks have them, masked below;
+        # LSE and D are read from shared memory where they are used, which keeps them out of the peak registers)
+        pT = gl.exp2(sT * qk_scale - lse_smem.index(buf).load(col_layout)[None, :])
+        if (start_m < full_lo) | (start_m >= full_hi):  # edge block: causal / window mask, rows past len_q
             row_pos = start_m + offs_m0 + shift
             visible = ((offs_n[:, None] >= row_pos[None, :] - win_left)
-                       & (offs_n[:, None] <= row_pos[None, :] + win_right))
+                       & (offs_n[:, None] <= row_pos[None, :] + win_right)
+                       & (start_m + offs_m0 < len_q)[None, :])
             pT = gl.where(visible, pT, 0.0)
         pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
-        dsT = pT * (dpT - delta[None, :])
+        dsT = pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])
         dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
         dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
         if not DEFER:
@@ -208,9 +212,9 @@ def _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step, num_n, row0, col, BL
         _tma_load(v_desc, [row0 + step * BLOCK_N, col], bars.index(buf), v_smem.index(buf))
 
 
-@gluon.jit(do_not_specialize=["T_q"])
+@gluon.jit(do_not_specialize=["stride_rows"])
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, stride_dqt,
-               stride_dqh, T_q, qk_scale, sm_scale, win_left, win_right, GROUP: gl.constexpr,
+               stride_dqh, stride_rows, qk_scale, sm_scale, win_left, win_right, GROUP: gl.constexpr,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                DEFER: gl.constexpr, num_warps: gl.constexpr):
     off_h = gl.program_id(0)
@@ -259,8 +263,9 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
 
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     row_ok = offs_m < len_q
-    lse2 = gl.load(Lse2 + off_h * T_q + q_start + offs_m, mask=row_ok, other=float("inf"))
-    delta = gl.load(Delta + off_h * T_q + q_start + offs_m, mask=row_ok, other=0.0)
+    rows_at = off_h * stride_rows + _row_vector_start(q_start, off_b) + offs_m
+    lse2 = gl.load(Lse2 + rows_at, mask=row_ok, other=float("inf"))
+    delta = gl.load(Delta + rows_at, mask=row_ok, other=0.0)
     row_pos = offs_m + shift
     offs_n0 = gl.arange(0, BLOCK_N, layout=col_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -316,31 +321,39 @@ def _descriptor(t, block_rows: int):
     return TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D], layout)
 
 
+def _row_vector(t, block: int):
+    """1-D TMA descriptor over the float32 per-row vector ``t [H, T]`` (LSE or D) flattened, tiles of ``block``."""
+    layout = gl.NVMMASharedLayout.get_default_for([block], gl.float32)
+    return TensorDescriptor(t, [t.numel()], [1], [block], layout)
+
+
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, qk_scale, sm_scale,
          win_left, win_right, config=None):
-    """dK, dV into ``dk``, ``dv`` (see ``triton_kernels.sink_attention_backward`` for the contract)."""
+    """dK, dV into ``dk``, ``dv`` (see ``triton_kernels.sink_attention_backward`` for the contract; ``lse2`` and
+    ``delta`` are the per-row vectors ``[H, stride_rows]`` laid out by ``triton_kernels._row_vector_start``)."""
     _check_bound()
-    T_q, H_q, D = q.shape
+    _, H_q, D = q.shape
     H_kv = k.shape[1]
     cfg = dict(config or CONFIGS[("dkdv", D)])
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     grid = (H_kv, triton.cdiv(int(max_seqlen_k), bn), cu_seqlens_q.numel() - 1)
     _dkdv_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), lse2, delta, dk, dv,
-        cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), T_q, qk_scale,
-        sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _row_vector(lse2, bm),
+        _row_vector(delta, bm), dk, dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0),
+        dv.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D,
+        BLOCK_M=bm, BLOCK_N=bn, **cfg)
 
 
 def dq(q, k, v, dout, lse2, delta, dq_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, sm_scale,
        win_left, win_right, config=None):
     """dQ into ``dq_out``."""
     _check_bound()
-    T_q, H_q, D = q.shape
+    _, H_q, D = q.shape
     H_kv = k.shape[1]
     cfg = dict(config or CONFIGS[("dq", D)])
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
     _dq_kernel[grid](
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), lse2, delta, dq_out,
-        cu_seqlens_q, cu_seqlens_k, dq_out.stride(0), dq_out.stride(1), T_q, qk_scale, sm_scale, win_left,
+        cu_seqlens_q, cu_seqlens_k, dq_out.stride(0), dq_out.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left,
         win_right, GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)

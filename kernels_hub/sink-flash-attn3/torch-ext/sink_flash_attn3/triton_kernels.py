@@ -63,7 +63,8 @@ _UNBOUNDED = 1 << 30
 KERNEL_CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),  # 4.99 ms at 16k causal (128x64 w8: 5.35)
     ("fwd", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    # (windowed: 128 registers per thread -> four programs per SM, 0.29 -> 0.24 ms at 16k, notes v7)
+    ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128),
     ("fwd_window", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     ("dkdv", 64): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4),
     ("dkdv", 128): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
@@ -100,13 +101,11 @@ _SIDE_STREAMS: dict = {}
 # Backward on Hopper (sm_90): the Gluon kernels of gluon_kernels.py, same math and the same deterministic structure,
 # with asynchronous warpgroup MMAs so that exp2 and the dS arithmetic overlap the tensor cores (which Triton's
 # tl.dot does not do), for 16-bit inputs at the head dims in gluon_kernels.CONFIGS.  H200 (benchmarks/notes/
-# attention.md, v6): same-run fwd+bwd 16k window 128 1.32 -> 0.93 ms, 4k causal 1.53 -> 1.37 ms; backward kernels
-# alone 4k window 128 0.28 -> 0.17 ms; but 16k causal backward 15.2 -> 16.1 ms (the Triton dK/dV kernel's 128-key
-# tiles win there).  "auto" follows those measurements: Gluon for windowed layers and for full layers with keys up
-# to _GLUON_MAX_SEQLEN, Triton otherwise; True / "dkdv" / "dq": Gluon for both / one kernel whenever it applies;
-# False: Triton only.  If this Triton cannot compile them (Gluon is experimental and its API moves between
-# releases), the first call warns and the Triton kernels take over for the rest of the process.  The environment
-# variable SINK_FLASH_ATTN3_GLUON_BWD (auto | 1 | 0 | dkdv | dq) sets it at import.
+# attention.md, v6-v7), backward alone: 16k causal 15.4 -> 13.6 ms, 16k window 128 1.09 -> 0.60 ms, 4k causal
+# 1.47 -> 1.00 ms.  "auto" / True: Gluon wherever it applies; "dkdv" / "dq": Gluon for that kernel only; False:
+# Triton only.  If this Triton cannot compile them (Gluon is experimental and its API moves between releases), the
+# first call warns and the Triton kernels take over for the rest of the process.  The environment variable
+# SINK_FLASH_ATTN3_GLUON_BWD (auto | 1 | 0 | dkdv | dq) sets it at import.
 GLUON_BWD_ENV_VAR = "SINK_FLASH_ATTN3_GLUON_BWD"
 _GLUON_SETTINGS = {"auto": "auto", "1": True, "true": True, "on": True, "0": False, "false": False, "off": False,
                    "dkdv": "dkdv", "dq": "dq"}
@@ -120,7 +119,6 @@ def _gluon_setting(value: str):
 
 
 GLUON_BWD = _gluon_setting(os.environ.get(GLUON_BWD_ENV_VAR, "auto"))
-_GLUON_MAX_SEQLEN = 8192
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
@@ -137,6 +135,8 @@ def _config(kernel: str, head_dim: int, device: torch.device) -> dict[str, int]:
         cfg = dict(KERNEL_CONFIGS[(kernel, 128)])
         if head_dim > 128:
             cfg.update(BLOCK_M=64, BLOCK_N=32, num_stages=1)
+    if torch.version.hip is not None:
+        cfg.pop("maxnreg", None)  # an NVIDIA compile option
     return dict(cfg)
 
 
@@ -181,6 +181,15 @@ def _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK
     full_hi = (tl.maximum(tl.minimum(len_q, start_n + win_left - shift + 1), 0) // BLOCK_M) * BLOCK_M
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _row_vector_start(q_start, off_b):
+    """Where sequence ``off_b``'s rows start in the backward's per-row vectors (LSE and D, ``[H, stride_rows]``,
+    see ``_row_vector_stride``): every sequence at a 16-byte aligned offset, because a TMA copy of a query block's
+    values (the Gluon kernels) must start 16-byte aligned.  With ``c = q_start``: 4 * ceil(c / 4) + 4 * b leaves
+    at least one slot between consecutive sequences, so no two rows share a slot."""
+    return 4 * tl.cdiv(q_start, 4) + 4 * off_b
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -298,39 +307,47 @@ def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_se
 # ----------------------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T", "stride_lse_h"])
-def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lse_h,
-                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0)."""
+@triton.jit(do_not_specialize=["stride_rows", "stride_lse_h"])
+def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, cu_seqlens_q, stride_rows, stride_ot, stride_oh, stride_dot,
+                    stride_doh, stride_lse_h, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0), written
+    at the sequence's aligned offset (`_row_vector_start`)."""
     off_h = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    off_b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + off_b)
+    len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_t < T
-    o = tl.load(Out + offs_t[:, None].to(tl.int64) * stride_ot + off_h * stride_oh + offs_d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + offs_t[:, None].to(tl.int64) * stride_dot + off_h * stride_doh + offs_d[None, :],
-                 mask=ok[:, None], other=0.0).to(tl.float32)
+    ok = offs < len_q
+    rows = (q_start + offs).to(tl.int64)
+    o = tl.load(Out + rows[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :], mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    do = tl.load(DO + rows[:, None] * stride_dot + off_h * stride_doh + offs_d[None, :], mask=ok[:, None],
+                 other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
-    lse = tl.load(Lse + off_h * stride_lse_h + offs_t, mask=ok, other=0.0)
+    lse = tl.load(Lse + off_h * stride_lse_h + rows, mask=ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-    tl.store(Delta + off_h * T + offs_t, delta, mask=ok)
-    tl.store(Lse2 + off_h * T + offs_t, lse2, mask=ok)
+    at = off_h * stride_rows + _row_vector_start(q_start, off_b) + offs
+    tl.store(Delta + at, delta, mask=ok)
+    tl.store(Lse2 + at, lse2, mask=ok)
 
 
-@triton.jit(do_not_specialize=["T", "NUM_SEQS"])
-def _bwd_dsink(Sinks, Lse2, Delta, DSink, cu_seqlens_q, T, NUM_SEQS, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_rows", "NUM_SEQS"])
+def _bwd_dsink(Sinks, Lse2, Delta, DSink, cu_seqlens_q, stride_rows, NUM_SEQS, BLOCK: tl.constexpr):
     """dsink_h = -sum_i exp(s_h - LSE_i) D_i over every row of head h: one program per head, fixed order."""
     off_h = tl.program_id(0)
     sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
-    first = tl.load(cu_seqlens_q)
-    last = tl.load(cu_seqlens_q + NUM_SEQS)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(first, last, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < last
-        lse2 = tl.load(Lse2 + off_h * T + offs, mask=ok, other=float("inf"))
-        delta = tl.load(Delta + off_h * T + offs, mask=ok, other=0.0)
-        acc += tl.math.exp2(sink2 - lse2) * delta
+    for off_b in range(NUM_SEQS):
+        q_start = tl.load(cu_seqlens_q + off_b)
+        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+        base = off_h * stride_rows + _row_vector_start(q_start, off_b)
+        for start in range(0, len_q, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < len_q
+            lse2 = tl.load(Lse2 + base + offs, mask=ok, other=float("inf"))
+            delta = tl.load(Delta + base + offs, mask=ok, other=0.0)
+            acc += tl.math.exp2(sink2 - lse2) * delta
     tl.store(DSink + off_h, -tl.sum(acc, axis=0))
 
 
@@ -397,10 +414,10 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_bas
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T_q"])
+@triton.jit(do_not_specialize=["stride_rows"])
 def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, Q_desc, DO_desc, cu_seqlens_q, cu_seqlens_k,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, T_q, qk_scale,
+                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_rows, qk_scale,
                         sm_scale, win_left, win_right, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         DQ_MODE: tl.constexpr, REVERSE: tl.constexpr, USE_TMA: tl.constexpr):
@@ -430,6 +447,7 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, Q_desc,
                                                    BLOCK_M, BLOCK_N)
     # three ranges: an edge (masked), the full blocks, the other edge (masked); REVERSE visits them back to front
     a_lo, a_hi, c_lo, c_hi = lo, full_lo, full_hi, hi
+    rows_start = _row_vector_start(q_start, off_b)
     if REVERSE:
         a_lo, a_hi, c_lo, c_hi = full_hi, hi, lo, full_lo
     # GQA: the KV head's gradient is the sum over its query heads, accumulated here in a fixed order
@@ -437,8 +455,8 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, DQ32, DQ_desc, Q_desc,
         off_h = off_kh * GROUP + g
         q_base = Q + q_start.to(tl.int64) * stride_qt + off_h * stride_qh
         do_base = DO + q_start.to(tl.int64) * stride_dot + off_h * stride_doh
-        lse2_base = Lse2 + off_h * T_q + q_start
-        delta_base = Delta + off_h * T_q + q_start
+        lse2_base = Lse2 + off_h * stride_rows + rows_start
+        delta_base = Delta + off_h * stride_rows + rows_start
         dq_base = DQ32 + q_start.to(tl.int64) * stride_dqt + off_h * stride_dqh
         dq_col = off_h * HEAD_DIM
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, DQ_desc, q_start,
@@ -493,10 +511,10 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, desc_r
     return dq
 
 
-@triton.jit(do_not_specialize=["T_q"])
+@triton.jit(do_not_specialize=["stride_rows"])
 def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                      stride_dqt, stride_dqh, T_q, qk_scale, sm_scale, win_left, win_right,
+                      stride_dqt, stride_dqh, stride_rows, qk_scale, sm_scale, win_left, win_right,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     off_h = tl.program_id(0)
@@ -520,8 +538,9 @@ def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, cu_seqlens_q
                 mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + (q_start + offs_m)[:, None].to(tl.int64) * stride_dot + off_h * stride_doh
                  + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(Lse2 + off_h * T_q + q_start + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + off_h * T_q + q_start + offs_m, mask=row_ok, other=0.0)
+    rows_at = off_h * stride_rows + _row_vector_start(q_start, off_b) + offs_m
+    lse2 = tl.load(Lse2 + rows_at, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + rows_at, mask=row_ok, other=0.0)
     k_base = K + k_start.to(tl.int64) * stride_kt + off_kh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + off_kh * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -545,6 +564,11 @@ def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, cu_seqlens_q
 # ----------------------------------------------------------------------------------------------------------
 # Host wrappers (the contract used by the package's autograd functions / custom ops)
 # ----------------------------------------------------------------------------------------------------------
+def _row_vector_stride(T_q: int, num_seqs: int) -> int:
+    """Row stride of the backward's per-row vectors: room for every sequence at its `_row_vector_start`."""
+    return 4 * triton.cdiv(T_q, 4) + 4 * num_seqs
+
+
 def _window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
     """FA window convention (-1 = unbounded) -> finite (left, right) extents; causal caps right at 0."""
     left = _UNBOUNDED if window_left is None or window_left < 0 else int(window_left)
@@ -591,7 +615,8 @@ def _gluon_kernels():
                 spec = importlib.util.spec_from_file_location(f"{__name__}_gluon", path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-            module.bind_band_arithmetic(_key_block_ranges, _query_block_ranges)  # one copy of which blocks to visit
+            # one copy of which blocks to visit and of where a sequence's LSE / D start
+            module.bind_triton_helpers(_key_block_ranges, _query_block_ranges, _row_vector_start)
         except Exception as exc:  # noqa: BLE001 - Triton without Gluon, or a Gluon API this code predates
             module = None
             _GLUON["error"] = f"{type(exc).__name__}: {exc}"
@@ -599,12 +624,10 @@ def _gluon_kernels():
     return _GLUON["module"]
 
 
-def _gluon_backward_kernels(q, k, v, dout, windowed: bool = False, max_seqlen_k: int = 0) -> tuple[str, ...]:
+def _gluon_backward_kernels(q, k, v, dout) -> tuple[str, ...]:
     """Which backward kernels ("dkdv", "dq") run in Gluon for these inputs (empty: Triton only)."""
     if GLUON_BWD is False or q.device.type != "cuda" or torch.version.hip is not None:
         return ()
-    if GLUON_BWD == "auto" and not windowed and max_seqlen_k > _GLUON_MAX_SEQLEN:
-        return ()  # long full-causal layers: the Triton kernels measured faster (see GLUON_BWD)
     if q.dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(q.device) != (9, 0):
         return ()  # warpgroup MMA is sm_90(a) only
     if not _tma_ok(q, k, v, dout) or _gluon_kernels() is None:
@@ -698,20 +721,24 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     precision = _dot_precision(q.dtype)
     group = H_q // H_kv
 
-    delta = torch.empty((H_q, T_q), device=q.device, dtype=torch.float32)
+    # per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (_row_vector_start).
+    # D's unused slots stay 0: a TMA copy of a query block's D past its sequence's end must read finite values
+    # (those rows are masked to P = 0, and 0 * (dP - D) must stay 0)
+    stride_rows = _row_vector_stride(T_q, num_seqs)
+    delta = torch.zeros((H_q, stride_rows), device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
     pre_block = 64 if q.device.type == "cuda" else 16
-    _bwd_preprocess[(triton.cdiv(T_q, pre_block), H_q)](
-        out, dout, lse, delta, lse2, T_q, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        lse.stride(0), HEAD_DIM=D, BLOCK=pre_block)
+    _bwd_preprocess[(max(triton.cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)](
+        out, dout, lse, delta, lse2, cu_seqlens_q, stride_rows, out.stride(0), out.stride(1), dout.stride(0),
+        dout.stride(1), lse.stride(0), HEAD_DIM=D, BLOCK=pre_block)
     if sinks is not None:
-        _bwd_dsink[(H_q,)](sinks, lse2, delta, dsink, cu_seqlens_q, T_q, num_seqs,
+        _bwd_dsink[(H_q,)](sinks, lse2, delta, dsink, cu_seqlens_q, stride_rows, num_seqs,
                            BLOCK=1024 if q.device.type == "cuda" else 64)
 
     atomic_dq = ATOMIC_DQ and not deterministic
     dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
     bwd_tma = BWD_TMA and q.element_size() == 2  # 16-bit only (see BWD_TMA)
-    gluon = () if atomic_dq else _gluon_backward_kernels(q, k, v, dout, left < _UNBOUNDED, int(max_seqlen_k))
+    gluon = () if atomic_dq else _gluon_backward_kernels(q, k, v, dout)
     concurrent = BWD_CONCURRENT
     if concurrent == "auto":  # (measured with the Gluon kernels: no gain, 0.83 -> 0.91 ms at 16k window 128)
         concurrent = not gluon and (left < _UNBOUNDED or int(max_seqlen_k) <= _CONCURRENT_MAX_SEQLEN)
@@ -737,7 +764,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
             q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, q_desc, do_desc, cu_seqlens_q, cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
             dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq32.stride(0), dq32.stride(1),
-            T_q, qk_scale, float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n,
+            stride_rows, qk_scale, float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n,
             DOT_PRECISION=precision, DQ_MODE=dq_mode, REVERSE=DQ_REVERSE and atomic_dq, USE_TMA=tma_qdo, **cfg)
     if atomic_dq:
         dq.copy_(dq32)
@@ -757,7 +784,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
             _sink_attn_bwd_dq[grid](
                 q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-                dout.stride(1), dq.stride(0), dq.stride(1), T_q, qk_scale, float(softmax_scale), left, right,
+                dout.stride(1), dq.stride(0), dq.stride(1), stride_rows, qk_scale, float(softmax_scale), left, right,
                 GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, USE_TMA=tma_kv, **cfg)
     if side is not None:
         # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
