@@ -383,6 +383,12 @@ FWD_VARIANTS = {
     # for windowed layers; 64x64 s3 at 128 5.37 / 0.296; 128x64 w8 s2 at 128 5.46 / 0.357
     "TMA 64x128 w4 s2 maxnreg 160": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 128, 4, 2, 160)),
     "TMA 64x64 w4 s2 maxnreg 128": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 2, 128)),
+    # Gluon forward (gluon_kernels._fwd_kernel, sm_90): gluon_fwd = changes to its config, used for full and
+    # windowed layers alike.  Session 8 (16k causal / window 128 / 4k causal, ms): 64x64 s3 5.52 / 0.259 / 0.369,
+    # 64x64 s2 5.35 / 0.236 / 0.355, 64x128 s2 5.10 / 0.312 / 0.344; Triton 64x128 in the same call 5.03
+    "Gluon 64x64 w4 s3": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=3)),
+    "Gluon 64x64 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=2)),
+    "Gluon 64x128 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=128, STAGES=2)),
 }
 _GLUON_DET = dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True, deterministic=True)
 BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
@@ -405,8 +411,8 @@ BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in f
                                                  gluon_dq=(64, 64, 4, 3, 0)),
     "Gluon, dQ on a side stream": dict(_GLUON_DET, BWD_CONCURRENT=True),
 }
-SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE", "DQ_REVERSE",
-            "GLUON_BWD")
+SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "GLUON_FWD", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE",
+            "DQ_REVERSE", "GLUON_BWD")
 VARIANT_SHAPES = ((16384, None), (16384, 128), (4096, None))
 VARIANT_ACCURACY_S = 1024
 
@@ -418,12 +424,14 @@ def _shape_key(S, window):
 def _apply_variant(spec, D=64):
     """Set the module switches and block configs of one variant; returns the backward's `deterministic`."""
     for key, value in spec.items():
-        if key in ("gluon_dkdv", "gluon_dq"):
+        if key in ("gluon_dkdv", "gluon_dq", "gluon_fwd"):
             gluon = TK._gluon_kernels()
             if gluon is not None:
                 name = (key.split("_", 1)[1], D)
                 if isinstance(value, dict):  # changes to the kernel's default config
                     gluon.CONFIGS[name] = dict(gluon.CONFIGS[name], **value)
+                    if key == "gluon_fwd":  # a forward variant is timed with the same tiles for windowed layers
+                        gluon.CONFIGS[("fwd_window", D)] = dict(gluon.CONFIGS[name])
                     continue
                 bm, bn, w, st, defer, *maxnreg = value  # optional 6th: a register cap per thread
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=st, DEFER=defer)  # no cap unless given
@@ -506,7 +514,8 @@ def compare_variants(max_err=1e-2, name_filter=None):
                     for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), refs[window]):
                         errs[n] = max(errs.get(n, 0.0), rel(x, r))
                 row["max_err"] = errs
-                if spec.get("GLUON_BWD") and TK.GLUON_BWD is False:  # _run_gluon fell back to Triton (it warned)
+                if ((spec.get("GLUON_BWD") and TK.GLUON_BWD is False)
+                        or (spec.get("GLUON_FWD") and TK.GLUON_FWD is False)):  # _run_gluon fell back (it warned)
                     raise RuntimeError(f"Gluon kernel unavailable: {TK._GLUON.get('error', 'compile error')}")
                 for S, window in VARIANT_SHAPES:
                     q, k, v, dout, sinks = make_inputs(S)
@@ -544,7 +553,7 @@ def compare_variants(max_err=1e-2, name_filter=None):
     # forward: the fastest on full-causal layers, then (same switches) the fastest tiles for windowed layers
     fwd_ok = sorted((r for r in log["fwd"] if ok(r)), key=lambda r: r[_shape_key(*VARIANT_SHAPES[0])])
     if fwd_ok:
-        switches = {k: v for k, v in fwd_ok[0]["spec"].items() if k.startswith("FWD_")}
+        switches = {k: v for k, v in fwd_ok[0]["spec"].items() if k.startswith("FWD_") or k == "GLUON_FWD"}
         same = [r for r in fwd_ok if all(r["spec"].get(k) == v for k, v in switches.items())]
         chosen["fwd_window"] = min(same, key=lambda r: r[_shape_key(*VARIANT_SHAPES[1])])["name"]
     det_ok = sorted((r for r in log["bwd"] if ok(r) and r["spec"]["deterministic"]), key=score)
@@ -555,7 +564,12 @@ def compare_variants(max_err=1e-2, name_filter=None):
     # apply: forward and deterministic backward switches, and the non-deterministic backward's switches/configs
     if "fwd" in chosen:
         _apply_variant(FWD_VARIANTS[chosen["fwd"]])
-        _apply_variant({"fwd_window": FWD_VARIANTS[chosen["fwd_window"]]["fwd"]})
+        window_spec = FWD_VARIANTS[chosen["fwd_window"]]
+        if "gluon_fwd" in window_spec:
+            gluon = TK._gluon_kernels()
+            gluon.CONFIGS[("fwd_window", 64)] = dict(gluon.CONFIGS[("fwd", 64)], **window_spec["gluon_fwd"])
+        else:
+            _apply_variant({"fwd_window": window_spec["fwd"]})
     if "bwd_deterministic" in chosen:
         _apply_variant(BWD_VARIANTS[chosen["bwd_deterministic"]])
     if "bwd_atomic" in chosen:
@@ -622,7 +636,10 @@ def main():
         dispatch = "the Triton kernels everywhere"
     else:
         dispatch = f"the Gluon kernels for {TK.GLUON_BWD!r} wherever they apply"
-    notes = [f"Backward (GLUON_BWD={TK.GLUON_BWD!r}): {dispatch}; the forward is Triton."]
+    forward = ("Gluon (gluon_kernels._fwd_kernel) where it applies" if TK.GLUON_FWD and gluon is not None
+               else "Triton")
+    notes = [f"Backward (GLUON_BWD={TK.GLUON_BWD!r}): {dispatch}; the forward (GLUON_FWD={TK.GLUON_FWD!r}) is "
+             f"{forward}."]
     switches = {name: getattr(TK, name) for name in SWITCHES}
     print("[switches]", json.dumps(switches), flush=True)
     print("[configs]", json.dumps(configs), flush=True)

@@ -70,9 +70,9 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
             signature[name] = "constexpr"
         elif name in descs:
             signature[name] = descs[name]
-        elif name in ("Lse2", "Delta"):
+        elif name in ("Lse2", "Delta", "Sinks", "Lse"):
             signature[name] = "*fp32"
-        elif name in ("DK", "DV", "DQ"):
+        elif name in ("DK", "DV", "DQ", "Out"):
             signature[name] = "*bf16"
         elif name.startswith("cu_seqlens"):
             signature[name] = "*i32"
@@ -85,11 +85,13 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
-@pytest.mark.parametrize("options", [{}, dict(STAGES=3, DEFER=1)])
-def test_gluon_backward_compiles_for_sm90(gk, kernel, options):
+@pytest.mark.parametrize("kernel, options", [
+    ("dkdv", {}), ("dkdv", dict(STAGES=3, DEFER=1)), ("dq", {}), ("dq", dict(STAGES=3, DEFER=1)),
+    ("fwd", dict(HAS_SINK=True)), ("fwd", dict(HAS_SINK=False, BLOCK_N=128, STAGES=2)),
+])
+def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
     cfg = dict(gk.CONFIGS[(kernel, 64)], **options)
-    fn = gk._dkdv_kernel if kernel == "dkdv" else gk._dq_kernel
+    fn = {"dkdv": gk._dkdv_kernel, "dq": gk._dq_kernel, "fwd": gk._fwd_kernel}[kernel]
     try:
         compiled = _compile(fn, cfg, cfg["BLOCK_M"], cfg["BLOCK_N"])
     except RuntimeError as exc:

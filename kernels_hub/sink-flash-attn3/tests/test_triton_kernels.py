@@ -433,6 +433,47 @@ def test_cuda_gluon_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon forward kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "seqlens_q, seqlens_k, hq, hkv, causal, window, with_sink",
+    [
+        ([700, 1029, 64], [700, 1029, 64], 16, 2, True, (-1, -1), True),  # varlen, GQA 8, partial tiles
+        ([700, 1029, 64], [700, 1029, 64], 16, 2, True, (127, 0), True),  # GPT-OSS sliding window
+        ([5, 1, 300], [37, 23, 300], 8, 2, True, (-1, -1), True),  # decode: queries shorter than keys
+        ([40, 300], [9, 300], 8, 2, True, (-1, -1), False),  # more queries than keys: rows with no key, lse -inf
+        ([257], [257], 4, 4, True, (-1, -1), True),  # GQA 1, odd length
+        ([333, 190], [333, 190], 8, 2, True, (31, 0), True),  # window smaller than one tile
+        ([300, 77], [300, 77], 8, 2, False, (40, 9), False),  # non-causal, two-sided window, no sinks
+    ],
+)
+@pytest.mark.parametrize("config", [None, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2)])
+def test_cuda_gluon_forward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window, with_sink, config):
+    # The Gluon forward (sm_90, 16-bit, head_dim 64) against fp64 (with the backward on its output) and against
+    # the Triton forward; a compile failure must not hide behind the silent Triton fallback.
+    tk_cuda = _load_kernels(interpret=False)
+    gluon = tk_cuda._gluon_kernels()
+    assert gluon is not None, tk_cuda._GLUON.get("error")
+    monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", False)
+    monkeypatch.setattr(tk_cuda, "GLUON_FWD", True)
+    if config is not None:
+        for name in ("fwd", "fwd_window"):
+            monkeypatch.setitem(gluon.CONFIGS, (name, 64), dict(config))
+    case = make_case(seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, seed=51 + hq, with_sink=with_sink,
+                     device="cuda")
+    _, (out, lse, *_) = run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
+    assert tk_cuda.GLUON_FWD is True, f"Gluon fell back to Triton: {tk_cuda._GLUON.get('error')}"
+    monkeypatch.setattr(tk_cuda, "GLUON_FWD", False)
+    args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, causal, *window)
+    triton_out, triton_lse = tk_cuda.sink_attention_forward(case["q"], case["k"], case["v"], case["sinks"], *args)
+    assert rel_err(out, triton_out) < 1e-2, f"Gluon and Triton forward differ by {rel_err(out, triton_out):.2e}"
+    finite = torch.isfinite(triton_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - triton_lse[finite]).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon backward kernels need an sm_90 GPU")
 @pytest.mark.parametrize(
     "seqlens_q, seqlens_k, causal, window",

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) backward kernels in Gluon: the same math and the same deterministic two-kernel structure as
+"""Hopper (sm_90) kernels in Gluon.  The backward: the same math and the same deterministic two-kernel structure as
 ``triton_kernels.py`` (dK/dV per key block looping over the KV group's query heads; dQ per query block), written
 with explicit asynchronous warpgroup MMAs so that the exponentials and the elementwise dS work run on the
 MUFU/FMA units while the tensor cores compute the next product.
@@ -19,8 +19,12 @@ buffers: the tiles of step i+1 are requested at the start of step i; in the dK/d
 D come with them (1-D copies; a per-row global load per step cost ~25% of that kernel's instructions).  The dK/dV
 kernel is compiled with a register cap (``maxnreg`` in CONFIGS) so that three programs share an SM.
 
-Scope (the caller checks it, ``triton_kernels._gluon_backward_kernels``): CUDA sm_90, 16-bit inputs, head_dim 64,
-rows 16-byte aligned.  Everything else runs the Triton kernels.  Gluon has no interpreter, so CPU CI cannot run
+The forward (``_fwd_kernel``, ``triton_kernels.GLUON_FWD``) overlaps the softmax of key block j+1 with the P_j V_j
+product, as FlashAttention-3 does within a warpgroup; correct on the H200 but no faster than the Triton forward,
+so it is off by default.
+
+Scope (the caller checks it, ``triton_kernels._gluon_applies``): CUDA sm_90, 16-bit inputs, head_dim 64, rows
+16-byte aligned.  Everything else runs the Triton kernels.  Gluon has no interpreter, so CPU CI cannot run
 these kernels; ``tests/test_triton_kernels.py`` compares them with the fp64 reference on the GPU.
 """
 
@@ -33,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["dkdv", "dq", "CONFIGS"]
+__all__ = ["CONFIGS", "dkdv", "dq", "fwd"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -44,7 +48,13 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0, maxnreg=168),
     ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0),
+    # forward (triton_kernels.GLUON_FWD, off by default: not faster than the Triton forward on the H200).  sm_90:
+    # 124 registers, 57 KB of shared memory (3 programs per SM; 2 stages: 41 KB, 4 per SM); 64x128: 164 registers
+    ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
+    ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
 }
+_LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+_LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 # Which query (key) blocks a tile visits and which of them need no mask (`_query_block_ranges` /
@@ -309,6 +319,133 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _fwd_softmax(s, m_i, l_i, start_n, offs_n0, row_pos, len_k, full_lo, full_hi, win_left, win_right,
+                 qk_scale):
+    """Online softmax of one score tile, base 2: (P, the rescale factor of the accumulator, new max, new sum).
+
+    As in triton_kernels._fwd_inner: the scale goes into the max and the exponent (one FMA per score), and the max
+    never drops below its start (sink, or a finite floor), so a fully masked row never computes -inf - (-inf)."""
+    if (start_n < full_lo) | (start_n >= full_hi):  # edge block: causal / window mask, keys past len_k
+        offs_n = start_n + offs_n0
+        visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
+                   & (offs_n[None, :] <= row_pos[:, None] + win_right)
+                   & (offs_n[None, :] < len_k))
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit(do_not_specialize=["stride_lse_h"])
+def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
+                stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Forward of one (query head, query block): FlashAttention-3's in-warpgroup overlap.  Per key block j::
+
+        issue  S_{j+1} = Q K_{j+1}^T ;  issue  O += P_j V_j     (async, P_j from registers)
+        wait S_{j+1}  ->  softmax(S_{j+1}) -> P_{j+1}          (exp2 overlaps the P_j V_j product)
+        wait P_j V_j  ->  O *= alpha_{j+1}                     (then K/V buffer j is free: request block j + STAGES)
+    """
+    off_h = gl.program_id(0)  # heads fastest: programs sharing K/V (a GQA group) run together
+    pid_m = gl.program_id(1)
+    off_b = gl.program_id(2)
+    q_start = gl.load(cu_seqlens_q + off_b)
+    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = gl.load(cu_seqlens_k + off_b)
+    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    start_m = (gl.num_programs(1) - 1 - pid_m) * BLOCK_M  # longest (last) query blocks first
+    if start_m >= len_q:
+        return
+    shift = len_k - len_q
+    off_kh = off_h // GROUP
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over queries
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    # (rows past len_q: the next sequence's or TMA's zero rows; computed, never stored)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], q_bar, q_smem)
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
+                                                 BLOCK_M, BLOCK_N)
+    num_n = gl.cdiv(hi - lo, BLOCK_N)
+    kv_col = off_kh * HEAD_DIM
+    for i in gl.static_range(STAGES):  # the same K/V requests as the dQ kernel's
+        _dq_request(k_desc, v_desc, k_smem, v_smem, bars, i, num_n, k_start + lo, kv_col, BLOCK_N, STAGES)
+
+    if HAS_SINK:  # the sink is one more logit in the normaliser: start from it
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + gl.load(Sinks + off_h).to(gl.float32) * _LOG2E
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
+    else:  # finite floor instead of -inf: a row with no visible key never computes -inf - (-inf)
+        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout)
+    row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    if num_n > 0:
+        acc = warpgroup_mma_init(acc)
+        mbarrier.wait(bars.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
+                                          win_right, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(num_n - 1):
+            buf = j % STAGES
+            nxt = (j + 1) % STAGES
+            mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) % 2)
+            s = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_{j+1} retired; P_j V_j may still run
+            p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo + (j + 1) * BLOCK_N, offs_n0, row_pos, len_k,
+                                              full_lo, full_hi, win_left, win_right, qk_scale)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
+            _dq_request(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, num_n, k_start + lo, kv_col, BLOCK_N,
+                        STAGES)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index((num_n - 1) % STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    # l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, o_row_layout)[:, None]
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
+    lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 _GL_DTYPES = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}
@@ -342,6 +479,22 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seq
         _row_vector(delta, bm), dk, dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D,
         BLOCK_M=bm, BLOCK_N=bn, **cfg)
+
+
+def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right,
+        windowed: bool = False, config=None):
+    """Forward into ``out`` and ``lse`` (see ``triton_kernels.sink_attention_forward`` for the contract)."""
+    _check_bound()
+    _, H_q, D = q.shape
+    H_kv = k.shape[1]
+    cfg = dict(config or CONFIGS[("fwd_window" if windowed else "fwd", D)])
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
+    has_sink = sinks is not None
+    _fwd_kernel[grid](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
+        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
+        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
 
 
 def dq(q, k, v, dout, lse2, delta, dq_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, sm_scale,

@@ -119,6 +119,10 @@ def _gluon_setting(value: str):
 
 
 GLUON_BWD = _gluon_setting(os.environ.get(GLUON_BWD_ENV_VAR, "auto"))
+# Forward on Hopper in Gluon (gluon_kernels._fwd_kernel: FlashAttention-3's overlap of the softmax with the P V
+# product).  Correct on the H200 (test_cuda_gluon_forward) but not faster than the Triton forward (16k causal 5.10
+# vs 5.03 ms at its best tiles; window 128 0.236 vs 0.238; benchmarks/notes/attention.md, v8): off by default.
+GLUON_FWD = False
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
@@ -624,29 +628,39 @@ def _gluon_kernels():
     return _GLUON["module"]
 
 
+def _gluon_applies(q, *tensors) -> bool:
+    """Whether the Gluon kernels can take these inputs: sm_90, 16-bit, TMA-compatible rows, Gluon importable."""
+    if q.device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False  # warpgroup MMA is sm_90(a) only
+    return _tma_ok(q, *tensors) and _gluon_kernels() is not None
+
+
 def _gluon_backward_kernels(q, k, v, dout) -> tuple[str, ...]:
     """Which backward kernels ("dkdv", "dq") run in Gluon for these inputs (empty: Triton only)."""
-    if GLUON_BWD is False or q.device.type != "cuda" or torch.version.hip is not None:
-        return ()
-    if q.dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return ()  # warpgroup MMA is sm_90(a) only
-    if not _tma_ok(q, k, v, dout) or _gluon_kernels() is None:
+    if GLUON_BWD is False or not _gluon_applies(q, k, v, dout):
         return ()
     kernels = ("dkdv", "dq") if GLUON_BWD in ("auto", True) else (GLUON_BWD,)
     return tuple(name for name in kernels if (name, q.shape[2]) in _GLUON["module"].CONFIGS)
 
 
 def _run_gluon(name: str, *args) -> bool:
-    """Launch one Gluon backward kernel; on a compile error warn once, switch Gluon off and return False."""
+    """Launch one Gluon kernel; on a compile error warn, switch Gluon off for that pass (GLUON_FWD or GLUON_BWD)
+    and return False."""
     try:
         getattr(_GLUON["module"], name)(*args)
         return True
     except Exception as exc:  # noqa: BLE001 - compile errors surface before the launch: nothing was written
-        global GLUON_BWD
-        GLUON_BWD = False
+        global GLUON_BWD, GLUON_FWD
+        if name == "fwd":
+            GLUON_FWD = False
+        else:
+            GLUON_BWD = False
         _GLUON["error"] = f"{name}: {type(exc).__name__}: {exc}"
         warnings.warn(f"sink_flash_attn3: the Gluon {name} kernel failed ({type(exc).__name__}: {exc}); using the "
-                      "Triton backward kernels from now on", RuntimeWarning, stacklevel=3)
+                      f"Triton {'forward' if name == 'fwd' else 'backward'} kernels from now on", RuntimeWarning,
+                      stacklevel=3)
         return False
 
 
@@ -682,17 +696,22 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
         lse.fill_(float("-inf"))
         return out.zero_(), lse
     left, right = _window_bounds(causal, window_left, window_right)
+    has_sink = sinks is not None
+    qk_scale = float(softmax_scale) * LOG2E
+    if (GLUON_FWD and _gluon_applies(q, k, v) and ("fwd", D) in _GLUON["module"].CONFIGS
+            and _run_gluon("fwd", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale,
+                           left, right, left < _UNBOUNDED)):
+        return out, lse
     cfg = _config("fwd_window" if left < _UNBOUNDED else "fwd", D, q.device)
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
-    has_sink = sinks is not None
     use_tma = FWD_TMA and _tma_ok(k, v)
     k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if use_tma else k
     v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if use_tma else v
     _sink_attn_fwd[grid](
         q, k, v, k_desc, v_desc, sinks if has_sink else q, out, lse, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), float(softmax_scale) * LOG2E, left, right,
+        lse.stride(0), qk_scale, left, right,
         GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=block_m, HAS_SINK=has_sink,
         DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, WARP_SPEC=FWD_WARP_SPEC and use_tma, **cfg)
     return out, lse
