@@ -389,6 +389,11 @@ FWD_VARIANTS = {
     "Gluon 64x64 w4 s3": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=3)),
     "Gluon 64x64 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=2)),
     "Gluon 64x128 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=128, STAGES=2)),
+    # two warp-specialized warpgroups per program in ping-pong (session 8, not yet timed)
+    "Gluon ping-pong 2x64x64 s3": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=3)),
+    "Gluon ping-pong 2x64x64 s4": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=4)),
+    "Gluon ping-pong 2x64x128 s3, 168 registers": dict(
+        GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(BLOCK_N=128, STAGES=3, WORKER_REGS=168, maxnreg=168)),
 }
 _GLUON_DET = dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True, deterministic=True)
 BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
@@ -424,7 +429,7 @@ def _shape_key(S, window):
 def _apply_variant(spec, D=64):
     """Set the module switches and block configs of one variant; returns the backward's `deterministic`."""
     for key, value in spec.items():
-        if key in ("gluon_dkdv", "gluon_dq", "gluon_fwd"):
+        if key in ("gluon_dkdv", "gluon_dq", "gluon_fwd", "gluon_fwd_pingpong"):
             gluon = TK._gluon_kernels()
             if gluon is not None:
                 name = (key.split("_", 1)[1], D)
@@ -565,7 +570,9 @@ def compare_variants(max_err=1e-2, name_filter=None):
     if "fwd" in chosen:
         _apply_variant(FWD_VARIANTS[chosen["fwd"]])
         window_spec = FWD_VARIANTS[chosen["fwd_window"]]
-        if "gluon_fwd" in window_spec:
+        if "gluon_fwd_pingpong" in window_spec:  # one config for every layer
+            _apply_variant(window_spec)
+        elif "gluon_fwd" in window_spec:
             gluon = TK._gluon_kernels()
             gluon.CONFIGS[("fwd_window", 64)] = dict(gluon.CONFIGS[("fwd", 64)], **window_spec["gluon_fwd"])
         else:

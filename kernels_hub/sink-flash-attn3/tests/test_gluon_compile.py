@@ -88,10 +88,12 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
 @pytest.mark.parametrize("kernel, options", [
     ("dkdv", {}), ("dkdv", dict(STAGES=3, DEFER=1)), ("dq", {}), ("dq", dict(STAGES=3, DEFER=1)),
     ("fwd", dict(HAS_SINK=True)), ("fwd", dict(HAS_SINK=False, BLOCK_N=128, STAGES=2)),
+    ("fwd_pingpong", dict(HAS_SINK=True)),
 ])
 def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
     cfg = dict(gk.CONFIGS[(kernel, 64)], **options)
-    fn = {"dkdv": gk._dkdv_kernel, "dq": gk._dq_kernel, "fwd": gk._fwd_kernel}[kernel]
+    fn = {"dkdv": gk._dkdv_kernel, "dq": gk._dq_kernel, "fwd": gk._fwd_kernel,
+          "fwd_pingpong": gk._fwd_pingpong_kernel}[kernel]
     try:
         compiled = _compile(fn, cfg, cfg["BLOCK_M"], cfg["BLOCK_N"])
     except RuntimeError as exc:

@@ -447,22 +447,26 @@ def test_cuda_gluon_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, 
         ([300, 77], [300, 77], 8, 2, False, (40, 9), False),  # non-causal, two-sided window, no sinks
     ],
 )
-@pytest.mark.parametrize("config", [None, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2)])
-def test_cuda_gluon_forward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window, with_sink, config):
-    # The Gluon forward (sm_90, 16-bit, head_dim 64) against fp64 (with the backward on its output) and against
-    # the Triton forward; a compile failure must not hide behind the silent Triton fallback.
+@pytest.mark.parametrize("mode, config", [
+    (True, None), (True, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2)), ("pingpong", None),
+])
+def test_cuda_gluon_forward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window, with_sink, mode,
+                            config):
+    # The Gluon forwards (sm_90, 16-bit, head_dim 64; GLUON_FWD=True: one warpgroup per program, "pingpong": two
+    # warp-specialized ones) against fp64 (with the backward on their output) and against the Triton forward; a
+    # compile failure must not hide behind the silent Triton fallback.
     tk_cuda = _load_kernels(interpret=False)
     gluon = tk_cuda._gluon_kernels()
     assert gluon is not None, tk_cuda._GLUON.get("error")
     monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", False)
-    monkeypatch.setattr(tk_cuda, "GLUON_FWD", True)
+    monkeypatch.setattr(tk_cuda, "GLUON_FWD", mode)
     if config is not None:
         for name in ("fwd", "fwd_window"):
             monkeypatch.setitem(gluon.CONFIGS, (name, 64), dict(config))
     case = make_case(seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, seed=51 + hq, with_sink=with_sink,
                      device="cuda")
     _, (out, lse, *_) = run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
-    assert tk_cuda.GLUON_FWD is True, f"Gluon fell back to Triton: {tk_cuda._GLUON.get('error')}"
+    assert tk_cuda.GLUON_FWD == mode, f"Gluon fell back to Triton: {tk_cuda._GLUON.get('error')}"
     monkeypatch.setattr(tk_cuda, "GLUON_FWD", False)
     args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, causal, *window)
     triton_out, triton_lse = tk_cuda.sink_attention_forward(case["q"], case["k"], case["v"], case["sinks"], *args)

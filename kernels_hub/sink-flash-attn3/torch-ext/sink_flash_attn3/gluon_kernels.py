@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["CONFIGS", "dkdv", "dq", "fwd"]
+__all__ = ["CONFIGS", "dkdv", "dq", "fwd", "fwd_pingpong"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -52,6 +52,10 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     # 124 registers, 57 KB of shared memory (3 programs per SM; 2 stages: 41 KB, 4 per SM); 64x128: 164 registers
     ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
     ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
+    # ping-pong forward (GLUON_FWD = "pingpong"; not yet run on a GPU): two warpgroups of BLOCK_M rows per program,
+    # 128 registers each (two programs per SM; sm_90 compile: no spills at 64x64, 65 KB of shared memory; 64x128
+    # needs maxnreg=WORKER_REGS=168 for no spills, one program per SM)
+    ("fwd_pingpong", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, WORKER_REGS=128, maxnreg=128),
 }
 _LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 _LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -445,6 +449,145 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlen
     gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
 
 
+@gluon.jit
+def _fwd_pingpong_consumer(q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_smem, v_smem, ready, empty, q_bars,
+                           turn, off_h, q_start, len_q, k_start, len_k, start_m0, lo, num_n, stride_ot, stride_oh,
+                           stride_lse_h, qk_scale, win_left, win_right, WG: gl.constexpr, GROUP: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           HAS_SINK: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup of ``_fwd_pingpong_kernel``: query rows [start_m0 + WG * BLOCK_M, + BLOCK_M), every key block
+    of the program.  Same per-block schedule as ``_fwd_kernel``; the two warpgroups take turns (mbarriers
+    ``turn``) to issue their products, so one's softmax runs while the other's products use the tensor cores
+    (FlashAttention-3's ping-pong).  Warpgroup 0 also requests the K/V tiles."""
+    NUM_WARPS: gl.constexpr = 4
+    start_m = start_m0 + WG * BLOCK_M
+    shift = len_k - len_q
+    off_kh = off_h // GROUP
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # this warpgroup's masks: blocks of the program's band outside its own full range are edge blocks
+    _, full_lo, full_hi, _ = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
+    q_tile = q_smem.index(WG)
+    mbarrier.expect(q_bars.index(WG), q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], q_bars.index(WG), q_tile)
+    if HAS_SINK:
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + gl.load(Sinks + off_h).to(gl.float32) * _LOG2E
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
+    else:
+        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout)
+    row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    if WG == 1:  # warpgroup 0 issues first
+        mbarrier.arrive(turn.index(0), count=1)
+    mbarrier.wait(q_bars.index(WG), 0)
+    if num_n > 0:
+        acc = warpgroup_mma_init(acc)
+        mbarrier.wait(ready.index(0), 0)
+        mbarrier.wait(turn.index(WG), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
+                                          win_right, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(num_n - 1):
+            buf = j % STAGES
+            nxt = (j + 1) % STAGES
+            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) % 2)
+            mbarrier.wait(turn.index(WG), (j + 1) % 2)
+            s = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo + (j + 1) * BLOCK_N, offs_n0, row_pos, len_k,
+                                              full_lo, full_hi, win_left, win_right, qk_scale)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            mbarrier.arrive(empty.index(buf), count=1)  # this warpgroup is done with K/V block j
+            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
+            # warpgroup 0 requests block j - 1 + STAGES into block j - 1's buffer once both released it (it is
+            # needed from iteration j - 2 + STAGES on: STAGES >= 3 keeps the request an iteration ahead)
+            if WG == 0:
+                if (j >= 1) & (j - 1 + STAGES < num_n):
+                    prev = (j - 1) % STAGES
+                    mbarrier.wait(empty.index(prev), ((j - 1) // STAGES) % 2)
+                    _dq_request(k_desc, v_desc, k_smem, v_smem, ready, j - 1 + STAGES, num_n, k_start + lo,
+                                off_kh * HEAD_DIM, BLOCK_N, STAGES)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index((num_n - 1) % STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, o_row_layout)[:, None]
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
+    lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
+
+
+@gluon.jit(do_not_specialize=["stride_lse_h"])
+def _fwd_pingpong_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
+                         stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
+                         STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Forward with two warpgroups per program (2 * BLOCK_M query rows of one head) sharing each K/V tile, in
+    ping-pong (``_fwd_pingpong_consumer``).  num_warps = 4: the second warpgroup is a warp-specialized partition."""
+    off_h = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    off_b = gl.program_id(2)
+    q_start = gl.load(cu_seqlens_q + off_b)
+    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = gl.load(cu_seqlens_k + off_b)
+    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    start_m0 = (gl.num_programs(1) - 1 - pid_m) * (2 * BLOCK_M)  # longest (last) query blocks first
+    if start_m0 >= len_q:
+        return
+    shift = len_k - len_q
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # released by both warpgroups
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    # the key blocks seen by any of the program's rows; the first STAGES are requested here
+    lo, _, _, hi = _key_block_ranges(start_m0, len_q, len_k, shift, win_left, win_right, 2 * BLOCK_M, BLOCK_N)
+    num_n = gl.cdiv(hi - lo, BLOCK_N)
+    for i in gl.static_range(STAGES):
+        _dq_request(k_desc, v_desc, k_smem, v_smem, ready, i, num_n, k_start + lo, (off_h // GROUP) * HEAD_DIM,
+                    BLOCK_N, STAGES)
+    gl.warp_specialize([
+        (_fwd_pingpong_consumer, (q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_smem, v_smem, ready, empty,
+                                  q_bars, turn, off_h, q_start, len_q, k_start, len_k, start_m0, lo, num_n,
+                                  stride_ot, stride_oh, stride_lse_h, qk_scale, win_left, win_right, 0, GROUP,
+                                  HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+        (_fwd_pingpong_consumer, (q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_smem, v_smem, ready, empty,
+                                  q_bars, turn, off_h, q_start, len_q, k_start, len_k, start_m0, lo, num_n,
+                                  stride_ot, stride_oh, stride_lse_h, qk_scale, win_left, win_right, 1, GROUP,
+                                  HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+    ], [4], [WORKER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
@@ -492,6 +635,24 @@ def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_s
     grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
     has_sink = sinks is not None
     _fwd_kernel[grid](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
+        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
+        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
+
+
+def fwd_pingpong(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left,
+                 win_right, config=None):
+    """Forward into ``out`` and ``lse`` with ``_fwd_pingpong_kernel`` (2 * BLOCK_M query rows per program)."""
+    _check_bound()
+    _, H_q, D = q.shape
+    H_kv = k.shape[1]
+    cfg = dict(config or CONFIGS[("fwd_pingpong", D)])
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    if cfg["STAGES"] < 3:  # block j + 1 is requested one block after the buffer it reuses is released
+        raise ValueError(f"the ping-pong forward needs STAGES >= 3 (K/V buffers), got {cfg['STAGES']}")
+    grid = (H_q, triton.cdiv(int(max_seqlen_q), 2 * bm), cu_seqlens_q.numel() - 1)
+    has_sink = sinks is not None
+    _fwd_pingpong_kernel[grid](
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
         cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
         GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)

@@ -122,6 +122,8 @@ GLUON_BWD = _gluon_setting(os.environ.get(GLUON_BWD_ENV_VAR, "auto"))
 # Forward on Hopper in Gluon (gluon_kernels._fwd_kernel: FlashAttention-3's overlap of the softmax with the P V
 # product).  Correct on the H200 (test_cuda_gluon_forward) but not faster than the Triton forward (16k causal 5.10
 # vs 5.03 ms at its best tiles; window 128 0.236 vs 0.238; benchmarks/notes/attention.md, v8): off by default.
+# "pingpong": gluon_kernels._fwd_pingpong_kernel, two warp-specialized warpgroups per program taking turns on the
+# tensor cores (FlashAttention-3's ping-pong); compiled for sm_90, not yet run on a GPU.
 GLUON_FWD = False
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
@@ -653,14 +655,14 @@ def _run_gluon(name: str, *args) -> bool:
         return True
     except Exception as exc:  # noqa: BLE001 - compile errors surface before the launch: nothing was written
         global GLUON_BWD, GLUON_FWD
-        if name == "fwd":
+        if name.startswith("fwd"):
             GLUON_FWD = False
         else:
             GLUON_BWD = False
         _GLUON["error"] = f"{name}: {type(exc).__name__}: {exc}"
+        pass_name = "forward" if name.startswith("fwd") else "backward"
         warnings.warn(f"sink_flash_attn3: the Gluon {name} kernel failed ({type(exc).__name__}: {exc}); using the "
-                      f"Triton {'forward' if name == 'fwd' else 'backward'} kernels from now on", RuntimeWarning,
-                      stacklevel=3)
+                      f"Triton {pass_name} kernels from now on", RuntimeWarning, stacklevel=3)
         return False
 
 
@@ -698,10 +700,16 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
     left, right = _window_bounds(causal, window_left, window_right)
     has_sink = sinks is not None
     qk_scale = float(softmax_scale) * LOG2E
-    if (GLUON_FWD and _gluon_applies(q, k, v) and ("fwd", D) in _GLUON["module"].CONFIGS
-            and _run_gluon("fwd", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale,
-                           left, right, left < _UNBOUNDED)):
-        return out, lse
+    if GLUON_FWD and _gluon_applies(q, k, v):
+        if GLUON_FWD == "pingpong" and ("fwd_pingpong", D) in _GLUON["module"].CONFIGS:
+            done = _run_gluon("fwd_pingpong", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              qk_scale, left, right)
+        else:
+            done = ("fwd", D) in _GLUON["module"].CONFIGS and _run_gluon(
+                "fwd", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, left, right,
+                left < _UNBOUNDED)
+        if done:
+            return out, lse
     cfg = _config("fwd_window" if left < _UNBOUNDED else "fwd", D, q.device)
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
