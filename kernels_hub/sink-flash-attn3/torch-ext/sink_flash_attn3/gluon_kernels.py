@@ -345,6 +345,36 @@ def _fwd_softmax(s, m_i, l_i, start_n, offs_n0, row_pos, len_k, full_lo, full_hi
     return p, alpha, m_new, l_i
 
 
+@gluon.jit
+def _fwd_softmax_start(Sinks, off_h, HAS_SINK: gl.constexpr, BLOCK_M: gl.constexpr, row_layout: gl.constexpr):
+    """Running max and sum of a query block before its first key block (base 2)."""
+    if HAS_SINK:  # the sink is one more logit in the normaliser: start from it
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + gl.load(Sinks + off_h).to(gl.float32) * _LOG2E
+        l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
+    else:  # finite floor instead of -inf: a row with no visible key never computes -inf - (-inf)
+        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout)
+    return m_i, l_i
+
+
+@gluon.jit
+def _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
+               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, row_layout: gl.constexpr):
+    """Normalised output and natural-log LSE of query rows [start_m, start_m + BLOCK_M) (rows past len_q skipped).
+    l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf."""
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, o_row_layout)[:, None]
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
+    lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
+
+
 @gluon.jit(do_not_specialize=["stride_lse_h"])
 def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
                 stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -397,12 +427,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlen
     for i in gl.static_range(STAGES):  # the same K/V requests as the dQ kernel's
         _dq_request(k_desc, v_desc, k_smem, v_smem, bars, i, num_n, k_start + lo, kv_col, BLOCK_N, STAGES)
 
-    if HAS_SINK:  # the sink is one more logit in the normaliser: start from it
-        m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + gl.load(Sinks + off_h).to(gl.float32) * _LOG2E
-        l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
-    else:  # finite floor instead of -inf: a row with no visible key never computes -inf - (-inf)
-        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
-        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout)
+    m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
     row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -436,17 +461,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlen
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    # l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    out = acc / gl.convert_layout(l_safe, o_row_layout)[:, None]
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
-    lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-    gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
+    _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
+               BLOCK_M, HEAD_DIM, o_layout, row_layout)
 
 
 @gluon.jit
@@ -477,12 +493,7 @@ def _fwd_pingpong_consumer(q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_sm
     q_tile = q_smem.index(WG)
     mbarrier.expect(q_bars.index(WG), q_desc.block_type.nbytes)
     _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], q_bars.index(WG), q_tile)
-    if HAS_SINK:
-        m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + gl.load(Sinks + off_h).to(gl.float32) * _LOG2E
-        l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)
-    else:
-        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
-        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout)
+    m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
     row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -526,16 +537,8 @@ def _fwd_pingpong_consumer(q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_sm
         acc = warpgroup_mma(p_op, v_smem.index((num_n - 1) % STAGES), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
 
-    empty_row = l_i == 0.0
-    l_safe = gl.where(empty_row, 1.0, l_i)
-    out = acc / gl.convert_layout(l_safe, o_row_layout)[:, None]
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
-    lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-    gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
+    _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
+               BLOCK_M, HEAD_DIM, o_layout, row_layout)
 
 
 @gluon.jit(do_not_specialize=["stride_lse_h"])
