@@ -389,13 +389,15 @@ FWD_VARIANTS = {
     "Gluon 64x64 w4 s3": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=3)),
     "Gluon 64x64 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=2)),
     "Gluon 64x128 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=128, STAGES=2)),
-    # two warp-specialized warpgroups per program in ping-pong (session 8, not yet timed)
+    # two warp-specialized warpgroups per program in ping-pong (session 9, 16k causal / window 128, ms: s3 5.56 /
+    # 0.336, s4 5.07 / 0.323, 2x64x128 at 168 registers 6.60 / 0.486; Triton 64x128 s2 5.07 in the same call)
     "Gluon ping-pong 2x64x64 s3": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=3)),
     "Gluon ping-pong 2x64x64 s4": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=4)),
     "Gluon ping-pong 2x64x128 s3, 168 registers": dict(
         GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(BLOCK_N=128, STAGES=3, WORKER_REGS=168, maxnreg=168)),
 }
 _GLUON_DET = dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True, deterministic=True)
+_GLUON_ATOMIC = dict(ATOMIC_DQ=True, BWD_CONCURRENT=False, GLUON_BWD=True, deterministic=False)
 BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in fp32 inside the dK/dV kernel
     # BWD_TMA: Q/dO and K/V tiles through tensor descriptors (the dQ kernel then compiles without spills on sm_90)
     "deterministic, TMA loads": dict(ATOMIC_DQ=False, BWD_TMA=True, BWD_CONCURRENT=False, GLUON_BWD=False,
@@ -415,6 +417,10 @@ BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in f
     "Gluon 64x64 w4 s3, dK/dV maxnreg 168": dict(_GLUON_DET, gluon_dkdv=(64, 64, 4, 3, 0, 168),
                                                  gluon_dq=(64, 64, 4, 3, 0)),
     "Gluon, dQ on a side stream": dict(_GLUON_DET, BWD_CONCURRENT=True),
+    # deterministic=False: the Gluon dK/dV kernel also adds dQ (fifth product, TMA reduce-add), no dQ kernel (session 9)
+    "Gluon TMA-reduce dQ, dK/dV maxnreg 184 (shipped)": dict(_GLUON_ATOMIC),
+    "Gluon TMA-reduce dQ, dK/dV maxnreg 168": dict(_GLUON_ATOMIC, gluon_dkdv_atomic_dq=dict(maxnreg=168)),
+    "Gluon TMA-reduce dQ, no register cap": dict(_GLUON_ATOMIC, gluon_dkdv_atomic_dq=(64, 64, 4, 2, 0)),
 }
 SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "GLUON_FWD", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE",
             "DQ_REVERSE", "GLUON_BWD")
@@ -429,7 +435,7 @@ def _shape_key(S, window):
 def _apply_variant(spec, D=64):
     """Set the module switches and block configs of one variant; returns the backward's `deterministic`."""
     for key, value in spec.items():
-        if key in ("gluon_dkdv", "gluon_dq", "gluon_fwd", "gluon_fwd_pingpong"):
+        if key in ("gluon_dkdv", "gluon_dkdv_atomic_dq", "gluon_dq", "gluon_fwd", "gluon_fwd_pingpong"):
             gluon = TK._gluon_kernels()
             if gluon is not None:
                 name = (key.split("_", 1)[1], D)
@@ -470,6 +476,64 @@ def kernel_times(fn, reps=5):
         if total > 0:
             times[event.key[:48]] = round(total / reps / 1000, 4)
     return times
+
+
+def _peers_16k():
+    """(name, fwd, fwd_bwd) of this kernel and, when importable, FA4, at S=16k full causal, warmed up."""
+    inputs = make_inputs(16384)
+    peers = [("this kernel", *ours(16384, None, inputs))]
+    try:
+        import flash_attn.cute  # noqa: F401, PLC0415
+
+        peers.append(("FA4 + learnable_sink", *fa4(16384, None, inputs)))
+    except Exception:
+        print("[fa4] flash_attn.cute not importable: this kernel only")
+    for _, fwd, fwd_bwd in peers:
+        fwd(), fwd_bwd()
+    torch.cuda.synchronize()
+    return peers
+
+
+def power_and_clocks(seconds=4.0):
+    """Sustained time, SM clock and board power of each 16k causal pass (nvidia-smi sampled every 100 ms while the
+    pass runs back to back): on an H200 attention runs at the 700 W cap, so time follows energy per call."""
+    import statistics  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    rows = []
+    for name, fwd, fwd_bwd in _peers_16k():
+        for kind, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            time.sleep(3)  # start from the same idle state
+            smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                    "-lms", "100"], stdout=subprocess.PIPE, text=True)
+            time.sleep(0.5)
+            start, calls = time.perf_counter(), 0
+            while time.perf_counter() - start < seconds:
+                fn()
+                calls += 1
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            smi.terminate()
+            samples = [line.split(",") for line in smi.stdout.read().strip().splitlines()[8:]]  # skip the ramp
+            ms = elapsed / calls * 1e3
+            watts = statistics.median(float(p) for _, p in samples)
+            row = dict(impl=name, pass_=kind, ms=ms, sm_mhz=statistics.median(float(c) for c, _ in samples),
+                       watts=watts, joules=watts * ms / 1e3)
+            rows.append(row)
+            print(f"[power] {name} {kind}: {ms:.3f} ms/call sustained, SM {row['sm_mhz']:.0f} MHz, {watts:.0f} W, "
+                  f"{row['joules']:.2f} J/call", flush=True)
+    return rows
+
+
+def ncu_region():
+    """One 16k causal fwd+bwd of each peer between cudaProfilerStart/Stop, for
+    ``ncu --profile-from-start off [--section ...] python benchmarks/attention.py --ncu-region``."""
+    peers = _peers_16k()
+    torch.cuda.cudart().cudaProfilerStart()
+    for _, _, fwd_bwd in peers:
+        fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def compare_variants(max_err=1e-2, name_filter=None):
@@ -603,6 +667,10 @@ def main():
     parser.add_argument("--skip-flex", action="store_true")
     parser.add_argument("--flex-max-s", type=int, default=16384, help="flex compiles per shape: cap its S")
     parser.add_argument("--from-json", help="only rewrite attention.md/.png from a saved attention.json")
+    parser.add_argument("--power", action="store_true",
+                        help="only measure sustained time, SM clock and power at 16k causal (this kernel, FA4)")
+    parser.add_argument("--ncu-region", action="store_true",
+                        help="only run one 16k causal fwd+bwd per peer inside a cudaProfilerStart/Stop range")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -615,6 +683,12 @@ def main():
     TK = load_kernels()
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(env, flush=True)
+    if args.ncu_region:
+        ncu_region()
+        return
+    if args.power:
+        (out_dir / "attention_power.json").write_text(json.dumps(dict(env=env, rows=power_and_clocks()), indent=1))
+        return
     t0 = time.time()
     kernels = [k for k in args.sweep_kernels.split(",") if k]
     if any(k not in SWEEP for k in kernels):

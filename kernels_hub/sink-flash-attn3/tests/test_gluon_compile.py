@@ -62,15 +62,19 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
     if "maxnreg" in cfg:  # a compile option only
         options["maxnreg"] = cfg["maxnreg"]
     consts = dict(GROUP=8, HEAD_DIM=head_dim, **{k: v for k, v in cfg.items() if k != "maxnreg"})
+    def fp32_tile(rows):  # dQ's float32 accumulator, reduced into by TMA
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32)
+        return f"tensordesc<fp32[{rows}, {head_dim}],{layout!r}>"
+
     descs = {"q_desc": desc(block_q), "do_desc": desc(block_q), "k_desc": desc(block_k), "v_desc": desc(block_k),
-             "lse_desc": row_vector(block_q), "delta_desc": row_vector(block_q)}
+             "lse_desc": row_vector(block_q), "delta_desc": row_vector(block_q), "dq_desc": fp32_tile(block_q)}
     signature = {}
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
         elif name in descs:
             signature[name] = descs[name]
-        elif name in ("Lse2", "Delta", "Sinks", "Lse"):
+        elif name in ("Lse2", "Delta", "Sinks", "Lse", "DQ32"):
             signature[name] = "*fp32"
         elif name in ("DK", "DV", "DQ", "Out"):
             signature[name] = "*bf16"
@@ -86,13 +90,16 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
 
 
 @pytest.mark.parametrize("kernel, options", [
-    ("dkdv", {}), ("dkdv", dict(STAGES=3, DEFER=1)), ("dq", {}), ("dq", dict(STAGES=3, DEFER=1)),
+    ("dkdv", {}), ("dkdv", dict(STAGES=3, DEFER=1)), ("dkdv_atomic_dq", {}),
+    ("dq", {}), ("dq", dict(STAGES=3, DEFER=1)),
     ("fwd", dict(HAS_SINK=True)), ("fwd", dict(HAS_SINK=False, BLOCK_N=128, STAGES=2)),
     ("fwd_pingpong", dict(HAS_SINK=True)),
 ])
 def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
     cfg = dict(gk.CONFIGS[(kernel, 64)], **options)
-    fn = {"dkdv": gk._dkdv_kernel, "dq": gk._dq_kernel, "fwd": gk._fwd_kernel,
+    if kernel.startswith("dkdv"):  # dQ reduced into a float32 tensor by TMA (UTMAREDG in the SASS), or not at all
+        cfg.update(DQ_ATOMIC=kernel == "dkdv_atomic_dq")
+    fn = {"dkdv": gk._dkdv_kernel, "dkdv_atomic_dq": gk._dkdv_kernel, "dq": gk._dq_kernel, "fwd": gk._fwd_kernel,
           "fwd_pingpong": gk._fwd_pingpong_kernel}[kernel]
     try:
         compiled = _compile(fn, cfg, cfg["BLOCK_M"], cfg["BLOCK_N"])
@@ -103,6 +110,8 @@ def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx, "the products must be asynchronous warpgroup MMAs"
     assert "cp.async.bulk.tensor" in ptx, "the tiles must arrive through TMA"
+    if cfg.get("DQ_ATOMIC"):
+        assert "cp.reduce.async.bulk.tensor" in ptx, "dQ must be reduced by TMA from shared memory"
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.is_file():  # register spills show as a stack frame in the cubin's resource usage
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -433,6 +433,43 @@ def test_cuda_gluon_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon backward kernels need an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "seqlens_q, seqlens_k, hq, hkv, causal, window",
+    [
+        ([700, 1029, 64], [700, 1029, 64], 16, 2, True, (-1, -1)),  # varlen, GQA 8, partial tiles
+        ([700, 1029, 64], [700, 1029, 64], 16, 2, True, (127, 0)),  # GPT-OSS sliding window
+        ([5, 1, 300], [37, 23, 300], 8, 2, True, (-1, -1)),  # decode: queries shorter than keys (bottom-right)
+        ([40, 300], [9, 300], 8, 2, True, (-1, -1)),  # more queries than keys: rows with no key
+        ([257], [257], 4, 4, True, (-1, -1)),  # GQA 1, odd length: the last rows' dQ must not spill past T
+        ([300, 77], [300, 77], 8, 2, False, (40, 9)),  # non-causal, two-sided window
+    ],
+)
+def test_cuda_gluon_atomic_dq(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
+    # deterministic=False with ATOMIC_DQ: the Gluon dK/dV kernel also adds dQ (fifth product, fp32 atomics) and no dQ
+    # kernel runs; against fp64 and against the deterministic Gluon backward
+    tk_cuda = _load_kernels(interpret=False)
+    monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", True)
+    monkeypatch.setattr(tk_cuda, "GLUON_BWD", True)
+    case = make_case(seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, seed=71 + hq, device="cuda")
+    q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
+    assert tk_cuda._gluon_backward_kernels(q, k, v, dout, True) == ("dkdv",), tk_cuda._GLUON.get("error")
+    run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)  # (deterministic=False)
+    assert tk_cuda.GLUON_BWD is True, f"Gluon fell back to Triton: {tk_cuda._GLUON.get('error')}"
+    args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, causal, *window)
+    out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
+    atomic = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, False)
+    deterministic = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, True)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), atomic, deterministic):
+        if name == "dq":
+            assert rel_err(a, b) < 1e-2, f"dq: atomic and deterministic backward differ by {rel_err(a, b):.2e}"
+        else:  # the same kernels' arithmetic: only dQ is reduced differently
+            assert torch.equal(a, b), f"{name} changed with the atomic dQ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon forward kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(

@@ -17,7 +17,9 @@ transposed tiles, keys x queries)::
 and the dQ kernel does the same with S = Q K^T, dP = dO V^T, dQ += dS K.  Loads go through TMA with two
 buffers: the tiles of step i+1 are requested at the start of step i; in the dK/dV kernel the query rows' LSE and
 D come with them (1-D copies; a per-row global load per step cost ~25% of that kernel's instructions).  The dK/dV
-kernel is compiled with a register cap (``maxnreg`` in CONFIGS) so that three programs share an SM.
+kernel is compiled with a register cap (``maxnreg`` in CONFIGS) so that three programs share an SM.  For
+``deterministic=False`` with ``triton_kernels.ATOMIC_DQ`` the dK/dV kernel also computes dQ += dS K and reduces each
+dQ tile into a float32 tensor by TMA (``DQ_ATOMIC``), and the dQ kernel does not run.
 
 The forward (``_fwd_kernel``, ``triton_kernels.GLUON_FWD``) overlaps the softmax of key block j+1 with the P_j V_j
 product, as FlashAttention-3 does within a warpgroup; correct on the H200 but no faster than the Triton forward,
@@ -33,14 +35,23 @@ from __future__ import annotations
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton._C.libtriton import ir
 
 __all__ = ["CONFIGS", "dkdv", "dq", "fwd", "fwd_pingpong"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_reduce_add = getattr(tma, "async_atomic_add", None)
+if _tma_reduce_add is None:  # Triton 3.6 builds the op (cp.reduce.async.bulk.tensor) but has no wrapper for it yet
+    @gl_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
 # (kernel, head_dim) -> tile sizes and warps.  8 warps = two warpgroups, each owning 64 rows of the output tile.
 # maxnreg caps the registers per thread: the dK/dV kernel compiles to ~195 without a cap (two programs per SM) and
@@ -48,11 +59,16 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0, maxnreg=168),
     ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0),
+    # dK/dV kernel that also reduces dQ into float32 by TMA (deterministic=False with triton_kernels.ATOMIC_DQ).
+    # 16k causal backward on the H200 (notes v10): 15.3 ms at 184 registers (no spills), 18.0 at 168 (8 B spilled),
+    # 16.1 uncapped (202); the deterministic two-kernel backward: 13.7
+    ("dkdv_atomic_dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0, maxnreg=184),
     # forward (triton_kernels.GLUON_FWD, off by default: not faster than the Triton forward on the H200).  sm_90:
     # 124 registers, 57 KB of shared memory (3 programs per SM; 2 stages: 41 KB, 4 per SM); 64x128: 164 registers
     ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
     ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
-    # ping-pong forward (GLUON_FWD = "pingpong"; not yet run on a GPU): two warpgroups of BLOCK_M rows per program,
+    # ping-pong forward (GLUON_FWD = "pingpong"; correct on the H200, not faster: 16k causal 5.56 / 5.07 ms at 3 / 4
+    # stages, 6.60 at 2x64x128 and 168 registers, Triton 5.07): two warpgroups of BLOCK_M rows per program,
     # 128 registers each (two programs per SM; sm_90 compile: no spills at 64x64, 65 KB of shared memory; 64x128
     # needs maxnreg=WORKER_REGS=168 for no spills, one program per SM)
     ("fwd_pingpong", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, WORKER_REGS=128, maxnreg=128),
@@ -102,10 +118,16 @@ def _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_sm
 
 
 @gluon.jit(do_not_specialize=["stride_rows"])
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, cu_seqlens_q, cu_seqlens_k,
-                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rows, qk_scale, sm_scale, win_left, win_right,
-                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, cu_seqlens_q, cu_seqlens_k,
+                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rows, qk_scale, sm_scale, win_left,
+                 win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """dK, dV of one (KV head, key block), looping over the group's query heads and the visible query blocks.
+    DQ_ATOMIC: also dQ += dS K per step (a fifth product, A = dS from shared memory), added in fp32 to the tensor of
+    ``dq_desc`` by a TMA reduce-add of the tile from shared memory (FlashAttention-3's dQ accumulation; per-element
+    atomics cost more than the dQ kernel they save, benchmarks/notes/attention.md v10): the separate dQ kernel and
+    its two recomputed products are saved, and dQ's rounding order varies between runs (``deterministic=False``)."""
     off_kh = gl.program_id(0)
     pid_n = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -135,6 +157,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, 
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    if DQ_ATOMIC:  # dS^T of the step, read back transposed as the A operand of dQ = dS K
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -189,17 +215,37 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, 
                        & (offs_n[:, None] <= row_pos[None, :] + win_right)
                        & (start_m + offs_m0 < len_q)[None, :])
             pT = gl.where(visible, pT, 0.0)
+        if DQ_ATOMIC:  # key rows past len_k (the next sequence's keys) are never stored as dK / dV rows, but their
+            if start_n + BLOCK_N > len_k:  # dS would reach dQ: the last key block of a sequence masks them
+                pT = gl.where((offs_n < len_k)[:, None], pT, 0.0)
         pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
         dsT = pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])
-        dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
+        dsT16 = dsT.to(dtype)
+        dsT_op = gl.convert_layout(dsT16, a_layout)
         dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
-        if not DEFER:
+        if DQ_ATOMIC:
+            ds_smem.store(dsT16)
+            fence_async_shared()
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout),
+                               use_acc=False, is_async=True)
+            dq, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv, pT_op, dsT_op))
+            dk = warpgroup_mma_init(dk)
+            dv = warpgroup_mma_init(dv)
+            # the previous step's reduce has read dq_smem by now (it had a whole step); rows past len_q add zeros
+            # (dS is masked there) to the next sequence's rows, or fall past the tensor (TMA clips them)
+            tma.store_wait(0)
+            dq_smem.store(dq * sm_scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [q_start + start_m, (off_kh * GROUP + g) * HEAD_DIM], dq_smem)
+        elif not DEFER:
             dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
             dk = warpgroup_mma_init(dk)
             dv = warpgroup_mma_init(dv)
     dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+    if DQ_ATOMIC:
+        tma.store_wait(0)
 
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):
@@ -594,7 +640,7 @@ def _fwd_pingpong_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, 
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
-_GL_DTYPES = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}
+_GL_DTYPES = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16, "torch.float32": gl.float32}
 
 
 def _descriptor(t, block_rows: int):
@@ -611,20 +657,25 @@ def _row_vector(t, block: int):
 
 
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, qk_scale, sm_scale,
-         win_left, win_right, config=None):
+         win_left, win_right, config=None, dq32=None):
     """dK, dV into ``dk``, ``dv`` (see ``triton_kernels.sink_attention_backward`` for the contract; ``lse2`` and
-    ``delta`` are the per-row vectors ``[H, stride_rows]`` laid out by ``triton_kernels._row_vector_start``)."""
+    ``delta`` are the per-row vectors ``[H, stride_rows]`` laid out by ``triton_kernels._row_vector_start``).
+    ``dq32``: a zeroed float32 ``[Tq, Hq, D]`` tensor that also receives dQ (TMA reduce-add; no dQ kernel needed)."""
     _check_bound()
     _, H_q, D = q.shape
     H_kv = k.shape[1]
-    cfg = dict(config or CONFIGS[("dkdv", D)])
+    cfg = dict(config or CONFIGS[("dkdv_atomic_dq" if dq32 is not None else "dkdv", D)])
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    if dq32 is not None and cfg.get("DEFER"):
+        raise ValueError("the atomic-dQ dK/dV kernel retires every product within its step (DEFER=0)")
     grid = (H_kv, triton.cdiv(int(max_seqlen_k), bn), cu_seqlens_q.numel() - 1)
+    q_desc = _descriptor(q, bm)
+    dq_desc = _descriptor(dq32, bm) if dq32 is not None else q_desc  # (unused without DQ_ATOMIC)
     _dkdv_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _row_vector(lse2, bm),
-        _row_vector(delta, bm), dk, dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0),
+        q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _row_vector(lse2, bm),
+        _row_vector(delta, bm), dq_desc, dk, dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D,
-        BLOCK_M=bm, BLOCK_N=bn, **cfg)
+        BLOCK_M=bm, BLOCK_N=bn, DQ_ATOMIC=dq32 is not None, **cfg)
 
 
 def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right,

@@ -74,10 +74,12 @@ KERNEL_CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ("dq", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
 }
 # Non-deterministic dQ accumulated in fp32 inside the dK/dV kernel (used only when deterministic=False): 5 matmuls
-# instead of 7.  "tma": one bulk tensor reduce-add per tile (sm_90+); "atomic": per-element fp32 atomics.  Off
-# by default: on the H200 it is faster up to S=4k but slower than the separate dQ kernel at S=16k
-# (benchmarks/notes/attention.md).  DQ_REVERSE: with dQ reduced there, visit query blocks last-first (measured a
-# few % faster: concurrent programs reduce into the same, L2-resident rows).
+# instead of 7.  Where the Gluon kernels apply (sm_90, 16-bit, head_dim 64) the Gluon dK/dV kernel does it with one
+# TMA reduce-add of each dQ tile from shared memory; elsewhere the Triton one, "tma": one bulk tensor reduce-add per
+# tile (sm_90+), "atomic": per-element fp32 atomics.  Off by default: on the H200 the 16k causal backward takes
+# 15.3 ms this way against 13.7 for the deterministic two-kernel one (the reduce traffic of 64-key tiles, 35 GB of
+# fp32 at 16k, costs more than the dQ kernel's recomputation; benchmarks/notes/attention.md v10).  DQ_REVERSE (the
+# Triton kernel): visit query blocks last-first (a few % faster: concurrent programs reduce into the same rows).
 ATOMIC_DQ = False
 ATOMIC_DQ_MODE = "tma"
 DQ_REVERSE = True
@@ -123,7 +125,8 @@ GLUON_BWD = _gluon_setting(os.environ.get(GLUON_BWD_ENV_VAR, "auto"))
 # product).  Correct on the H200 (test_cuda_gluon_forward) but not faster than the Triton forward (16k causal 5.10
 # vs 5.03 ms at its best tiles; window 128 0.236 vs 0.238; benchmarks/notes/attention.md, v8): off by default.
 # "pingpong": gluon_kernels._fwd_pingpong_kernel, two warp-specialized warpgroups per program taking turns on the
-# tensor cores (FlashAttention-3's ping-pong); compiled for sm_90, not yet run on a GPU.
+# tensor cores (FlashAttention-3's ping-pong); correct on the H200, not faster either (16k causal 5.07 ms with 4
+# stages vs Triton 5.07 in the same call; notes v10).
 GLUON_FWD = False
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
@@ -639,10 +642,14 @@ def _gluon_applies(q, *tensors) -> bool:
     return _tma_ok(q, *tensors) and _gluon_kernels() is not None
 
 
-def _gluon_backward_kernels(q, k, v, dout) -> tuple[str, ...]:
-    """Which backward kernels ("dkdv", "dq") run in Gluon for these inputs (empty: Triton only)."""
+def _gluon_backward_kernels(q, k, v, dout, atomic_dq: bool = False) -> tuple[str, ...]:
+    """Which backward kernels ("dkdv", "dq") run in Gluon for these inputs (empty: Triton only).  With
+    ``atomic_dq`` only the dK/dV kernel, which then also adds dQ (its "dkdv_atomic_dq" config)."""
     if GLUON_BWD is False or not _gluon_applies(q, k, v, dout):
         return ()
+    if atomic_dq:
+        configs = _GLUON["module"].CONFIGS
+        return ("dkdv",) if GLUON_BWD in ("auto", True, "dkdv") and ("dkdv_atomic_dq", q.shape[2]) in configs else ()
     kernels = ("dkdv", "dq") if GLUON_BWD in ("auto", True) else (GLUON_BWD,)
     return tuple(name for name in kernels if (name, q.shape[2]) in _GLUON["module"].CONFIGS)
 
@@ -765,7 +772,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     atomic_dq = ATOMIC_DQ and not deterministic
     dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
     bwd_tma = BWD_TMA and q.element_size() == 2  # 16-bit only (see BWD_TMA)
-    gluon = () if atomic_dq else _gluon_backward_kernels(q, k, v, dout)
+    gluon = _gluon_backward_kernels(q, k, v, dout, atomic_dq)
     concurrent = BWD_CONCURRENT
     if concurrent == "auto":  # (measured with the Gluon kernels: no gain, 0.83 -> 0.91 ms at 16k window 128)
         concurrent = not gluon and (left < _UNBOUNDED or int(max_seqlen_k) <= _CONCURRENT_MAX_SEQLEN)
@@ -775,7 +782,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     dkdv_done = T_k == 0 or int(max_seqlen_k) == 0
     if not dkdv_done and "dkdv" in gluon:
         dkdv_done = _run_gluon("dkdv", q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                               qk_scale, float(softmax_scale), left, right)
+                               qk_scale, float(softmax_scale), left, right, None, dq32 if atomic_dq else None)
     if not dkdv_done:
         cfg = _config("dkdv_atomic" if atomic_dq else "dkdv", D, q.device)
         block_n = cfg.pop("BLOCK_N")
