@@ -393,6 +393,14 @@ FWD_VARIANTS = {
     # 0.336, s4 5.07 / 0.323, 2x64x128 at 168 registers 6.60 / 0.486; Triton 64x128 s2 5.07 in the same call)
     "Gluon ping-pong 2x64x64 s3": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=3)),
     "Gluon ping-pong 2x64x64 s4": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=4)),
+    # a load warp and 1-3 consumer warpgroups (session 9: FA4's sm_90 forward shape; not yet run on a GPU)
+    "Gluon producer + 3 consumers, 192x128, s2": dict(GLUON_FWD="ws"),
+    "Gluon producer + 3 consumers, 192x128, s2, no turns": dict(GLUON_FWD="ws", gluon_fwd_ws=dict(SCHEDULE=False)),
+    "Gluon producer + 3 consumers, 192x128, s3": dict(GLUON_FWD="ws", gluon_fwd_ws=dict(STAGES=3)),
+    "Gluon producer + 2 consumers, 128x128, s2": dict(
+        GLUON_FWD="ws", gluon_fwd_ws=dict(CONSUMERS=2, CONSUMER_REGS=232, maxnreg=168)),
+    "Gluon producer + 1 consumer, 64x128, s3": dict(GLUON_FWD="ws", gluon_fwd_ws=dict(CONSUMERS=1, STAGES=3,
+                                                                                      maxnreg=168)),
     "Gluon ping-pong 2x64x128 s3, 168 registers": dict(
         GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(BLOCK_N=128, STAGES=3, WORKER_REGS=168, maxnreg=168)),
 }
@@ -435,7 +443,7 @@ def _shape_key(S, window):
 def _apply_variant(spec, D=64):
     """Set the module switches and block configs of one variant; returns the backward's `deterministic`."""
     for key, value in spec.items():
-        if key in ("gluon_dkdv", "gluon_dkdv_atomic_dq", "gluon_dq", "gluon_fwd", "gluon_fwd_pingpong"):
+        if key in ("gluon_dkdv", "gluon_dkdv_atomic_dq", "gluon_dq", "gluon_fwd", "gluon_fwd_pingpong", "gluon_fwd_ws"):
             gluon = TK._gluon_kernels()
             if gluon is not None:
                 name = (key.split("_", 1)[1], D)

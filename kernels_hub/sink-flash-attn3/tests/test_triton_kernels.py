@@ -486,18 +486,21 @@ def test_cuda_gluon_atomic_dq(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv,
 )
 @pytest.mark.parametrize("mode, config", [
     (True, None), (True, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2)), ("pingpong", None),
+    ("ws", None), ("ws", dict(CONSUMERS=2, CONSUMER_REGS=232, maxnreg=168)),
 ])
 def test_cuda_gluon_forward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window, with_sink, mode,
                             config):
     # The Gluon forwards (sm_90, 16-bit, head_dim 64; GLUON_FWD=True: one warpgroup per program, "pingpong": two
-    # warp-specialized ones) against fp64 (with the backward on their output) and against the Triton forward; a
-    # compile failure must not hide behind the silent Triton fallback.
+    # warp-specialized ones, "ws": a load warp and 1-3 consumer warpgroups) against fp64 (with the backward on their
+    # output) and against the Triton forward; a compile failure must not hide behind the silent Triton fallback.
     tk_cuda = _load_kernels(interpret=False)
     gluon = tk_cuda._gluon_kernels()
     assert gluon is not None, tk_cuda._GLUON.get("error")
     monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", False)
     monkeypatch.setattr(tk_cuda, "GLUON_FWD", mode)
-    if config is not None:
+    if config is not None and mode == "ws":  # changes to the producer/consumer forward's config
+        monkeypatch.setitem(gluon.CONFIGS, ("fwd_ws", 64), dict(gluon.CONFIGS[("fwd_ws", 64)], **config))
+    elif config is not None:
         for name in ("fwd", "fwd_window"):
             monkeypatch.setitem(gluon.CONFIGS, (name, 64), dict(config))
     case = make_case(seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, seed=51 + hq, with_sink=with_sink,

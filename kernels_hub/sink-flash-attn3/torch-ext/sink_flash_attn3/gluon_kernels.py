@@ -23,7 +23,8 @@ dQ tile into a float32 tensor by TMA (``DQ_ATOMIC``), and the dQ kernel does not
 
 The forward (``_fwd_kernel``, ``triton_kernels.GLUON_FWD``) overlaps the softmax of key block j+1 with the P_j V_j
 product, as FlashAttention-3 does within a warpgroup; correct on the H200 but no faster than the Triton forward,
-so it is off by default.
+so it is off by default.  ``_fwd_pingpong_kernel`` (two warpgroups taking turns) and ``_fwd_ws_kernel`` (a load warp
+and 1-3 consumer warpgroups, FA4's sm_90 shape; not yet run on a GPU) are opt-in variants of it.
 
 Scope (the caller checks it, ``triton_kernels._gluon_applies``): CUDA sm_90, 16-bit inputs, head_dim 64, rows
 16-byte aligned.  Everything else runs the Triton kernels.  Gluon has no interpreter, so CPU CI cannot run
@@ -41,7 +42,7 @@ from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton._C.libtriton import ir
 
-__all__ = ["CONFIGS", "dkdv", "dq", "fwd", "fwd_pingpong"]
+__all__ = ["CONFIGS", "dkdv", "dq", "fwd", "fwd_pingpong", "fwd_ws"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -72,6 +73,12 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     # 128 registers each (two programs per SM; sm_90 compile: no spills at 64x64, 65 KB of shared memory; 64x128
     # needs maxnreg=WORKER_REGS=168 for no spills, one program per SM)
     ("fwd_pingpong", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, WORKER_REGS=128, maxnreg=128),
+    # producer/consumer forward (GLUON_FWD = "ws"; session 9, compiled for sm_90, not yet run on a GPU): FA4's sm_90
+    # shape at head_dim 64, a load warp and three 64-row consumer warpgroups on 128-key tiles, one program per SM.
+    # Registers: 512 threads at launch x 128 = the SM's 64K; then the consumers take 160-168, the load warp 24 (sm_90
+    # compile: no spills in the loop, 90 KB of shared memory).  Two consumers: maxnreg=168, CONSUMER_REGS=232.
+    ("fwd_ws", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, CONSUMERS=3, SCHEDULE=True,
+                         CONSUMER_REGS=160, PRODUCER_REGS=24, maxnreg=128),
 }
 _LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 _LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -637,6 +644,172 @@ def _fwd_pingpong_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, 
     ], [4], [WORKER_REGS])
 
 
+@gluon.jit
+def _fwd_ws_producer(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMERS: gl.constexpr):
+    """The load warp of ``_fwd_ws_kernel``: every consumer's Q tile, then K_j and V_j into buffer j % STAGES once
+    all consumers released that buffer's previous use (its u-th use waits for the (u-1)-th completion of the
+    buffer's ``empty`` barrier, which counts one arrival per consumer)."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row0, q_col, kv_row0,
+     kv_col, num_n) = loads
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        _tma_load(q_desc, [q_row0 + c * BLOCK_M, q_col], q_bar, q_smem.index(c))
+    for j in range(num_n):
+        buf = j % STAGES
+        use = j // STAGES
+        if use > 0:
+            mbarrier.wait(k_empty.index(buf), (use - 1) % 2)
+        mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row0 + j * BLOCK_N, kv_col], k_ready.index(buf), k_smem.index(buf))
+        if use > 0:
+            mbarrier.wait(v_empty.index(buf), (use - 1) % 2)
+        mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [kv_row0 + j * BLOCK_N, kv_col], v_ready.index(buf), v_smem.index(buf))
+
+
+@gluon.jit
+def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr, SCHEDULE: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Consumer warpgroup C of ``_fwd_ws_kernel``: query rows [start_m0 + C * BLOCK_M, + BLOCK_M), every key block of
+    the program, ``_fwd_kernel``'s in-warpgroup overlap.  With SCHEDULE the consumers issue their products in turn
+    (mbarriers ``turn``, round robin), so one's softmax runs while the others' products hold the tensor cores."""
+    (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Sinks, Out, Lse, off_h, q_start, len_q,
+     len_k, start_m0, lo, num_n, stride_ot, stride_oh, stride_lse_h, qk_scale, win_left, win_right) = shared
+    NUM_WARPS: gl.constexpr = 4
+    start_m = start_m0 + C * BLOCK_M
+    shift = len_k - len_q
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # this warpgroup's masks: blocks of the program's band outside its own full range are edge blocks
+    _, full_lo, full_hi, _ = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
+    q_tile = q_smem.index(C)
+    m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
+    row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    if SCHEDULE:
+        if C == CONSUMERS - 1:  # consumer 0 issues first
+            mbarrier.arrive(turn.index(0), count=1)
+    mbarrier.wait(q_bar, 0)
+    if num_n > 0:
+        acc = warpgroup_mma_init(acc)
+        mbarrier.wait(k_ready.index(0), 0)
+        if SCHEDULE:
+            mbarrier.wait(turn.index(C), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if SCHEDULE:
+            mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
+                                          win_right, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(num_n - 1):
+            buf = j % STAGES
+            nxt = (j + 1) % STAGES
+            mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) % 2)
+            mbarrier.wait(v_ready.index(buf), (j // STAGES) % 2)
+            if SCHEDULE:
+                mbarrier.wait(turn.index(C), (j + 1) % 2)
+            s = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
+            if SCHEDULE:
+                mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_{j+1} retired; P_j V_j may still run
+            mbarrier.arrive(k_empty.index(nxt), count=1)
+            p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo + (j + 1) * BLOCK_N, offs_n0, row_pos, len_k,
+                                              full_lo, full_hi, win_left, win_right, qk_scale)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            mbarrier.arrive(v_empty.index(buf), count=1)
+            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (num_n - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((num_n - 1) // STAGES) % 2)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
+               BLOCK_M, HEAD_DIM, o_layout, row_layout)
+
+
+@gluon.jit(do_not_specialize=["stride_lse_h"])
+def _fwd_ws_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
+                   stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
+                   CONSUMERS: gl.constexpr, SCHEDULE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Forward with a load warp and CONSUMERS warpgroups of BLOCK_M query rows of one head per program (FA4's sm_90
+    forward at head_dim 64: 3 x 64 rows, 128-key tiles).  The load warp alone issues TMA, so the consumers run no
+    CTA barriers; K and V have their own ready / empty barriers, so S_{j+1} can start before V_j lands."""
+    off_h = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    off_b = gl.program_id(2)
+    q_start = gl.load(cu_seqlens_q + off_b)
+    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = gl.load(cu_seqlens_k + off_b)
+    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    start_m0 = (gl.num_programs(1) - 1 - pid_m) * (CONSUMERS * BLOCK_M)  # longest (last) query blocks first
+    if start_m0 >= len_q:
+        return
+    shift = len_k - len_q
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # released by every consumer
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(i), count=1)
+    # the key blocks seen by any of the program's rows
+    lo, _, _, hi = _key_block_ranges(start_m0, len_q, len_k, shift, win_left, win_right, CONSUMERS * BLOCK_M,
+                                     BLOCK_N)
+    num_n = gl.cdiv(hi - lo, BLOCK_N)
+    kv_col = (off_h // GROUP) * HEAD_DIM
+    # runtime arguments travel as one tuple; the constexprs stay separate arguments (a tuple would make them tensors)
+    shared = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Sinks, Out, Lse, off_h,
+              q_start, len_q, len_k, start_m0, lo, num_n, stride_ot, stride_oh, stride_lse_h, qk_scale, win_left,
+              win_right)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+             q_start + start_m0, off_h * HEAD_DIM, k_start + lo, kv_col, num_n)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_fwd_ws_consumer, (shared, 0, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+        ], [1], [PRODUCER_REGS])
+    elif CONSUMERS == 2:
+        gl.warp_specialize([
+            (_fwd_ws_consumer, (shared, 0, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_consumer, (shared, 1, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 3, "_fwd_ws_kernel: 1, 2 or 3 consumer warpgroups")
+        gl.warp_specialize([
+            (_fwd_ws_consumer, (shared, 0, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_consumer, (shared, 1, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_consumer, (shared, 2, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
@@ -707,6 +880,24 @@ def fwd_pingpong(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     grid = (H_q, triton.cdiv(int(max_seqlen_q), 2 * bm), cu_seqlens_q.numel() - 1)
     has_sink = sinks is not None
     _fwd_pingpong_kernel[grid](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
+        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
+        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
+
+
+def fwd_ws(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right,
+           config=None):
+    """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (CONSUMERS * BLOCK_M query rows per program)."""
+    _check_bound()
+    _, H_q, D = q.shape
+    H_kv = k.shape[1]
+    cfg = dict(config or CONFIGS[("fwd_ws", D)])
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    if cfg["CONSUMERS"] not in (1, 2, 3):
+        raise ValueError(f"the producer/consumer forward takes 1, 2 or 3 consumer warpgroups, got {cfg['CONSUMERS']}")
+    grid = (H_q, triton.cdiv(int(max_seqlen_q), cfg["CONSUMERS"] * bm), cu_seqlens_q.numel() - 1)
+    has_sink = sinks is not None
+    _fwd_ws_kernel[grid](
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
         cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
         GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)

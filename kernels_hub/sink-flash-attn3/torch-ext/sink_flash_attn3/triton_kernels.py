@@ -126,7 +126,8 @@ GLUON_BWD = _gluon_setting(os.environ.get(GLUON_BWD_ENV_VAR, "auto"))
 # vs 5.03 ms at its best tiles; window 128 0.236 vs 0.238; benchmarks/notes/attention.md, v8): off by default.
 # "pingpong": gluon_kernels._fwd_pingpong_kernel, two warp-specialized warpgroups per program taking turns on the
 # tensor cores (FlashAttention-3's ping-pong); correct on the H200, not faster either (16k causal 5.07 ms with 4
-# stages vs Triton 5.07 in the same call; notes v10).
+# stages vs Triton 5.07 in the same call; notes v10).  "ws": gluon_kernels._fwd_ws_kernel, FA4's sm_90 forward
+# shape (a load warp and three consumer warpgroups, 192 x 128 tiles); compiled for sm_90, not yet run on a GPU.
 GLUON_FWD = False
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
@@ -708,7 +709,10 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
     has_sink = sinks is not None
     qk_scale = float(softmax_scale) * LOG2E
     if GLUON_FWD and _gluon_applies(q, k, v):
-        if GLUON_FWD == "pingpong" and ("fwd_pingpong", D) in _GLUON["module"].CONFIGS:
+        if GLUON_FWD == "ws" and ("fwd_ws", D) in _GLUON["module"].CONFIGS:
+            done = _run_gluon("fwd_ws", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale,
+                              left, right)
+        elif GLUON_FWD == "pingpong" and ("fwd_pingpong", D) in _GLUON["module"].CONFIGS:
             done = _run_gluon("fwd_pingpong", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               qk_scale, left, right)
         else:
