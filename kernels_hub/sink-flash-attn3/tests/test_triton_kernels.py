@@ -447,8 +447,8 @@ def test_cuda_gluon_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, 
     ],
 )
 def test_cuda_gluon_atomic_dq(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
-    # deterministic=False with ATOMIC_DQ: the Gluon dK/dV kernel also adds dQ (fifth product, fp32 atomics) and no dQ
-    # kernel runs; against fp64 and against the deterministic Gluon backward
+    # deterministic=False with ATOMIC_DQ: the Gluon dK/dV kernel also adds dQ (fifth product, one TMA reduce-add per
+    # tile) and no dQ kernel runs; against fp64 and against the deterministic Gluon backward
     tk_cuda = _load_kernels(interpret=False)
     monkeypatch.setattr(tk_cuda, "ATOMIC_DQ", True)
     monkeypatch.setattr(tk_cuda, "GLUON_BWD", True)

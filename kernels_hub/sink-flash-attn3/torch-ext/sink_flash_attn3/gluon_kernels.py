@@ -105,6 +105,16 @@ def _check_bound() -> None:
 
 
 @gluon.jit
+def _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b):
+    """Start and length of sequence ``off_b``'s queries and keys in the packed token axis."""
+    q_start = gl.load(cu_seqlens_q + off_b)
+    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
+    k_start = gl.load(cu_seqlens_k + off_b)
+    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    return q_start, len_q, k_start, len_k
+
+
+@gluon.jit
 def _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, step, total,
                   num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -138,10 +148,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
     off_kh = gl.program_id(0)
     pid_n = gl.program_id(1)
     off_b = gl.program_id(2)
-    q_start = gl.load(cu_seqlens_q + off_b)
-    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
-    k_start = gl.load(cu_seqlens_k + off_b)
-    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
     start_n = pid_n * BLOCK_N
     if start_n >= len_k:
         return
@@ -287,10 +294,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
     off_h = gl.program_id(0)
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
-    q_start = gl.load(cu_seqlens_q + off_b)
-    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
-    k_start = gl.load(cu_seqlens_k + off_b)
-    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
     start_m = (gl.num_programs(1) - 1 - pid_m) * BLOCK_M  # longest (last) query blocks first
     if start_m >= len_q:
         return
@@ -442,10 +446,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlen
     off_h = gl.program_id(0)  # heads fastest: programs sharing K/V (a GQA group) run together
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
-    q_start = gl.load(cu_seqlens_q + off_b)
-    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
-    k_start = gl.load(cu_seqlens_k + off_b)
-    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
     start_m = (gl.num_programs(1) - 1 - pid_m) * BLOCK_M  # longest (last) query blocks first
     if start_m >= len_q:
         return
@@ -604,10 +605,7 @@ def _fwd_pingpong_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, 
     off_h = gl.program_id(0)
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
-    q_start = gl.load(cu_seqlens_q + off_b)
-    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
-    k_start = gl.load(cu_seqlens_k + off_b)
-    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
     start_m0 = (gl.num_programs(1) - 1 - pid_m) * (2 * BLOCK_M)  # longest (last) query blocks first
     if start_m0 >= len_q:
         return
@@ -752,10 +750,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seq
     off_h = gl.program_id(0)
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
-    q_start = gl.load(cu_seqlens_q + off_b)
-    len_q = gl.load(cu_seqlens_q + off_b + 1) - q_start
-    k_start = gl.load(cu_seqlens_k + off_b)
-    len_k = gl.load(cu_seqlens_k + off_b + 1) - k_start
+    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
     start_m0 = (gl.num_programs(1) - 1 - pid_m) * (CONSUMERS * BLOCK_M)  # longest (last) query blocks first
     if start_m0 >= len_q:
         return

@@ -604,6 +604,12 @@ def _row_descriptor(t: torch.Tensor, block_rows: int):
     return _TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D])
 
 
+def _row_descriptors_if(use_tma: bool, block_rows: int, *tensors: torch.Tensor) -> tuple:
+    """``_row_descriptor`` of each tensor when the kernel loads them through TMA, else the tensors themselves (the
+    kernel's pointer path ignores that argument)."""
+    return tuple(_row_descriptor(t, block_rows) if use_tma else t for t in tensors)
+
+
 def _side_stream(device: torch.device):
     """One cached side stream per CUDA device (None elsewhere: the interpreter runs kernels in order anyway)."""
     if device.type != "cuda":
@@ -725,8 +731,7 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
     use_tma = FWD_TMA and _tma_ok(k, v)
-    k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if use_tma else k
-    v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if use_tma else v
+    k_desc, v_desc = _row_descriptors_if(use_tma, cfg["BLOCK_N"], k, v)
     _sink_attn_fwd[grid](
         q, k, v, k_desc, v_desc, sinks if has_sink else q, out, lse, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -795,8 +800,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
             dq_mode = 2 if ATOMIC_DQ_MODE == "tma" and _tma_ok(dq32) else 1
         dq_desc = _row_descriptor(dq32, cfg["BLOCK_M"]) if dq_mode == 2 else dq32
         tma_qdo = bwd_tma and _tma_ok(q, dout)
-        q_desc = _row_descriptor(q, cfg["BLOCK_M"]) if tma_qdo else q
-        do_desc = _row_descriptor(dout, cfg["BLOCK_M"]) if tma_qdo else dout
+        q_desc, do_desc = _row_descriptors_if(tma_qdo, cfg["BLOCK_M"], q, dout)
         grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
         _sink_attn_bwd_dkdv[grid](
             q, k, v, dout, lse2, delta, dk, dv, dq32, dq_desc, q_desc, do_desc, cu_seqlens_q, cu_seqlens_k,
@@ -817,8 +821,7 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
             block_m = cfg.pop("BLOCK_M")
             grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
             tma_kv = bwd_tma and _tma_ok(k, v)
-            k_desc = _row_descriptor(k, cfg["BLOCK_N"]) if tma_kv else k
-            v_desc = _row_descriptor(v, cfg["BLOCK_N"]) if tma_kv else v
+            k_desc, v_desc = _row_descriptors_if(tma_kv, cfg["BLOCK_N"], k, v)
             _sink_attn_bwd_dq[grid](
                 q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
