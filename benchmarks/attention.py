@@ -374,26 +374,29 @@ def sweep(S=16384, D=64, kernels=None):
 # Measured losers of earlier runs (benchmarks/notes/attention.md, v3) are no longer timed: pointer loads, 128x128
 # forward tiles, warp specialisation, per-element dQ atomics, other tile reduce-add tiles.
 FWD_VARIANTS = {
-    "TMA 64x64 w4": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 3)),
-    "TMA 128x64 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(128, 64, 8, 3)),
+    "TMA 64x64 w4": dict(FWD_TMA=True, FWD_WARP_SPEC=False, GLUON_FWD=False, fwd=(64, 64, 4, 3)),
+    "TMA 128x64 w8": dict(FWD_TMA=True, FWD_WARP_SPEC=False, GLUON_FWD=False, fwd=(128, 64, 8, 3)),
     # session 6 tile sweep (with the FMA softmax): 64x128 w4 s2 4.99 ms at 16k causal vs 5.35 for 128x64 w8 s3
-    "TMA 64x128 w4 s2": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 128, 4, 2)),
+    "TMA 64x128 w4 s2": dict(FWD_TMA=True, FWD_WARP_SPEC=False, GLUON_FWD=False, fwd=(64, 128, 4, 2)),
     # optional 5th entry: maxnreg.  Session 8 (16k causal / window 128, ms): 64x128 w4 s2 capped at 168 / 160
     # 4.98 / 4.93 (uncapped 5.00, 216 registers); 64x64 w4 s2 at 128 (four programs per SM) 5.28 / 0.238, shipped
     # for windowed layers; 64x64 s3 at 128 5.37 / 0.296; 128x64 w8 s2 at 128 5.46 / 0.357
-    "TMA 64x128 w4 s2 maxnreg 160": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 128, 4, 2, 160)),
-    "TMA 64x64 w4 s2 maxnreg 128": dict(FWD_TMA=True, FWD_WARP_SPEC=False, fwd=(64, 64, 4, 2, 128)),
+    "TMA 64x128 w4 s2 maxnreg 160": dict(FWD_TMA=True, FWD_WARP_SPEC=False, GLUON_FWD=False,
+                                         fwd=(64, 128, 4, 2, 160)),
+    "TMA 64x64 w4 s2 maxnreg 128": dict(FWD_TMA=True, FWD_WARP_SPEC=False, GLUON_FWD=False,
+                                        fwd=(64, 64, 4, 2, 128)),
     # Gluon forward (gluon_kernels._fwd_kernel, sm_90): gluon_fwd = changes to its config, used for full and
     # windowed layers alike.  Session 8 (16k causal / window 128 / 4k causal, ms): 64x64 s3 5.52 / 0.259 / 0.369,
     # 64x64 s2 5.35 / 0.236 / 0.355, 64x128 s2 5.10 / 0.312 / 0.344; Triton 64x128 in the same call 5.03
     "Gluon 64x64 w4 s3": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=3)),
     "Gluon 64x64 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=64, STAGES=2)),
     "Gluon 64x128 w4 s2": dict(GLUON_FWD=True, gluon_fwd=dict(BLOCK_N=128, STAGES=2)),
-    # two warp-specialized warpgroups per program in ping-pong (session 9, 16k causal / window 128, ms: s3 5.56 /
-    # 0.336, s4 5.07 / 0.323, 2x64x128 at 168 registers 6.60 / 0.486; Triton 64x128 s2 5.07 in the same call)
-    "Gluon ping-pong 2x64x64 s3": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=3)),
-    "Gluon ping-pong 2x64x64 s4": dict(GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(STAGES=4)),
-    # a load warp and 1-3 consumer warpgroups (session 9: FA4's sm_90 forward shape; not yet run on a GPU)
+    # (ping-pong, two warp-specialized warpgroups per program taking turns, retired in session 10: 16k causal /
+    # window 128, ms: 2x64x64 s3 5.56 / 0.336, s4 5.07 / 0.323, 2x64x128 at 168 registers 6.60 / 0.486; Triton 5.07)
+    # a load warp and 1-3 consumer warpgroups (FA4's sm_90 forward shape) for every layer.  Session 10, with the
+    # paired P conversion (16k causal / window 128 / 4k causal / 8k causal, ms): 3 consumers s2 4.48 / 0.563 / 0.350 /
+    # 1.20, no turns 4.50, s3 4.54, s3 no turns 4.57, s4 4.56; Triton 64x128 s2 5.01 / 0.322 / 0.341 / 1.26 in the
+    # same call.  Before it: 2 consumers 5.08 / 0.485 / 0.380, 1 consumer s3 7.67
     "Gluon producer + 3 consumers, 192x128, s2": dict(GLUON_FWD="ws"),
     "Gluon producer + 3 consumers, 192x128, s2, no turns": dict(GLUON_FWD="ws", gluon_fwd_ws=dict(SCHEDULE=False)),
     "Gluon producer + 3 consumers, 192x128, s3": dict(GLUON_FWD="ws", gluon_fwd_ws=dict(STAGES=3)),
@@ -401,8 +404,11 @@ FWD_VARIANTS = {
         GLUON_FWD="ws", gluon_fwd_ws=dict(CONSUMERS=2, CONSUMER_REGS=232, maxnreg=168)),
     "Gluon producer + 1 consumer, 64x128, s3": dict(GLUON_FWD="ws", gluon_fwd_ws=dict(CONSUMERS=1, STAGES=3,
                                                                                       maxnreg=168)),
-    "Gluon ping-pong 2x64x128 s3, 168 registers": dict(
-        GLUON_FWD="pingpong", gluon_fwd_pingpong=dict(BLOCK_N=128, STAGES=3, WORKER_REGS=168, maxnreg=168)),
+    "Gluon producer + 3 consumers, 192x128, s3, no turns": dict(GLUON_FWD="ws",
+                                                                gluon_fwd_ws=dict(STAGES=3, SCHEDULE=False)),
+    "Gluon producer + 3 consumers, 192x128, s4": dict(GLUON_FWD="ws", gluon_fwd_ws=dict(STAGES=4)),
+    # "auto" (the default): the producer/consumer forward on full layers of long sequences, Triton elsewhere
+    "auto (ws on full layers, S >= 8k; Triton elsewhere)": dict(GLUON_FWD="auto"),
 }
 _GLUON_DET = dict(ATOMIC_DQ=False, BWD_CONCURRENT=False, GLUON_BWD=True, deterministic=True)
 _GLUON_ATOMIC = dict(ATOMIC_DQ=True, BWD_CONCURRENT=False, GLUON_BWD=True, deterministic=False)
@@ -432,7 +438,7 @@ BWD_VARIANTS = {  # deterministic: separate dQ kernel; otherwise dQ reduced in f
 }
 SWITCHES = ("FWD_TMA", "FWD_WARP_SPEC", "GLUON_FWD", "BWD_TMA", "BWD_CONCURRENT", "ATOMIC_DQ", "ATOMIC_DQ_MODE",
             "DQ_REVERSE", "GLUON_BWD")
-VARIANT_SHAPES = ((16384, None), (16384, 128), (4096, None))
+VARIANT_SHAPES = [(16384, None), (16384, 128), (4096, None)]  # the first two rank the variants (--variant-shapes adds)
 VARIANT_ACCURACY_S = 1024
 
 
@@ -443,7 +449,7 @@ def _shape_key(S, window):
 def _apply_variant(spec, D=64):
     """Set the module switches and block configs of one variant; returns the backward's `deterministic`."""
     for key, value in spec.items():
-        if key in ("gluon_dkdv", "gluon_dkdv_atomic_dq", "gluon_dq", "gluon_fwd", "gluon_fwd_pingpong", "gluon_fwd_ws"):
+        if key in ("gluon_dkdv", "gluon_dkdv_atomic_dq", "gluon_dq", "gluon_fwd", "gluon_fwd_ws"):
             gluon = TK._gluon_kernels()
             if gluon is not None:
                 name = (key.split("_", 1)[1], D)
@@ -642,13 +648,12 @@ def compare_variants(max_err=1e-2, name_filter=None):
     if "fwd" in chosen:
         _apply_variant(FWD_VARIANTS[chosen["fwd"]])
         window_spec = FWD_VARIANTS[chosen["fwd_window"]]
-        if "gluon_fwd_pingpong" in window_spec:  # one config for every layer
-            _apply_variant(window_spec)
-        elif "gluon_fwd" in window_spec:
+        if "gluon_fwd" in window_spec:
             gluon = TK._gluon_kernels()
             gluon.CONFIGS[("fwd_window", 64)] = dict(gluon.CONFIGS[("fwd", 64)], **window_spec["gluon_fwd"])
-        else:
+        elif "fwd" in window_spec:
             _apply_variant({"fwd_window": window_spec["fwd"]})
+        # else (GLUON_FWD "ws" / "auto" without tiles): windowed layers keep their shipped settings
     if "bwd_deterministic" in chosen:
         _apply_variant(BWD_VARIANTS[chosen["bwd_deterministic"]])
     if "bwd_atomic" in chosen:
@@ -670,6 +675,8 @@ def main():
                         help="compare the kernel variants (TMA loads, concurrent dQ, dQ reduction) first")
     parser.add_argument("--variants-only", action="store_true", help="stop after --variants (no table)")
     parser.add_argument("--variant-filter", help="regular expression: only the --variants whose name matches")
+    parser.add_argument("--variant-shapes", default="",
+                        help="more --variants shapes, comma-separated S (causal) or S/window, e.g. 8192,32768")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks")))
     parser.add_argument("--seqlens", default="4096,16384,32768")
     parser.add_argument("--skip-flex", action="store_true")
@@ -705,6 +712,9 @@ def main():
     if args.sweep_only:
         (out_dir / "attention_sweep.json").write_text(json.dumps(sweep_log, indent=1))
         return
+    for shape in filter(None, args.variant_shapes.split(",")):
+        S, _, window = shape.partition("/")
+        VARIANT_SHAPES.append((int(S), int(window) if window else None))
     variants_log = compare_variants(name_filter=args.variant_filter) if args.variants else None
     if args.variants_only:
         (out_dir / "attention_variants.json").write_text(json.dumps(variants_log, indent=1))
@@ -725,8 +735,14 @@ def main():
         dispatch = "the Triton kernels everywhere"
     else:
         dispatch = f"the Gluon kernels for {TK.GLUON_BWD!r} wherever they apply"
-    forward = ("Gluon (gluon_kernels._fwd_kernel) where it applies" if TK.GLUON_FWD and gluon is not None
-               else "Triton")
+    if gluon is None or not TK.GLUON_FWD:
+        forward = "Triton"
+    elif TK.GLUON_FWD == "auto":
+        forward = (f"the producer/consumer Gluon kernel (gluon_kernels._fwd_ws_kernel) on layers without a left window "
+                   f"from {TK._WS_MIN_SEQLEN} queries, Triton elsewhere")
+    else:
+        kernel = "_fwd_ws_kernel" if TK.GLUON_FWD == "ws" else "_fwd_kernel"
+        forward = f"Gluon (gluon_kernels.{kernel}) where it applies"
     notes = [f"Backward (GLUON_BWD={TK.GLUON_BWD!r}): {dispatch}; the forward (GLUON_FWD={TK.GLUON_FWD!r}) is "
              f"{forward}."]
     switches = {name: getattr(TK, name) for name in SWITCHES}

@@ -93,7 +93,6 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
     ("dkdv", {}), ("dkdv", dict(STAGES=3, DEFER=1)), ("dkdv_atomic_dq", {}),
     ("dq", {}), ("dq", dict(STAGES=3, DEFER=1)),
     ("fwd", dict(HAS_SINK=True)), ("fwd", dict(HAS_SINK=False, BLOCK_N=128, STAGES=2)),
-    ("fwd_pingpong", dict(HAS_SINK=True)),
     ("fwd_ws", dict(HAS_SINK=True)), ("fwd_ws", dict(HAS_SINK=False, CONSUMERS=2, CONSUMER_REGS=232, maxnreg=168)),
 ])
 def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
@@ -101,7 +100,7 @@ def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
     if kernel.startswith("dkdv"):  # dQ reduced into a float32 tensor by TMA (UTMAREDG in the SASS), or not at all
         cfg.update(DQ_ATOMIC=kernel == "dkdv_atomic_dq")
     fn = {"dkdv": gk._dkdv_kernel, "dkdv_atomic_dq": gk._dkdv_kernel, "dq": gk._dq_kernel, "fwd": gk._fwd_kernel,
-          "fwd_pingpong": gk._fwd_pingpong_kernel, "fwd_ws": gk._fwd_ws_kernel}[kernel]
+          "fwd_ws": gk._fwd_ws_kernel}[kernel]
     try:
         compiled = _compile(fn, cfg, cfg["BLOCK_M"], cfg["BLOCK_N"])
     except RuntimeError as exc:
@@ -124,6 +123,6 @@ def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
         # under a register cap (maxnreg) ptxas versions differ by a register or two: triton 3.6's spills nothing
         # at 168, 3.9's 8 bytes; a real spill (a cap too tight, 150+ bytes at 152 registers) must still fail
         allowed = 32 if "maxnreg" in cfg else 0
-        if kernel == "fwd_ws":  # (experimental) three consumers at 160-168 registers: triton 3.6's ptxas, the GPU
-            allowed = 160  # image's, spills 8 bytes, 3.9's 128; a tighter split of the register file spills more
+        if kernel == "fwd_ws":  # three consumers at 160-168 registers: triton 3.6's ptxas (the GPU image's) spills 32
+            allowed = 160  # bytes outside the key loop, 3.9's more; a tighter split of the register file spills more
         assert stack is not None and int(stack.group(1)) <= allowed, usage

@@ -235,6 +235,50 @@ def test_fully_masked_rows(tk):
     assert torch.all(out[empty] == 0) and torch.all(lse[:, empty] == float("-inf"))
 
 
+@pytest.mark.parametrize("mode", ["auto", "ws", False])
+def test_forward_dispatch(tk, monkeypatch, mode):
+    # Which forward runs (sm_90 routing, checked here on CPU with the Gluon module stubbed): "auto" sends layers without
+    # a left window from _WS_MIN_SEQLEN queries to the producer/consumer kernel and everything else (window-128
+    # layers, short sequences, decoding) to the Triton forward; "ws" sends every layer; False none.
+    calls = []
+
+    class GluonStub:
+        CONFIGS = {("fwd_ws", 64): {}}
+
+        @staticmethod
+        def fwd_ws(q, k, v, sinks, out, lse, cu_q, cu_k, max_seqlen_q, qk_scale, left, right):
+            calls.append((max_seqlen_q, left))
+            out.zero_()
+            lse.zero_()
+
+    monkeypatch.setattr(tk, "GLUON_FWD", mode)
+    monkeypatch.setattr(tk, "_gluon_applies", lambda *tensors: True)
+    monkeypatch.setitem(tk._GLUON, "module", GluonStub)
+    n = tk._WS_MIN_SEQLEN
+    for len_q, window_left in ((n, -1), (n, 127), (n - 1, -1), (1, -1)):  # full, sliding, short, one decode step
+        q = torch.randn(len_q, 2, 64)
+        k, v = torch.randn(2, n, 1, 64)
+        cu_q = torch.tensor([0, len_q], dtype=torch.int32)
+        cu_k = torch.tensor([0, n], dtype=torch.int32)
+        if (mode == "auto" and window_left == -1 and len_q >= n) or mode == "ws":
+            tk.sink_attention_forward(q, k, v, None, cu_q, cu_k, len_q, n, 0.125, True, window_left, 0)
+        else:  # the Triton forward would run (interpreted: slow at this length); the stub must not be called
+            monkeypatch.setattr(tk, "_sink_attn_fwd", None)  # reaching the Triton launch raises TypeError
+            with pytest.raises(TypeError):
+                tk.sink_attention_forward(q, k, v, None, cu_q, cu_k, len_q, n, 0.125, True, window_left, 0)
+    expected = {"auto": [(n, tk._UNBOUNDED)], "ws": [(n, tk._UNBOUNDED), (n, 127), (n - 1, tk._UNBOUNDED),
+                                                    (1, tk._UNBOUNDED)], False: []}[mode]
+    assert calls == expected
+
+
+def test_forward_dispatch_rejects_unknown_mode(tk, monkeypatch):
+    monkeypatch.setattr(tk, "GLUON_FWD", "pingpong")  # retired: must not fall through to another kernel silently
+    q = torch.randn(8, 2, 64)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="GLUON_FWD"):
+        tk.sink_attention_forward(q, q, q, None, cu, cu, 8, 8, 0.125, True, -1, 0)
+
+
 def test_strided_views_and_deterministic(tk):
     # q/k/v as views of one packed qkv buffer (non-contiguous token/head strides); two backward runs agree bitwise
     g = torch.Generator().manual_seed(7)
@@ -485,13 +529,13 @@ def test_cuda_gluon_atomic_dq(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv,
     ],
 )
 @pytest.mark.parametrize("mode, config", [
-    (True, None), (True, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2)), ("pingpong", None),
+    (True, None), (True, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2)),
     ("ws", None), ("ws", dict(CONSUMERS=2, CONSUMER_REGS=232, maxnreg=168)),
 ])
 def test_cuda_gluon_forward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window, with_sink, mode,
                             config):
-    # The Gluon forwards (sm_90, 16-bit, head_dim 64; GLUON_FWD=True: one warpgroup per program, "pingpong": two
-    # warp-specialized ones, "ws": a load warp and 1-3 consumer warpgroups) against fp64 (with the backward on their
+    # The Gluon forwards (sm_90, 16-bit, head_dim 64; GLUON_FWD=True: one warpgroup per program, "ws": a load warp
+    # and 1-3 consumer warpgroups, on every layer) against fp64 (with the backward on their
     # output) and against the Triton forward; a compile failure must not hide behind the silent Triton fallback.
     tk_cuda = _load_kernels(interpret=False)
     gluon = tk_cuda._gluon_kernels()

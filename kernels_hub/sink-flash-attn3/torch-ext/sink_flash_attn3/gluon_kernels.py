@@ -21,10 +21,11 @@ kernel is compiled with a register cap (``maxnreg`` in CONFIGS) so that three pr
 ``deterministic=False`` with ``triton_kernels.ATOMIC_DQ`` the dK/dV kernel also computes dQ += dS K and reduces each
 dQ tile into a float32 tensor by TMA (``DQ_ATOMIC``), and the dQ kernel does not run.
 
-The forward (``_fwd_kernel``, ``triton_kernels.GLUON_FWD``) overlaps the softmax of key block j+1 with the P_j V_j
-product, as FlashAttention-3 does within a warpgroup; correct on the H200 but no faster than the Triton forward,
-so it is off by default.  ``_fwd_pingpong_kernel`` (two warpgroups taking turns) and ``_fwd_ws_kernel`` (a load warp
-and 1-3 consumer warpgroups, FA4's sm_90 shape; not yet run on a GPU) are opt-in variants of it.
+The forward ``_fwd_ws_kernel`` (FA4's sm_90 shape: a load warp and three consumer warpgroups of 64 query rows on
+128-key tiles, each overlapping the softmax of key block j+1 with its P_j V_j product) runs by default on layers
+without a left window from 8k queries (``triton_kernels.GLUON_FWD = "auto"``; H200, 16k causal: 4.48 vs 5.01 ms for
+the Triton forward).  ``_fwd_kernel`` (one warpgroup per program, ``GLUON_FWD = True``) is an opt-in variant, correct
+but no faster than the Triton forward.
 
 Scope (the caller checks it, ``triton_kernels._gluon_applies``): CUDA sm_90, 16-bit inputs, head_dim 64, rows
 16-byte aligned.  Everything else runs the Triton kernels.  Gluon has no interpreter, so CPU CI cannot run
@@ -42,7 +43,7 @@ from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton._C.libtriton import ir
 
-__all__ = ["CONFIGS", "dkdv", "dq", "fwd", "fwd_pingpong", "fwd_ws"]
+__all__ = ["CONFIGS", "dkdv", "dq", "fwd", "fwd_ws"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -68,15 +69,12 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     # 124 registers, 57 KB of shared memory (3 programs per SM; 2 stages: 41 KB, 4 per SM); 64x128: 164 registers
     ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
     ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
-    # ping-pong forward (GLUON_FWD = "pingpong"; correct on the H200, not faster: 16k causal 5.56 / 5.07 ms at 3 / 4
-    # stages, 6.60 at 2x64x128 and 168 registers, Triton 5.07): two warpgroups of BLOCK_M rows per program,
-    # 128 registers each (two programs per SM; sm_90 compile: no spills at 64x64, 65 KB of shared memory; 64x128
-    # needs maxnreg=WORKER_REGS=168 for no spills, one program per SM)
-    ("fwd_pingpong", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, WORKER_REGS=128, maxnreg=128),
-    # producer/consumer forward (GLUON_FWD = "ws"; session 9, compiled for sm_90, not yet run on a GPU): FA4's sm_90
+    # producer/consumer forward (GLUON_FWD = "auto" on full layers from 8k queries, or "ws" everywhere): FA4's sm_90
     # shape at head_dim 64, a load warp and three 64-row consumer warpgroups on 128-key tiles, one program per SM.
     # Registers: 512 threads at launch x 128 = the SM's 64K; then the consumers take 160-168, the load warp 24 (sm_90
-    # compile: no spills in the loop, 90 KB of shared memory).  Two consumers: maxnreg=168, CONSUMER_REGS=232.
+    # compile: no spills in the key loop, 90 KB of shared memory).  Two consumers: maxnreg=168, CONSUMER_REGS=232.
+    # H200, 16k causal (notes v12): 4.48 ms at 2 stages with turns, 4.50 without, 4.54 / 4.56 at 3 / 4 stages; 2
+    # consumers 5.08, 1 consumer 7.67 (before the paired P conversion: 4.64-4.78)
     ("fwd_ws", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, CONSUMERS=3, SCHEDULE=True,
                          CONSUMER_REGS=160, PRODUCER_REGS=24, maxnreg=128),
 }
@@ -520,126 +518,18 @@ def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlen
 
 
 @gluon.jit
-def _fwd_pingpong_consumer(q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_smem, v_smem, ready, empty, q_bars,
-                           turn, off_h, q_start, len_q, k_start, len_k, start_m0, lo, num_n, stride_ot, stride_oh,
-                           stride_lse_h, qk_scale, win_left, win_right, WG: gl.constexpr, GROUP: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HAS_SINK: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup of ``_fwd_pingpong_kernel``: query rows [start_m0 + WG * BLOCK_M, + BLOCK_M), every key block
-    of the program.  Same per-block schedule as ``_fwd_kernel``; the two warpgroups take turns (mbarriers
-    ``turn``) to issue their products, so one's softmax runs while the other's products use the tensor cores
-    (FlashAttention-3's ping-pong).  Warpgroup 0 also requests the K/V tiles."""
-    NUM_WARPS: gl.constexpr = 4
-    start_m = start_m0 + WG * BLOCK_M
-    shift = len_k - len_q
-    off_kh = off_h // GROUP
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    # this warpgroup's masks: blocks of the program's band outside its own full range are edge blocks
-    _, full_lo, full_hi, _ = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
-    q_tile = q_smem.index(WG)
-    mbarrier.expect(q_bars.index(WG), q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], q_bars.index(WG), q_tile)
-    m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
-    row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
-    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    if WG == 1:  # warpgroup 0 issues first
-        mbarrier.arrive(turn.index(0), count=1)
-    mbarrier.wait(q_bars.index(WG), 0)
-    if num_n > 0:
-        acc = warpgroup_mma_init(acc)
-        mbarrier.wait(ready.index(0), 0)
-        mbarrier.wait(turn.index(WG), 0)
-        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
-                                          win_right, qk_scale)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(num_n - 1):
-            buf = j % STAGES
-            nxt = (j + 1) % STAGES
-            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) % 2)
-            mbarrier.wait(turn.index(WG), (j + 1) % 2)
-            s = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-            p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo + (j + 1) * BLOCK_N, offs_n0, row_pos, len_k,
-                                              full_lo, full_hi, win_left, win_right, qk_scale)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            mbarrier.arrive(empty.index(buf), count=1)  # this warpgroup is done with K/V block j
-            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
-            # warpgroup 0 requests block j - 1 + STAGES into block j - 1's buffer once both released it (it is
-            # needed from iteration j - 2 + STAGES on: STAGES >= 3 keeps the request an iteration ahead)
-            if WG == 0:
-                if (j >= 1) & (j - 1 + STAGES < num_n):
-                    prev = (j - 1) % STAGES
-                    mbarrier.wait(empty.index(prev), ((j - 1) // STAGES) % 2)
-                    _dq_request(k_desc, v_desc, k_smem, v_smem, ready, j - 1 + STAGES, num_n, k_start + lo,
-                                off_kh * HEAD_DIM, BLOCK_N, STAGES)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index((num_n - 1) % STAGES), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-
-    _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
-               BLOCK_M, HEAD_DIM, o_layout, row_layout)
-
-
-@gluon.jit(do_not_specialize=["stride_lse_h"])
-def _fwd_pingpong_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
-                         stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
-                         STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Forward with two warpgroups per program (2 * BLOCK_M query rows of one head) sharing each K/V tile, in
-    ping-pong (``_fwd_pingpong_consumer``).  num_warps = 4: the second warpgroup is a warp-specialized partition."""
-    off_h = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    off_b = gl.program_id(2)
-    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
-    start_m0 = (gl.num_programs(1) - 1 - pid_m) * (2 * BLOCK_M)  # longest (last) query blocks first
-    if start_m0 >= len_q:
-        return
-    shift = len_k - len_q
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # released by both warpgroups
-    for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    # the key blocks seen by any of the program's rows; the first STAGES are requested here
-    lo, _, _, hi = _key_block_ranges(start_m0, len_q, len_k, shift, win_left, win_right, 2 * BLOCK_M, BLOCK_N)
-    num_n = gl.cdiv(hi - lo, BLOCK_N)
-    for i in gl.static_range(STAGES):
-        _dq_request(k_desc, v_desc, k_smem, v_smem, ready, i, num_n, k_start + lo, (off_h // GROUP) * HEAD_DIM,
-                    BLOCK_N, STAGES)
-    gl.warp_specialize([
-        (_fwd_pingpong_consumer, (q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_smem, v_smem, ready, empty,
-                                  q_bars, turn, off_h, q_start, len_q, k_start, len_k, start_m0, lo, num_n,
-                                  stride_ot, stride_oh, stride_lse_h, qk_scale, win_left, win_right, 0, GROUP,
-                                  HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-        (_fwd_pingpong_consumer, (q_desc, k_desc, v_desc, Sinks, Out, Lse, q_smem, k_smem, v_smem, ready, empty,
-                                  q_bars, turn, off_h, q_start, len_q, k_start, len_k, start_m0, lo, num_n,
-                                  stride_ot, stride_oh, stride_lse_h, qk_scale, win_left, win_right, 1, GROUP,
-                                  HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-    ], [4], [WORKER_REGS])
+def _to_16bit_pairs(x, dtype: gl.constexpr):
+    """``x.to(dtype)`` for 16-bit dtype, converting neighbouring elements in pairs (``cvt.rn.{bf16,f16}x2.f32``, element
+    0 in the low half).  ``x.to`` converts one element at a time, and ptxas then packed the P operand of the ws
+    forward's P V product with a half swap (PRMT) per register, 32 extra instructions per key block in two of the
+    three consumers (sm_90 SASS, triton 3.6)."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        gl.static_assert(dtype == gl.float16, "16-bit P: bfloat16 or float16")
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                         is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -710,7 +600,7 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr, SCHEDULE:
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
                                           win_right, qk_scale)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
         for j in range(num_n - 1):
             buf = j % STAGES
             nxt = (j + 1) % STAGES
@@ -729,7 +619,7 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr, SCHEDULE:
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             mbarrier.arrive(v_empty.index(buf), count=1)
             acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
         last = (num_n - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((num_n - 1) // STAGES) % 2)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
@@ -857,24 +747,6 @@ def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_s
     grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
     has_sink = sinks is not None
     _fwd_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
-        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
-        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
-
-
-def fwd_pingpong(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left,
-                 win_right, config=None):
-    """Forward into ``out`` and ``lse`` with ``_fwd_pingpong_kernel`` (2 * BLOCK_M query rows per program)."""
-    _check_bound()
-    _, H_q, D = q.shape
-    H_kv = k.shape[1]
-    cfg = dict(config or CONFIGS[("fwd_pingpong", D)])
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    if cfg["STAGES"] < 3:  # block j + 1 is requested one block after the buffer it reuses is released
-        raise ValueError(f"the ping-pong forward needs STAGES >= 3 (K/V buffers), got {cfg['STAGES']}")
-    grid = (H_q, triton.cdiv(int(max_seqlen_q), 2 * bm), cu_seqlens_q.numel() - 1)
-    has_sink = sinks is not None
-    _fwd_pingpong_kernel[grid](
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
         cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
         GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)

@@ -121,14 +121,17 @@ def _gluon_setting(value: str):
 
 
 GLUON_BWD = _gluon_setting(os.environ.get(GLUON_BWD_ENV_VAR, "auto"))
-# Forward on Hopper in Gluon (gluon_kernels._fwd_kernel: FlashAttention-3's overlap of the softmax with the P V
-# product).  Correct on the H200 (test_cuda_gluon_forward) but not faster than the Triton forward (16k causal 5.10
-# vs 5.03 ms at its best tiles; window 128 0.236 vs 0.238; benchmarks/notes/attention.md, v8): off by default.
-# "pingpong": gluon_kernels._fwd_pingpong_kernel, two warp-specialized warpgroups per program taking turns on the
-# tensor cores (FlashAttention-3's ping-pong); correct on the H200, not faster either (16k causal 5.07 ms with 4
-# stages vs Triton 5.07 in the same call; notes v10).  "ws": gluon_kernels._fwd_ws_kernel, FA4's sm_90 forward
-# shape (a load warp and three consumer warpgroups, 192 x 128 tiles); compiled for sm_90, not yet run on a GPU.
-GLUON_FWD = False
+# Forward on Hopper (sm_90) in Gluon.  "auto" (the default): gluon_kernels._fwd_ws_kernel, FA4's sm_90 forward shape
+# (a load warp and three consumer warpgroups, 192 x 128 tiles), for layers without a left window on sequences of at
+# least _WS_MIN_SEQLEN queries, where it is faster (H200, same call: 16k causal 4.48 vs 5.01 ms, 8k 1.20 vs 1.26;
+# benchmarks/notes/attention.md, v12), and the Triton forward elsewhere: a window-128 program sees two or three key
+# blocks, too few to fill a producer/consumer pipeline (0.56 vs 0.32 ms), and at 4k one 192-row program per SM
+# leaves a longer tail (0.350 vs 0.341).  "ws": that kernel for every layer.  True: gluon_kernels._fwd_kernel (one
+# warpgroup per program, FlashAttention-3's in-warpgroup overlap; correct, not faster than Triton: notes v8).
+# False: the Triton forward only.  (A ping-pong variant, two warpgroups taking turns, measured no faster and was
+# retired once the ws kernel was verified: notes v10, v12.)
+GLUON_FWD = "auto"
+_WS_MIN_SEQLEN = 8192
 _GLUON: dict = {}
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
 # Integer arguments that change with every batch (total token count, number of sequences) are not specialised:
@@ -714,17 +717,17 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
     left, right = _window_bounds(causal, window_left, window_right)
     has_sink = sinks is not None
     qk_scale = float(softmax_scale) * LOG2E
-    if GLUON_FWD and _gluon_applies(q, k, v):
-        if GLUON_FWD == "ws" and ("fwd_ws", D) in _GLUON["module"].CONFIGS:
-            done = _run_gluon("fwd_ws", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale,
-                              left, right)
-        elif GLUON_FWD == "pingpong" and ("fwd_pingpong", D) in _GLUON["module"].CONFIGS:
-            done = _run_gluon("fwd_pingpong", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              qk_scale, left, right)
-        else:
-            done = ("fwd", D) in _GLUON["module"].CONFIGS and _run_gluon(
-                "fwd", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, left, right,
-                left < _UNBOUNDED)
+    if GLUON_FWD == "auto":
+        use_gluon = left >= _UNBOUNDED and max_seqlen_q >= _WS_MIN_SEQLEN and _gluon_applies(q, k, v)
+        kernel = "fwd_ws"
+    elif GLUON_FWD in ("ws", True, False):
+        use_gluon = bool(GLUON_FWD) and _gluon_applies(q, k, v)
+        kernel = "fwd_ws" if GLUON_FWD == "ws" else "fwd"
+    else:
+        raise ValueError(f"triton_kernels.GLUON_FWD must be 'auto', 'ws', True or False, got {GLUON_FWD!r}")
+    if use_gluon and (kernel, D) in _GLUON["module"].CONFIGS:
+        args = (q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, left, right)
+        done = _run_gluon(kernel, *args) if kernel == "fwd_ws" else _run_gluon(kernel, *args, left < _UNBOUNDED)
         if done:
             return out, lse
     cfg = _config("fwd_window" if left < _UNBOUNDED else "fwd", D, q.device)
