@@ -258,6 +258,11 @@ def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
+def rel_errors(results, ref):
+    """{out, dq, dk, dv, dsink: relative error} of ``results`` against ``ref`` (both in that order)."""
+    return {n: rel(x, r) for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), results, ref)}
+
+
 def fa4_errors(S, window, inputs, ref):
     """FA4's relative errors on the same inputs and fp64 reference (None when flash_attn.cute is absent)."""
     try:
@@ -266,7 +271,7 @@ def fa4_errors(S, window, inputs, ref):
         dq, dk, dv, dsink = fwd_bwd()
     except ImportError:
         return None
-    return {n: rel(x, r) for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, dq[0], dk[0], dv[0], dsink), ref)}
+    return rel_errors((out, dq[0], dk[0], dv[0], dsink), ref)
 
 
 def check_accuracy():
@@ -283,7 +288,7 @@ def check_accuracy():
         again = TK.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, 64 ** -0.5, True, wl,
                                            0, True)
         ref = reference_fp64(q, k, v, sinks, dout, [0, S], window_left=wl)
-        errs = {n: rel(x, r) for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), ref)}
+        errs = rel_errors((out, *grads), ref)
         errs["bitwise_reproducible"] = all(torch.equal(a, b) for a, b in zip(grads, again))
         results["bf16 S=1024 " + ("causal" if window is None else f"window {window}")] = errs
         errs_fa4 = fa4_errors(S, window, (q, k, v, dout, sinks), ref)
@@ -295,7 +300,7 @@ def check_accuracy():
                                                0, False)
         finally:
             TK.ATOMIC_DQ = False
-        errs = {n: rel(x, r) for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), ref)}
+        errs = rel_errors((out, *grads), ref)
         results["bf16 S=1024 " + ("causal" if window is None else f"window {window}") + ", atomic dQ"] = errs
     # the default forward of long full layers (GLUON_FWD="auto": the producer/consumer kernel from 8k queries on
     # sm_90) against fp64, at 8 query / 1 KV heads so that the fp64 reference fits
@@ -305,8 +310,7 @@ def check_accuracy():
     out, lse = TK.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, 64 ** -0.5, True, -1, 0)
     grads = TK.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, 64 ** -0.5, True, -1, 0, True)
     ref = reference_fp64(q, k, v, sinks, dout, [0, S])
-    results[f"bf16 S={S} causal, 8 / 1 heads (GLUON_FWD={TK.GLUON_FWD!r})"] = {
-        n: rel(x, r) for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), ref)}
+    results[f"bf16 S={S} causal, 8 / 1 heads (GLUON_FWD={TK.GLUON_FWD!r})"] = rel_errors((out, *grads), ref)
     errs_fa4 = fa4_errors(S, None, (q, k, v, dout, sinks), ref)
     if errs_fa4 is not None:
         results[f"FA4 bf16 S={S} causal, 8 / 1 heads"] = errs_fa4
@@ -325,7 +329,7 @@ def check_accuracy():
         grads = TK.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, max(lens), max(lens),
                                            128 ** -0.5, True, wl, 0, False)
         ref = reference_fp64(q, k, v, sinks, dout, cu_list, window_left=wl)
-        errs = {n: rel(x, r) for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), ref)}
+        errs = rel_errors((out, *grads), ref)
         results[f"fp32 varlen {lens} GQA 8 D=128 sinks +-30 " + ("causal" if window is None else f"window {wl}")] = errs
     torch.cuda.empty_cache()
     return results
@@ -625,8 +629,8 @@ def compare_variants(max_err=1e-2, name_filter=None):
                                                          wl, 0)
                     grads = TK.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_acc, cu_acc, S_acc, S_acc,
                                                        0.125, True, wl, 0, deterministic)
-                    for n, x, r in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), refs[window]):
-                        errs[n] = max(errs.get(n, 0.0), rel(x, r))
+                    for n, e in rel_errors((out, *grads), refs[window]).items():
+                        errs[n] = max(errs.get(n, 0.0), e)
                 row["max_err"] = errs
                 if ((spec.get("GLUON_BWD") and TK.GLUON_BWD is False)
                         or (spec.get("GLUON_FWD") and TK.GLUON_FWD is False)):  # _run_gluon fell back (it warned)
