@@ -1,7 +1,7 @@
-"""One full GRPO training step of a gpt-oss-20b-shaped model at long context, by stack (issue 7, item 3).
+"""One full GRPO training step of a gpt-oss-20b-shaped model at long context, by stack.
 
 Model: `hf_gptoss_rl.testing.gptoss_20b_config()` with random bf16 weights created on the GPU
-(`gptoss_bench_common.build_random_gptoss`), LoRA r=16 on q/k/v/o (peft), gradient checkpointing (non-reentrant),
+(`hf_gptoss_rl.testing.build_random_gptoss`), LoRA r=16 on q/k/v/o (peft), gradient checkpointing (non-reentrant),
 one sequence of S random token ids: the first S/8 are the "prompt", the rest the completion that the loss covers.
 
 Variants (only attention, experts and the log-prob computation differ; the loss is the same):
@@ -25,7 +25,8 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
   when transformers can import it (skipped otherwise, with the reason);
 - `flex_grouped_mm_chunked` (optional, `--variants`): flex + grouped_mm with the chunked log-probs, to separate
   what the log-prob path buys from what attention + experts buy;
-- `eager_grouped_mm` (not in the default GPU set: O(S²) memory, OOM at 16k per FACTS §6) for CPU smoke runs.
+- `eager_grouped_mm` (not in the default GPU set: O(S²) memory: its [heads, S, S] scores
+  alone are 32 GiB per layer at 16k) for CPU smoke runs.
 
 Per (variant, S), in its own subprocess (an OOM or crash is reported and does not poison the other runs):
 
@@ -40,8 +41,11 @@ tokens/s = S / step seconds; peak = `torch.cuda.max_memory_allocated()` during t
 `--max-seconds` bounds the whole sweep: a run that would not start in time is reported as skipped, a run still
 going at the deadline is killed and reported as timed out.
 
-    python benchmarks/full_step.py                                   # H200: S = 16k, 32k, 64k (~6-8 min)
-    python benchmarks/full_step.py --model tiny --device cpu --seq-lens 64 --out /tmp/x   # smoke test
+    python benchmarks/full_step.py                                   # one H200: S = 16k, 32k, 64k (~6-8 min)
+    python -m benchmarks.full_step --model tiny --device cpu --seq-lens 64 --out /tmp/x   # smoke test
+
+On a GPU machine, `pip install -e ".[dev]"` gives every variant but FA4; for `fa4_grouped_mm` (Hopper or newer,
+CUDA 12.8+): `pip install flash-attn-4==4.0.0b36`.
 
 Writes `full_step.md`, `full_step.png`, `full_step.json` into `--out` (default `docs/benchmarks/`).
 """
@@ -60,14 +64,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gptoss_bench_common import (  # noqa: E402
-    REPO,
+from hf_gptoss_rl.testing import (
     build_random_gptoss,
     environment,
     flash_attention_4_available,
     set_project_attention,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = {
     "project": {
@@ -161,8 +165,9 @@ VARIANTS = {
 DEFAULT_VARIANTS = ("project", "flex_grouped_mm", "fa4_grouped_mm")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RESULT_PREFIX = "FULL_STEP_RESULT "
-# Rough H200 costs for the plan's time estimate (FACTS §6: stock 20b train step ~8k tokens/s, log-prob pass ~28k
-# tokens/s; a subprocess spends ~30 s on imports, model build, LoRA and kernel/flex compilation).
+# Rough H200 costs for the plan's time estimate, on the slow side of this script's own rows in
+# docs/benchmarks/full_step.md (train steps run at 7-13k tokens/s, the project's log-prob pass at ~30k tokens/s;
+# a subprocess spends ~30 s on imports, model build, LoRA and kernel/flex compilation).
 EST_OVERHEAD_S = 30.0
 EST_TRAIN_TOKENS_PER_S = 8000.0
 EST_LOGPROB_TOKENS_PER_S = 28000.0

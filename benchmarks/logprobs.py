@@ -17,7 +17,7 @@ Correctness: at S=256 every variant's log-probs, entropies and hidden-state grad
 Times: medians of `triton.testing.do_bench`; peak = `max_memory_allocated` minus what was allocated before the call
 (head weight, hidden states, targets and upstream gradients are resident and excluded).
 
-Usage: python benchmarks/logprobs.py [--seqlens 8192 32768] [--out DIR]
+Usage: python benchmarks/logprobs.py [--seqlens 8192 32768] [--out DIR]   (or python -m benchmarks.logprobs ...)
 Writes DIR/logprobs.md, DIR/logprobs.png, DIR/logprobs.json (default DIR = docs/benchmarks).
 """
 
@@ -34,8 +34,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 VOCAB, HIDDEN = 201_088, 2880
 VARIANTS = {

