@@ -35,12 +35,16 @@ class _Request:
     future: concurrent.futures.Future
 
 
-def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) logits outside each row's top-k and top-p nucleus. ``top_k <= 0`` / ``top_p >= 1`` = off.
+def _filter_top_k_top_p(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mask (to -inf) logits outside each row's top-k, top-p nucleus and min-p set. ``top_k <= 0`` / ``top_p >= 1``
+    / ``min_p <= 0`` = off. min-p keeps the tokens with ``p >= min_p * max p`` (SGLang's and transformers' rule).
 
-    scaled: [B, V] temperature-scaled logits; top_k: [B] int; top_p: [B] float.
+    scaled: [B, V] temperature-scaled logits; top_k: [B] int; top_p: [B] float; min_p: [B] float.
     """
-    if bool((top_k <= 0).all()) and bool((top_p >= 1.0).all()):
+    no_min_p = min_p is None or bool((min_p <= 0).all())
+    if bool((top_k <= 0).all()) and bool((top_p >= 1.0).all()) and no_min_p:
         return scaled
     sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
     vocab = scaled.shape[-1]
@@ -51,8 +55,23 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= top_p.unsqueeze(-1)
+    if not no_min_p:  # sorted descending: column 0 holds each row's most likely token (always kept)
+        remove |= probs < min_p.unsqueeze(-1) * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+
+
+def _apply_penalties(logits: torch.Tensor, counts: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
+    """SGLang's penalties on raw logits, from the counts of the tokens each row generated so far.
+
+    logits, counts: [B, V] float; penalties: [B, 3] = (repetition, frequency, presence). Additive penalties first,
+    then the repetition scaling, as SGLang's `SamplingBatchInfo._apply_pre_grammar_logits_transforms` does.
+    """
+    repetition, frequency, presence = penalties.unbind(-1)
+    seen = counts > 0
+    logits = logits - frequency.unsqueeze(-1) * counts - presence.unsqueeze(-1) * seen.float()
+    scale = torch.where(seen, repetition.unsqueeze(-1), torch.ones_like(logits))
+    return torch.where(logits < 0, logits * scale, logits / scale)
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -147,6 +166,11 @@ class EmbeddedEngine(RolloutEngine):
             raise RuntimeError("EmbeddedEngine is closed")
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.sglang_extra:
+            raise ValueError(
+                f"the embedded engine does not implement the SGLang sampling keys {sorted(sampling.sglang_extra)}; "
+                "use rollout_backend='sglang'"
+            )
         ids = validate_input_ids(input_ids, self.vocab_size)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._ensure_worker()
@@ -272,6 +296,14 @@ class EmbeddedEngine(RolloutEngine):
             temperature = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
             top_k = torch.tensor([r.sampling.top_k for r in batch], device=device)
             top_p = torch.tensor([r.sampling.top_p for r in batch], device=device, dtype=torch.float32)
+            min_p = torch.tensor([r.sampling.min_p for r in batch], device=device, dtype=torch.float32)
+            penalties = torch.tensor(
+                [[r.sampling.repetition_penalty, r.sampling.frequency_penalty, r.sampling.presence_penalty]
+                 for r in batch], device=device, dtype=torch.float32,
+            )  # fmt: skip
+            penalised = bool((penalties != torch.tensor([1.0, 0.0, 0.0], device=device)).any())
+            # per-row counts of the tokens generated so far (only allocated when a penalty is on)
+            counts = torch.zeros(bsz, self.vocab_size, device=device) if penalised else None
             stop_sets = [frozenset(r.sampling.stop_token_ids) for r in batch]
             budgets = [r.sampling.max_new_tokens for r in batch]
 
@@ -292,12 +324,16 @@ class EmbeddedEngine(RolloutEngine):
             rows = list(range(bsz))  # batch row j of the tensors below decodes request rows[j]
             while True:
                 logits = out.logits[:, -1, :].float()
+                if counts is not None:
+                    logits = _apply_penalties(logits, counts, penalties)
                 scaled = logits / temperature
                 logp = torch.log_softmax(scaled, dim=-1)
-                probs = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+                probs = _filter_top_k_top_p(scaled, top_k, top_p, min_p).softmax(dim=-1)
                 sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
                 token = torch.where(greedy, logits.argmax(dim=-1), sampled)
                 token_lp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+                if counts is not None:
+                    counts.scatter_add_(1, token.unsqueeze(-1), torch.ones_like(counts[:, :1]))
                 keep = []
                 for j, (i, t, lp) in enumerate(zip(rows, token.tolist(), token_lp.tolist())):
                     tokens[i].append(t)
@@ -317,6 +353,8 @@ class EmbeddedEngine(RolloutEngine):
                     cache.batch_select_indices(index)
                     attention_mask, next_position, token = attention_mask[index], next_position[index], token[index]
                     temperature, greedy, top_k, top_p = temperature[index], greedy[index], top_k[index], top_p[index]
+                    min_p, penalties = min_p[index], penalties[index]
+                    counts = counts[index] if counts is not None else None
                     rows = [rows[j] for j in keep]
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
                 out = self.model(

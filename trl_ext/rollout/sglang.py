@@ -59,8 +59,11 @@ class _RetryableStatus(SGLangError):
 
 
 def sampling_params_payload(sampling: SamplingParams) -> dict:
-    """SGLang ``sampling_params`` for token-level rollouts (only keys SGLang knows)."""
-    return {
+    """SGLang ``sampling_params`` for token-level rollouts (only keys SGLang knows).
+
+    ``min_p`` and the penalties are sent when they are not SGLang's defaults, then ``sampling.sglang_extra``.
+    """
+    payload = {
         "max_new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -69,6 +72,10 @@ def sampling_params_payload(sampling: SamplingParams) -> dict:
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
+    defaults = {"min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    payload.update({k: getattr(sampling, k) for k, v in defaults.items() if getattr(sampling, k) != v})
+    payload.update(sampling.sglang_extra)
+    return payload
 
 
 def _parse_version(version):
