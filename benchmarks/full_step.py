@@ -47,7 +47,8 @@ going at the deadline is killed and reported as timed out.
 On a GPU machine, `pip install -e ".[dev]"` gives every variant but FA4; for `fa4_grouped_mm` (Hopper or newer,
 CUDA 12.8+): `pip install flash-attn-4==4.0.0b36`.
 
-Writes `full_step.md`, `full_step.png`, `full_step.json` into `--out` (default `docs/benchmarks/`).
+Writes `full_step.md`, `full_step.png`, `full_step.json` into `--out` (default `docs/benchmarks/`);
+`--report-from docs/benchmarks/full_step.json` re-renders the report of a saved run (no GPU).
 """
 
 from __future__ import annotations
@@ -592,6 +593,7 @@ def parse_args(argv=None):
     p.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF of the workers")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     p.add_argument("--profile", action="store_true", help="also profile one GRPO step per run: top ops by self time")
+    p.add_argument("--report-from", type=Path, default=None, help="re-render the report of a saved full_step.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -601,6 +603,10 @@ def main(argv=None) -> list[dict]:
     if args.worker is not None:
         print(RESULT_PREFIX + json.dumps(worker(json.loads(args.worker))), flush=True)
         return []
+    if args.report_from is not None:
+        saved = json.loads(args.report_from.read_text())
+        write_report(args.out, saved["results"], saved["meta"])
+        return saved["results"]
     start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device_type = device.type
