@@ -1,11 +1,11 @@
-"""trl_ext.mismatch: metrics and TIS/MIS weights against hand computations."""
+"""trl_ext.mismatch: metrics and importance-sampling ratios against hand computations and TRL's formulas."""
 
 import math
 
 import pytest
 import torch
 
-from trl_ext.mismatch import importance_weights, mismatch_metrics
+from trl_ext.mismatch import IMPORTANCE_SAMPLING_MODES, importance_sampling_ratio, mismatch_metrics
 
 
 def _case():
@@ -25,6 +25,8 @@ def test_metrics_match_hand_computation():
     log_ppl = [-sum(t - r for t, r in s) / len(s) for s in seq]
     assert m["prob_diff_mean"].item() == pytest.approx(sum(diffs) / 5, rel=1e-6)
     assert m["prob_diff_max"].item() == pytest.approx(max(diffs), rel=1e-6)
+    assert m["logp_diff_mean"].item() == pytest.approx(sum(abs(t - r) for t, r in pairs) / 5, rel=1e-6)
+    assert m["logp_diff_max"].item() == pytest.approx(1.0, rel=1e-6)
     assert m["k3_kl"].item() == pytest.approx(sum(k3) / 5, rel=1e-6)
     assert m["log_ppl_diff"].item() == pytest.approx(sum(log_ppl) / 2, rel=1e-6)
     assert m["frac_tokens_over_threshold"].item() == pytest.approx(sum(d > 0.1 for d in diffs) / 5)
@@ -34,7 +36,7 @@ def test_metrics_match_hand_computation():
 def test_identical_distributions_give_zero():
     train = torch.randn(3, 7).clamp(max=0)
     m = mismatch_metrics(train, train.clone(), torch.ones(3, 7))
-    for key in ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold"):
+    for key in ("prob_diff_mean", "prob_diff_max", "logp_diff_mean", "k3_kl", "log_ppl_diff"):
         assert m[key].item() == 0.0
 
 
@@ -43,30 +45,66 @@ def test_empty_mask_is_zero_not_nan():
     assert all(v.item() == 0.0 for v in m.values())
 
 
-def test_token_tis_weights():
+def test_token_modes_by_hand():
     train, rollout, mask = _case()
-    w = importance_weights(train, rollout, mask, "token_tis", tis_cap=2.0)
-    expected = torch.tensor(
-        [[math.exp(0.2), math.exp(-1.0), 1.0, 1.0], [min(math.exp(0.5), 2.0), 1.0, 1.0, 1.0]]
-    )
+    # token ratios: e^0.2, e^-1, 1 | e^0.5, 1, NaN -> 1; outside the mask -> 1
+    w = importance_sampling_ratio(train, rollout, mask, "token_truncate", clip_max=1.5)
+    expected = torch.tensor([[math.exp(0.2), math.exp(-1.0), 1.0, 1.0], [1.5, 1.0, 1.0, 1.0]])
+    torch.testing.assert_close(w, expected)
+    w = importance_sampling_ratio(train, rollout, mask, "token_truncate", clip_min=0.5, clip_max=None)
+    torch.testing.assert_close(w[0, 1], torch.tensor(0.5))
+    w = importance_sampling_ratio(train, rollout, mask, "token_mask", clip_min=0.5, clip_max=1.5)
+    # TRL's token_mask keeps the ratio itself inside the bounds (it is not a 0/1 mask)
+    expected = torch.tensor([[math.exp(0.2), 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]])
     torch.testing.assert_close(w, expected)
 
 
-def test_token_and_sequence_mask_weights():
+def test_sequence_modes_by_hand():
     train, rollout, mask = _case()
-    w = importance_weights(train, rollout, mask, "token_mask", mask_low=0.5, mask_high=1.5)
-    # ratios: e^0.2=1.22 keep, e^-1=0.37 drop, 1 keep | e^0.5=1.65 drop, 1 keep, NaN -> keep
-    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]]))
-    w = importance_weights(train, rollout, mask, "sequence_mask", mask_low=0.7, mask_high=1.5)
-    # geometric means: exp((0.2 - 1.0 + 0) / 3) = 0.766 keep; exp((0.5 + 0) / 2) = 1.28 keep
-    torch.testing.assert_close(w, torch.ones(2, 4))
-    w = importance_weights(train, rollout, mask, "sequence_mask", mask_low=0.8, mask_high=1.2)
-    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]]))
+    # products: exp(0.2 - 1.0 + 0) = 0.449; exp(0.5 + 0 + 0) = 1.649
+    w = importance_sampling_ratio(train, rollout, mask, "sequence_truncate", clip_max=1.2)
+    torch.testing.assert_close(w, torch.tensor([[math.exp(-0.8)], [1.2]]))
+    w = importance_sampling_ratio(train, rollout, mask, "sequence_mask", clip_min=0.4, clip_max=1.5)
+    torch.testing.assert_close(w, torch.tensor([[math.exp(-0.8)], [0.0]]))
+    # the geometric means exp(-0.8 / 3) = 0.766 and exp(0.5 / 2) = 1.284 (the NaN token does not count)
+    w = importance_sampling_ratio(train, rollout, mask, "sequence_geometric_mask", clip_min=0.7, clip_max=1.5)
+    torch.testing.assert_close(w, torch.ones(2, 1))
+    w = importance_sampling_ratio(train, rollout, mask, "sequence_geometric_mask", clip_min=0.8, clip_max=1.2)
+    torch.testing.assert_close(w, torch.zeros(2, 1))
 
 
-def test_bad_mode_and_shapes_raise():
+def _trl_reference(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's ratio, transcribed from `GRPOTrainer._generate_and_score_completions` (use_vllm branch)."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("bounds", [(None, 3.0), (0.5, 2.0), (0.9, None)])
+def test_trl_modes_equal_trl(mode, bounds):
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 9, generator=gen) * 3
+    sampling = old + 0.4 * torch.randn(4, 9, generator=gen)
+    sampling[1, 2] = float("nan")
+    mask = (torch.rand(4, 9, generator=gen) > 0.3).long()
+    clip_min, clip_max = bounds
+    ours = importance_sampling_ratio(old, sampling, mask, mode, clip_min=clip_min, clip_max=clip_max)
+    torch.testing.assert_close(ours, _trl_reference(old, sampling, mask, mode, clip_min, clip_max))
+
+
+def test_bad_mode_bounds_and_shapes_raise():
     t = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match="unknown mismatch correction"):
-        importance_weights(t, t, t, "tis")
+    assert "sequence_geometric_mask" in IMPORTANCE_SAMPLING_MODES
+    with pytest.raises(ValueError, match="unknown importance sampling mode 'token_tis'"):
+        importance_sampling_ratio(t, t, t, "token_tis")
+    with pytest.raises(ValueError, match="needs clip_min or clip_max"):
+        importance_sampling_ratio(t, t, t, "token_truncate", clip_max=None)
     with pytest.raises(ValueError, match="shapes differ"):
-        importance_weights(t, torch.zeros(2, 4), t, "token_tis")
+        importance_sampling_ratio(t, torch.zeros(2, 4), t, "token_truncate")

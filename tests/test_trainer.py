@@ -220,11 +220,16 @@ def test_on_policy_steps_with_tool_calls(tmp_path, tokenizer):
         torch.testing.assert_close(tensor, after[name])
 
 
-def test_token_tis_weights_match_hand_computation(tmp_path, tokenizer):
+def test_token_truncate_weights_match_hand_computation(tmp_path, tokenizer):
     model = tiny_model()
     snapshot = copy.deepcopy(model.state_dict())
     trainer, _ = scripted_trainer(
-        tmp_path, tokenizer, model=model, max_steps=1, mismatch_correction="token_tis", mismatch_tis_cap=1.03
+        tmp_path,
+        tokenizer,
+        model=model,
+        max_steps=1,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=1.03,
     )
     trainer.train()
     inputs, weights = trainer.loss_inputs[0], trainer.loss_weights[0]
@@ -246,8 +251,15 @@ def test_token_tis_weights_match_hand_computation(tmp_path, tokenizer):
     # still on-policy: ratio 1, no clipping, one forward
     assert _logged(trainer, "clip_ratio/region_mean") == [0.0]
     assert len(trainer.forwards) == 1
-    assert len(_logged(trainer, "mismatch/is_weight_mean")) == 1
-    assert _logged(trainer, "mismatch/frac_tokens_truncated")[0] > 0
+    # TRL's metrics: the ratio over the policy tokens, after truncation
+    assert _logged(trainer, "sampling/importance_sampling_ratio/max") == [pytest.approx(1.03)]
+    assert _logged(trainer, "sampling/importance_sampling_ratio/min")[0] == pytest.approx(expected[mask].min().item())
+    assert _logged(trainer, "sampling/importance_sampling_ratio/mean")[0] == pytest.approx(
+        expected[mask].mean().item(), rel=1e-5
+    )
+    logp_diff = (train_logps - inputs["sampling_per_token_logps"]).abs()[mask]
+    assert _logged(trainer, "sampling/sampling_logp_difference/max")[0] == pytest.approx(logp_diff.max().item(), rel=1e-4)
+    assert 0 < _logged(trainer, "mismatch/frac_is_truncated")[0] < 1
     # the weight reaches the gradient: d loss / d logp = -A * w / N on policy tokens (DAPO, ratio 1)
     logps = trainer.forwards[0]
     adv = inputs["advantages"].unsqueeze(1).expand_as(logps)
@@ -256,13 +268,15 @@ def test_token_tis_weights_match_hand_computation(tmp_path, tokenizer):
 
 
 def test_off_policy_keeps_standard_path(tmp_path, tokenizer):
-    trainer, _ = scripted_trainer(tmp_path, tokenizer, max_steps=2, num_iterations=2, mismatch_correction="token_mask")
+    trainer, _ = scripted_trainer(
+        tmp_path, tokenizer, max_steps=2, num_iterations=2, vllm_importance_sampling_mode="token_mask"
+    )
     trainer.train()
     assert all("old_per_token_logps" in x for x in trainer.loss_inputs)
     # one extra no-grad forward per generation (the old log-probs), then one per loss call
     assert len(trainer.forwards) == len(trainer.loss_inputs) + 1
     assert all(math.isfinite(x) for x in _logged(trainer, "loss"))
-    assert len(_logged(trainer, "mismatch/frac_tokens_masked")) == 2
+    assert len(_logged(trainer, "mismatch/frac_is_masked")) == 2
 
 
 def test_resume_continues_identically(tmp_path, tokenizer):
@@ -339,10 +353,12 @@ def test_sglang_protocol_server_with_weight_sync(tmp_path, tokenizer):
 def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="sglang_urls"):
         make_config(tmp_path, rollout_backend="sglang")
-    with pytest.raises(ValueError, match="mismatch_correction"):
-        make_config(tmp_path, mismatch_correction="tis")
-    with pytest.raises(ValueError, match="mismatch_mask_low"):
-        make_config(tmp_path, mismatch_correction="token_mask", mismatch_mask_low=1.5)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be one of .* got 'token_tis'"):
+        make_config(tmp_path, vllm_importance_sampling_mode="token_tis")
+    with pytest.raises(ValueError, match="clip_min .* must be less than"):  # TRL's own check
+        make_config(tmp_path, vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.5)
+    with pytest.raises(ValueError, match="VESPO loss requires"):
+        make_config(tmp_path, loss_type="vespo")  # TRL's default mode, sequence_mask, is not token-level
     with pytest.raises(ValueError, match="use_vllm"):
         make_config(tmp_path, use_vllm=True)
     with pytest.raises(ValueError, match="reasoning_effort"):

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "AgenticGRPOConfig": ".config",
     "AgenticGRPOTrainer": ".trainer",
-    "importance_weights": ".mismatch",
+    "importance_sampling_ratio": ".mismatch",
     "mismatch_metrics": ".mismatch",
 }
 
-__all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "importance_weights", "mismatch_metrics"]
+__all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "importance_sampling_ratio", "mismatch_metrics"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import AgenticGRPOConfig
-    from .mismatch import importance_weights, mismatch_metrics
+    from .mismatch import importance_sampling_ratio, mismatch_metrics
     from .trainer import AgenticGRPOTrainer
 
 

@@ -8,7 +8,6 @@ from trl import GRPOConfig
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 WEIGHT_SYNC_MODES = ("disk", "distributed", "tensor")
-MISMATCH_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 REASONING_EFFORTS = ("low", "medium", "high")
 LOGPROBS_IMPLEMENTATIONS = ("auto", "chunked", "trl")
 
@@ -32,8 +31,10 @@ class AgenticGRPOConfig(GRPOConfig):
         weight_sync_dir (`str`, *optional*):
             Folder the `"disk"` sync writes to (defaults to `<output_dir>/rollout_weights`). Must be visible to the
             SGLang server.
-        max_turns (`int`, defaults to `8`):
-            Most assistant turns per trajectory (each tool call starts a new turn).
+        max_turns (`int`, *optional*):
+            Most assistant turns per trajectory (each tool call starts a new turn). Defaults to
+            `max_tool_calling_iterations + 1` when TRL's `max_tool_calling_iterations` is set (N tool rounds, then one
+            more turn to answer), else to `8`. Setting both to disagreeing values is an error.
         tool_timeout_s (`float`, defaults to `30.0`):
             Wall-clock limit of one tool call; a timed-out call returns an error message to the model.
         max_tool_output_chars (`int`, defaults to `4096`):
@@ -47,17 +48,13 @@ class AgenticGRPOConfig(GRPOConfig):
 
     > Rollout/training mismatch
 
-        mismatch_correction (`str`, defaults to `"none"`):
-            Correction of the rollout engine's sampling distribution against the trainer's, with the per-token weight
-            `w = exp(logp_train - logp_rollout)` computed from the *same* forward pass the loss uses:
-            `"none"`; `"token_tis"` (truncated importance sampling: `min(w, mismatch_tis_cap)` per token);
-            `"token_mask"` (masked importance sampling: tokens with `w` outside `[mismatch_mask_low,
-            mismatch_mask_high]` get weight 0, others 1); `"sequence_mask"` (the geometric mean of `w` over a
-            sequence's policy tokens decides: outside the bounds the whole sequence is dropped).
-        mismatch_tis_cap (`float`, defaults to `2.0`):
-            Cap C of `token_tis`.
-        mismatch_mask_low (`float`, defaults to `0.5`), mismatch_mask_high (`float`, defaults to `2.0`):
-            Bounds of `token_mask` / `sequence_mask`.
+        The importance-sampling correction uses TRL's fields, which here apply to every rollout engine (the engine
+        plays vLLM's part): `vllm_importance_sampling_correction` (default `True`), `vllm_importance_sampling_mode`
+        (`"token_truncate"`, `"token_mask"`, `"sequence_truncate"`, `"sequence_mask"` (default), with TRL's
+        semantics, plus `"sequence_geometric_mask"`: the geometric mean of the token ratios, 1 inside the bounds and 0
+        outside), `vllm_importance_sampling_clip_min` / `vllm_importance_sampling_clip_max` (default `None` / `3.0`).
+        The ratio is computed from the loss's own forward on-policy (see `trl_ext.mismatch`).
+
         mismatch_token_threshold (`float`, defaults to `0.1`):
             A token counts in `mismatch/frac_tokens_over_threshold` when `|p_rollout - p_train| > threshold`.
 
@@ -104,18 +101,15 @@ class AgenticGRPOConfig(GRPOConfig):
     weight_sync_dir: str | None = field(
         default=None, metadata={"help": "Folder for 'disk' weight sync (default <output_dir>/rollout_weights)."}
     )
-    max_turns: int = field(default=8, metadata={"help": "Most assistant turns per trajectory."})
+    max_turns: int | None = field(
+        default=None,
+        metadata={"help": "Most assistant turns per trajectory (default: max_tool_calling_iterations + 1, else 8)."},
+    )
     tool_timeout_s: float = field(default=30.0, metadata={"help": "Wall-clock limit of one tool call (seconds)."})
     max_tool_output_chars: int = field(default=4096, metadata={"help": "Tool output truncation length."})
     rollout_concurrency: int = field(default=64, metadata={"help": "Concurrent trajectories per process."})
     reasoning_effort: str = field(default="medium", metadata={"help": "Harmony reasoning effort: low|medium|high."})
     developer_instructions: str | None = field(default=None, metadata={"help": "Harmony developer instructions."})
-    mismatch_correction: str = field(
-        default="none", metadata={"help": "none | token_tis | token_mask | sequence_mask."}
-    )
-    mismatch_tis_cap: float = field(default=2.0, metadata={"help": "Cap of token-level TIS."})
-    mismatch_mask_low: float = field(default=0.5, metadata={"help": "Lower bound of token/sequence masking."})
-    mismatch_mask_high: float = field(default=2.0, metadata={"help": "Upper bound of token/sequence masking."})
     mismatch_token_threshold: float = field(
         default=0.1, metadata={"help": "|p_rollout - p_train| threshold of mismatch/frac_tokens_over_threshold."}
     )
@@ -142,8 +136,7 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError("sglang_urls is set but rollout_backend='embedded'; set rollout_backend='sglang'.")
         if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync_mode must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync_mode!r}.")
-        if self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}.")
+        self._resolve_max_turns()
         if self.tool_timeout_s <= 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}.")
         if self.max_tool_output_chars < 1:
@@ -152,17 +145,7 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(f"rollout_concurrency must be >= 1, got {self.rollout_concurrency}.")
         if self.reasoning_effort not in REASONING_EFFORTS:
             raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {self.reasoning_effort!r}.")
-        if self.mismatch_correction not in MISMATCH_CORRECTIONS:
-            raise ValueError(
-                f"mismatch_correction must be one of {MISMATCH_CORRECTIONS}, got {self.mismatch_correction!r}."
-            )
-        if self.mismatch_tis_cap <= 0:
-            raise ValueError(f"mismatch_tis_cap must be > 0, got {self.mismatch_tis_cap}.")
-        if not 0 <= self.mismatch_mask_low < 1 < self.mismatch_mask_high:
-            raise ValueError(
-                "token/sequence masking needs 0 <= mismatch_mask_low < 1 < mismatch_mask_high, got "
-                f"[{self.mismatch_mask_low}, {self.mismatch_mask_high}]."
-            )
+        self._check_importance_sampling()
         if self.mismatch_token_threshold <= 0:
             raise ValueError(f"mismatch_token_threshold must be > 0, got {self.mismatch_token_threshold}.")
         if self.sequence_parallel_size < 1:
@@ -184,6 +167,55 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.use_vllm:
             raise ValueError(
                 "AgenticGRPOTrainer generates with its own rollout engine (rollout_backend); set use_vllm=False."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "use_transformers_continuous_batching selects TRL's own transformers generation, which "
+                "AgenticGRPOTrainer does not use: rollouts run on its rollout engine. The embedded engine already "
+                "batches concurrent trajectories (rollout_concurrency); for large runs use rollout_backend='sglang'. "
+                "Set use_transformers_continuous_batching=False."
+            )
+        from .rollout.types import sampling_params_from_config
+
+        sampling_params_from_config(self)  # checks min_p, repetition_penalty and generation_kwargs (clear errors)
+
+    def _resolve_max_turns(self) -> None:
+        """`max_turns` from TRL's `max_tool_calling_iterations` (N tool rounds = N + 1 assistant turns)."""
+        iterations = self.max_tool_calling_iterations
+        if iterations is not None and iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be >= 0, got {iterations}.")
+        if self.max_turns is None:
+            self.max_turns = 8 if iterations is None else iterations + 1
+        elif iterations is not None and self.max_turns != iterations + 1:
+            raise ValueError(
+                f"max_turns={self.max_turns} and max_tool_calling_iterations={iterations} disagree: N tool-calling "
+                f"iterations allow N + 1 assistant turns ({iterations + 1}). Set only one of them."
+            )
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}.")
+
+    def _check_importance_sampling(self) -> None:
+        from .mismatch import IMPORTANCE_SAMPLING_MODES
+
+        mode = self.vllm_importance_sampling_mode
+        if mode not in IMPORTANCE_SAMPLING_MODES:
+            hint = " (TRL calls truncated IS 'token_truncate')" if mode in ("token_tis", "tis") else ""
+            raise ValueError(
+                f"vllm_importance_sampling_mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}{hint}."
+            )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and low < 0:
+            raise ValueError(f"vllm_importance_sampling_clip_min must be >= 0, got {low}.")
+        if high is not None and high <= 0:
+            raise ValueError(f"vllm_importance_sampling_clip_max must be > 0, got {high}.")
+        if (
+            self.vllm_importance_sampling_correction
+            and self.loss_type == "vespo"
+            and mode not in ("token_truncate", "token_mask")
+        ):  # TRL's rule (GRPOTrainer.__init__): VESPO takes token-level ratios
+            raise ValueError(
+                f"VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+                f"Got: {mode}."
             )
 
     @property

@@ -1,24 +1,43 @@
-"""Rollout/training mismatch: metrics and importance-sampling corrections (TIS / MIS).
+"""Rollout/training mismatch: metrics and importance-sampling (IS) correction, with TRL's modes and semantics.
 
 The rollout engine (SGLang, or the embedded inference copy) and the trainer compute the same policy with different
 kernels, batch shapes and — for a MoE like GPT-OSS — possibly different expert routing. The tokens were sampled from
-the engine's distribution `p_rollout`, but the gradient is taken through the trainer's `p_train`. With
-`w = p_train / p_rollout = exp(logp_train - logp_rollout)` per token:
+the engine's distribution `p_rollout`, but the gradient is taken through the trainer's `p_train`. With the per-token
+log-ratio `d = logp_train - logp_rollout` on the policy tokens, the IS ratio follows TRL 1.16's
+`vllm_importance_sampling_mode` (`GRPOTrainer._generate_and_score_completions`), with bounds `[C_min, C_max]`
+(`vllm_importance_sampling_clip_min` / `_clip_max`, `None` = unbounded on that side):
 
-- truncated importance sampling (TIS, token level): weight `min(w, C)`;
-- masked importance sampling (MIS): weight 1 inside `[low, high]`, 0 outside, per token or per sequence (the sequence
-  ratio is the geometric mean of its token ratios, so it does not explode with length).
+- `token_truncate`: `clamp(exp(d), C_min, C_max)` per token (truncated IS, TIS);
+- `token_mask`: `exp(d)` per token, 0 where it is outside `[C_min, C_max]` (masked IS, MIS);
+- `sequence_truncate`: one ratio per sequence, the *product* of its token ratios `exp(sum d)`, clamped;
+- `sequence_mask`: the same product, 0 (the whole sequence dropped) where outside `[C_min, C_max]`.
+
+Beyond TRL, `sequence_geometric_mask` uses the *geometric mean* of the token ratios `exp(mean d)`: 1 inside
+`[C_min, C_max]`, 0 outside. Unlike the product it does not drift with the sequence length, which matters for long
+multi-turn trajectories.
 
 All functions take `[B, T]` tensors aligned on completion tokens and a `[B, T]` mask that is 1 exactly on the tokens
 the policy sampled (tool output and padding are 0). Rollout log-probs that the engine could not provide are NaN and
-are treated as "no evidence": weight 1, left out of the metrics.
+count as "no evidence": a zero log-ratio (ratio 1, as in TRL), and they are left out of the metrics.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["importance_weights", "mismatch_metrics"]
+__all__ = [
+    "IMPORTANCE_SAMPLING_MODES",
+    "SEQUENCE_LEVEL_MODES",
+    "TRL_IMPORTANCE_SAMPLING_MODES",
+    "importance_sampling_ratio",
+    "mismatch_metrics",
+]
+
+TRL_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IMPORTANCE_SAMPLING_MODES = (*TRL_IMPORTANCE_SAMPLING_MODES, "sequence_geometric_mask")
+SEQUENCE_LEVEL_MODES = ("sequence_truncate", "sequence_mask", "sequence_geometric_mask")
 
 
 def _valid_mask(rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -26,39 +45,46 @@ def _valid_mask(rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def importance_weights(
+def importance_sampling_ratio(
     train_logps: torch.Tensor,
     rollout_logps: torch.Tensor,
     mask: torch.Tensor,
     mode: str,
     *,
-    tis_cap: float = 2.0,
-    mask_low: float = 0.5,
-    mask_high: float = 2.0,
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
 ) -> torch.Tensor:
-    """Per-token correction weights `[B, T]` (detached) for `mode` in `token_tis | token_mask | sequence_mask`.
+    """The IS ratio of `mode` (detached, float32): `[B, T]` for token modes, `[B, 1]` for sequence modes.
 
-    Positions outside `mask` get weight 1 (they carry no loss anyway).
+    Token modes give ratio 1 outside `mask` (those positions carry no loss). This is the tensor TRL's
+    `GRPOTrainer` multiplies the per-token loss by (`importance_sampling_ratio`), for the same inputs.
     """
     if train_logps.shape != rollout_logps.shape or train_logps.shape != mask.shape:
         raise ValueError(
             f"shapes differ: train {tuple(train_logps.shape)}, rollout {tuple(rollout_logps.shape)}, "
             f"mask {tuple(mask.shape)}"
         )
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"unknown importance sampling mode {mode!r}; expected one of {IMPORTANCE_SAMPLING_MODES}")
+    if mode.endswith("truncate") and clip_min is None and clip_max is None:
+        raise ValueError(f"{mode} needs clip_min or clip_max")
     valid = _valid_mask(rollout_logps, mask)
-    log_w = torch.where(valid, train_logps.float() - rollout_logps.float(), torch.zeros_like(train_logps.float()))
-    if mode == "token_tis":
-        weights = torch.exp(log_w).clamp(max=tis_cap)
-    elif mode == "token_mask":
-        w = torch.exp(log_w)
-        weights = ((w >= mask_low) & (w <= mask_high)).float()
-    elif mode == "sequence_mask":
+    d = torch.where(valid, train_logps.float() - rollout_logps.float(), torch.zeros_like(train_logps, dtype=torch.float32))
+    if mode == "sequence_geometric_mask":
         n = valid.sum(-1, keepdim=True).clamp(min=1)
-        seq_w = torch.exp(log_w.sum(-1, keepdim=True) / n)  # geometric mean of the token ratios
-        weights = ((seq_w >= mask_low) & (seq_w <= mask_high)).float().expand_as(log_w)
+        ratio = torch.exp(d.sum(-1, keepdim=True) / n)
+    elif mode in SEQUENCE_LEVEL_MODES:
+        ratio = torch.exp(d.sum(-1, keepdim=True))
     else:
-        raise ValueError(f"unknown mismatch correction mode {mode!r} (token_tis | token_mask | sequence_mask)")
-    return torch.where(mask.bool(), weights, torch.ones_like(weights))
+        ratio = torch.exp(d)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    outside = (ratio < low) | (ratio > high)
+    if mode == "sequence_geometric_mask":
+        return (~outside).float()
+    return ratio.masked_fill(outside, 0.0)
 
 
 @torch.no_grad()
@@ -72,6 +98,8 @@ def mismatch_metrics(
     """Scalar tensors describing how far the trainer's distribution is from the sampler's on the sampled tokens.
 
     - `prob_diff_mean` / `prob_diff_max`: mean / max of `|p_rollout - p_train|` per token;
+    - `logp_diff_mean` / `logp_diff_max`: mean / max of `|logp_train - logp_rollout|` per token (TRL's
+      `sampling/sampling_logp_difference/*`);
     - `k3_kl`: `E[w - 1 - log w]` with `w = p_train / p_rollout`, an unbiased, non-negative estimate of
       KL(rollout ‖ train) from samples of the rollout policy;
     - `log_ppl_diff`: mean over sequences of `log PPL_train - log PPL_rollout` (per-sequence mean negative log-prob);
@@ -85,12 +113,17 @@ def mismatch_metrics(
     n = valid.sum()
     if n == 0:
         return {
-            "prob_diff_mean": zero,
-            "prob_diff_max": zero,
-            "k3_kl": zero,
-            "log_ppl_diff": zero,
-            "frac_tokens_over_threshold": zero,
-            "num_tokens": zero,
+            key: zero
+            for key in (
+                "prob_diff_mean",
+                "prob_diff_max",
+                "logp_diff_mean",
+                "logp_diff_max",
+                "k3_kl",
+                "log_ppl_diff",
+                "frac_tokens_over_threshold",
+                "num_tokens",
+            )
         }
     prob_diff = (lt.exp() - lr.exp()).abs()[valid]
     log_w = (lt - lr)[valid]
@@ -103,6 +136,8 @@ def mismatch_metrics(
     return {
         "prob_diff_mean": prob_diff.mean(),
         "prob_diff_max": prob_diff.max(),
+        "logp_diff_mean": log_w.abs().mean(),
+        "logp_diff_max": log_w.abs().max(),
         "k3_kl": k3.mean(),
         "log_ppl_diff": log_ppl_diff,
         "frac_tokens_over_threshold": (prob_diff > threshold).float().mean(),

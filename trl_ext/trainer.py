@@ -11,10 +11,13 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
   TRL forces that second forward whenever its (vLLM-only) importance-sampling correction is on; here the correction
   reuses the loss's own forward instead (`_get_per_token_logps_and_entropies`), so the on-policy ratio stays 1
   under MoE routing noise.
-- Mismatch metrics and TIS / MIS (`trl_ext.mismatch`) compare the rollout log-probs with the training log-probs of
-  the same forward (on-policy) or with TRL's recomputed old log-probs (off-policy). The correction weight `w` is
-  folded into the advantages (`A -> A * w`, a detached `[B, T]` tensor, which TRL's loss supports): for the clipped
-  objective `min(r A w, clip(r) A w) = w min(r A, clip(r) A)` as `w >= 0`, exactly TRL's "loss × IS ratio".
+- Mismatch metrics and TRL's importance-sampling correction (`vllm_importance_sampling_*`, same modes, bounds and
+  `sampling/*` metrics, applied to any rollout engine; `trl_ext.mismatch`) compare the rollout log-probs with the
+  training log-probs of the same forward (on-policy) or with TRL's recomputed old log-probs (off-policy). The IS
+  ratio `w` is folded into the advantages (`A -> A * w`, a detached `[B, T]` tensor, which TRL's loss supports):
+  for the clipped objective `min(r A w, clip(r) A w) = w min(r A, clip(r) A)` as `w >= 0`, exactly TRL's
+  "per-token loss × IS ratio"; VESPO gets it as TRL passes it (`importance_sampling_ratio`).
+- Rendering: harmony for GPT-OSS; other causal LMs get TRL's rendering (chat template) and single-turn rollouts.
 - Weight sync: after every optimizer step (and on resume) the policy's weights — LoRA merged, names as in the base
   model's `state_dict` — go to the engine (`RolloutEngine.update_weights`) with the global step as version.
 - Log-probs: `hf_gptoss_rl.logprobs` replaces TRL's fused head where TRL has no Triton (same call contract), and
@@ -23,6 +26,7 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -32,11 +36,11 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 from transformers import PreTrainedModel, TrainerCallback
-from trl import GRPOTrainer
-from trl.trainer.utils import RepeatSampler
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import RepeatSampler, get_config_model_id
 
-from .config import AgenticGRPOConfig
-from .mismatch import importance_weights, mismatch_metrics
+from .config import REASONING_EFFORTS, AgenticGRPOConfig
+from .mismatch import SEQUENCE_LEVEL_MODES, importance_sampling_ratio, mismatch_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class _EpochSeededRepeatSampler(RepeatSampler):
     """
 
     def set_epoch(self, epoch: int) -> None:
-        if self.seed is not None:
+        if self.shuffle and self.seed is not None:  # TRL only creates the generator when it shuffles
             self.generator.manual_seed(self.seed + epoch)
 
 
@@ -77,18 +81,31 @@ class _RolloutWeightSync(TrainerCallback):
 class AgenticGRPOTrainer(GRPOTrainer):
     """GRPO for agentic GPT-OSS: multi-turn tool-calling rollouts, rollout/training mismatch control.
 
+    The constructor is TRL's `GRPOTrainer.__init__` (same arguments, same positions), plus the keyword-only
+    `rollout_engine`.
+
     Args:
-        model: a model id/path (loaded by TRL with `args.model_init_kwargs`) or a `PreTrainedModel` (GPT-OSS).
-        reward_funcs: TRL reward functions. Besides TRL's `prompts`, `completions`, `completion_ids` and the dataset
-            columns, each receives the per-trajectory lists `final_text` (the final-channel answer, `""` when
-            none), `num_turns`, `num_tool_calls`, `tool_errors` (failed calls), `format_errors` (unparseable turns,
-            engine errors) and `finish_reason`.
-        args: an [`AgenticGRPOConfig`].
+        model: a model id/path (loaded by TRL with `args.model_init_kwargs`) or a `PreTrainedModel`. GPT-OSS
+            (`model_type="gpt_oss"`) gets harmony rollouts with tool calls; any other causal LM gets single-turn
+            rollouts rendered with its chat template (`chat_template_kwargs`), without tools.
+        reward_funcs: TRL reward functions / reward models (optional only with TRL's other reward sources: none here,
+            so TRL's `ValueError` is raised without them). Besides TRL's `prompts`, `completions`, `completion_ids`
+            and the dataset columns, each receives the per-trajectory lists `final_text` (the final-channel answer,
+            `""` when none), `num_turns`, `num_tool_calls`, `tool_errors` (failed calls), `format_errors` (unparseable
+            turns, engine errors) and `finish_reason`.
+        args: an [`AgenticGRPOConfig`]; a plain `trl.GRPOConfig` is upgraded to one (its values, and the agentic
+            fields at their defaults).
         train_dataset / eval_dataset: datasets with a `prompt` column (a string or a list of chat messages).
-        processing_class: tokenizer; defaults to the offline GPT-OSS tokenizer (`load_gptoss_tokenizer()`).
-        tools: `trl_ext.tools.Tool` objects (or plain callables, wrapped in `FunctionTool`) the model may call.
+        processing_class: tokenizer. Defaults to the offline GPT-OSS tokenizer (`load_gptoss_tokenizer()`) for GPT-OSS
+            models, else to TRL's default (`AutoProcessor` from the model's path).
+        reward_processing_classes: as in TRL (tokenizers of reward models).
+        quantization_config, peft_config: as in TRL (a `peft.LoraConfig` adapter is merged for the weight sync).
+        tools: `trl_ext.tools.Tool` objects or plain (sync or async) functions with type hints and a docstring, as
+            TRL takes them (wrapped in `FunctionTool`), that the model may call.
+        rollout_func: TRL's `rollout_func(prompts, trainer) -> dict`; replaces the agent loop (the rollout engine
+            still receives the weights after every step: `trainer.rollout_engine`, `trainer.agent_loop`).
+        environment_factory: not supported (see the error message for what to use).
         rollout_engine: a ready `RolloutEngine`; by default one is built from `args.rollout_backend`.
-        peft_config: a `peft.LoraConfig` to train an adapter (merged for the weight sync).
     """
 
     _tag_names = ["trl", "grpo", "agentic", "gpt-oss"]
@@ -96,27 +113,44 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs,
-        args: AgenticGRPOConfig | None = None,
+        reward_funcs=None,
+        args: AgenticGRPOConfig | GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
-        tools: list | None = None,
-        rollout_engine=None,
+        reward_processing_classes=None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
+        tools: list | None = None,
+        rollout_func: Callable | None = None,
+        environment_factory=None,
+        *,
+        rollout_engine=None,
     ):
-        if args is None:
-            args = AgenticGRPOConfig(output_dir="agentic-grpo")
-        if not isinstance(args, AgenticGRPOConfig):
-            raise TypeError(f"args must be an AgenticGRPOConfig, got {type(args).__name__}")
-        if args.min_p is not None or args.repetition_penalty != 1.0:
-            raise ValueError("min_p and repetition_penalty are not supported by the rollout engines; unset them.")
-        if processing_class is None:
+        if environment_factory is not None:
+            raise ValueError(
+                "environment_factory is not supported by AgenticGRPOTrainer: its rollouts run in the harmony agent "
+                "loop, not in TRL's tool loop. Pass the environment's methods as `tools=[...]` (plain functions or "
+                "`trl_ext.tools.Tool` objects; keep per-rollout state in the tool, keyed by its arguments), compute "
+                "the reward in `reward_funcs` (they receive `final_text`, `num_tool_calls`, ... and the dataset "
+                "columns), or pass your own `rollout_func`."
+            )
+        args = self._agentic_args(model, args)
+        _check_prompt_column(train_dataset, "train_dataset")
+        _check_prompt_column(eval_dataset, "eval_dataset")
+        self._harmony = _model_type(model, args) == "gpt_oss"
+        if not self._harmony and tools:
+            raise ValueError(
+                "tools: the agent loop parses tool calls from GPT-OSS harmony turns, and this model is not GPT-OSS "
+                "(config.model_type != 'gpt_oss'). Use TRL's GRPOTrainer(tools=...) for other chat models."
+            )
+        if processing_class is None and self._harmony:
             from hf_gptoss_rl.harmony import load_gptoss_tokenizer
 
             processing_class = load_gptoss_tokenizer()
+        self._harmony_render_kwargs = self._harmony_kwargs(args) if self._harmony else {}
         model = self._apply_model_implementations(model, args)
 
         super().__init__(
@@ -126,9 +160,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
             callbacks=callbacks,
             optimizers=optimizers,
+            quantization_config=quantization_config,
             peft_config=peft_config,
+            rollout_func=rollout_func,
         )
         if self.is_fsdp_enabled and is_peft_model(self.accelerator.unwrap_model(self.model)):
             raise ValueError(
@@ -156,17 +193,19 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 chunk_size=args.logprobs_chunk_size,
             )
 
-        from .rollout import AgentLoop, SamplingParams
+        from .rollout import AgentLoop
+        from .rollout.types import sampling_params_from_config
         from .tools import FunctionTool, Tool
 
         self.agent_tools = [t if isinstance(t, Tool) else FunctionTool(t) for t in (tools or [])]
+        # harmony: <|return|> / <|call|>; other models: TRL's end-of-completion ids (tokenizer and generation config)
+        sampling = sampling_params_from_config(args, stop_token_ids=None if self._harmony else self.eos_token_ids)
         self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
-        sampling = SamplingParams(
-            max_new_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k if args.top_k and args.top_k > 0 else -1,
-        )
+        if sampling.sglang_extra and args.rollout_backend == "embedded" and rollout_engine is None:
+            raise ValueError(
+                f"generation_kwargs {sorted(sampling.sglang_extra)} are SGLang-only; the embedded engine does not "
+                "implement them. Use rollout_backend='sglang' or remove them."
+            )
         self.agent_loop = AgentLoop(
             self.rollout_engine,
             self.agent_tools,
@@ -176,10 +215,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
             max_tool_output_chars=args.max_tool_output_chars,
             tool_timeout_s=args.tool_timeout_s,
             max_concurrency=args.rollout_concurrency,
+            turn_format="harmony" if self._harmony else "plain",
+            progress=not args.disable_tqdm and self.accelerator.is_local_main_process,
         )
         # TRL's `_generate` calls `rollout_func(prompts, trainer)` and maps `env_mask` to its `tool_mask`. Set after
-        # `super().__init__` so TRL's "experimental rollout_func" warning is not raised for our own use of it.
-        self.rollout_func = _agent_rollout
+        # `super().__init__` so TRL's "experimental rollout_func" warning is only raised for a user's own function.
+        if rollout_func is None:
+            self.rollout_func = _agent_rollout
         self._sp_group = None
         if args.sequence_parallel_size > 1:  # after the engine copy: it must keep the model's own attention
             self._setup_sequence_parallel()
@@ -188,6 +230,63 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.add_callback(_RolloutWeightSync(self))
 
     # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _agentic_args(model, args) -> AgenticGRPOConfig:
+        """`args` as an `AgenticGRPOConfig`: TRL's default config when None, a plain `GRPOConfig` upgraded."""
+        if args is None:  # TRL's default, `<model name>-GRPO`
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            name = (name or "").rstrip("/").split("/")[-1]
+            return AgenticGRPOConfig(f"{name}-GRPO" if name else "agentic-grpo")
+        if isinstance(args, AgenticGRPOConfig):
+            return args
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be a GRPOConfig or an AgenticGRPOConfig, got {type(args).__name__}")
+        trl_fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+        extra = sorted(f.name for f in dataclasses.fields(args) if f.init and f.name not in trl_fields)
+        if extra:
+            raise TypeError(
+                f"args is a {type(args).__name__}, a GRPOConfig subclass with fields AgenticGRPOConfig does not have: "
+                f"{extra}. Pass an AgenticGRPOConfig (or a subclass of it) instead."
+            )
+        values = {name: getattr(args, name) for name in trl_fields}
+        # GRPOConfig.__post_init__ derived generation_batch_size from steps_per_generation (setting both is refused)
+        # and moved the deprecated aliases onto their successors: let the new config derive them again.
+        values.update(generation_batch_size=None, vllm_importance_sampling_cap=None, use_transformers_paged=False)
+        return AgenticGRPOConfig(**values)
+
+    @staticmethod
+    def _harmony_kwargs(args: AgenticGRPOConfig) -> dict[str, Any]:
+        """`render_prompt` keyword arguments from the config and TRL's `chat_template_kwargs`.
+
+        GPT-OSS's chat template takes `reasoning_effort`; `conversation_start_date` and `developer_instructions`
+        are harmony's own. Other keys (`model_identity`, `builtin_tools`, ...) are refused by name.
+        """
+        kwargs: dict[str, Any] = {
+            "reasoning_effort": args.reasoning_effort,
+            "developer_instructions": args.developer_instructions,
+        }
+        template_kwargs = dict(args.chat_template_kwargs or {})
+        unsupported = sorted(set(template_kwargs) - {"reasoning_effort", "conversation_start_date", "developer_instructions"})
+        if unsupported:
+            raise ValueError(
+                f"chat_template_kwargs {unsupported} are not supported for GPT-OSS: prompts are rendered in harmony "
+                "(hf_gptoss_rl.harmony.render_prompt), which takes reasoning_effort, conversation_start_date and "
+                "developer_instructions."
+            )
+        for key, value in template_kwargs.items():
+            configured = kwargs.get(key)
+            default = {"reasoning_effort": "medium"}.get(key)
+            if configured not in (None, default, value):
+                raise ValueError(
+                    f"chat_template_kwargs[{key!r}]={value!r} disagrees with {key}={configured!r}; set only one."
+                )
+            kwargs[key] = value
+        if kwargs["reasoning_effort"] not in REASONING_EFFORTS:
+            raise ValueError(
+                f"reasoning_effort must be one of {REASONING_EFFORTS}, got {kwargs['reasoning_effort']!r}."
+            )
+        return kwargs
 
     @staticmethod
     def _apply_model_implementations(model, args: AgenticGRPOConfig):
@@ -370,15 +469,22 @@ class AgenticGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ rollouts
 
     def _render_prompt(self, prompt) -> list[int]:
+        if not self._harmony:  # TRL's rendering: the chat template for messages, plain tokenization for text
+            if isinstance(prompt, str):
+                return list(self._tokenizer(text=prompt)["input_ids"])
+            tokenized = self.processing_class.apply_chat_template(
+                conversation=list(prompt),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **(self.args.chat_template_kwargs or {}),
+            )
+            ids = tokenized["input_ids"]
+            return list(ids[0] if ids and isinstance(ids[0], list) else ids)
         from hf_gptoss_rl.harmony import render_prompt
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        return render_prompt(
-            messages,
-            tools=[t.spec() for t in self.agent_tools] or None,
-            reasoning_effort=self.args.reasoning_effort,
-            developer_instructions=self.args.developer_instructions,
-        )
+        return render_prompt(messages, tools=[t.spec() for t in self.agent_tools] or None, **self._harmony_render_kwargs)
 
     def _rollout(self, prompts: list) -> dict[str, list]:
         prompt_ids = [self._render_prompt(p) for p in prompts]
@@ -398,6 +504,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             out["completion_ids"].append(ids)
             out["env_mask"].append(mask)
             out["logprobs"].append(logps)
+            if not self._harmony and traj.finish_reason == "final":  # one plain turn: its text is the answer
+                traj.final_text = self._tokenizer.decode(traj.completion_ids, skip_special_tokens=True)
             out["final_text"].append(traj.final_text or "")
             out["num_turns"].append(traj.num_turns)
             out["num_tool_calls"].append(traj.num_tool_calls)
@@ -483,34 +591,43 @@ class AgenticGRPOTrainer(GRPOTrainer):
         metrics["mismatch/prob_diff_max"].append(gather(stats["prob_diff_max"]).max().item())
         for key in ("prob_diff_mean", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold"):
             metrics[f"mismatch/{key}"].append(gather(stats[key]).mean().item())
+        # TRL's names (its vLLM path logs them with the correction on; here they are always logged)
+        metrics["sampling/sampling_logp_difference/mean"].append(gather(stats["logp_diff_mean"]).mean().item())
+        metrics["sampling/sampling_logp_difference/max"].append(gather(stats["logp_diff_max"]).max().item())
 
-        if args.mismatch_correction == "none":
+        if not args.vllm_importance_sampling_correction:
             return
-        weights = importance_weights(
-            train_logps,
-            rollout_logps,
-            mask,
-            args.mismatch_correction,
-            tis_cap=args.mismatch_tis_cap,
-            mask_low=args.mismatch_mask_low,
-            mask_high=args.mismatch_mask_high,
-        )
+        is_mode = args.vllm_importance_sampling_mode
+        bounds = {"clip_min": args.vllm_importance_sampling_clip_min, "clip_max": args.vllm_importance_sampling_clip_max}
+        ratio = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode, **bounds)  # [B, T] or [B, 1]
+        weights = ratio.expand_as(train_logps)
         self.last_importance_weights = weights
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
-        inputs["advantages"] = advantages * weights  # [B, T], see the module docstring
-        on_tokens = weights[mask.bool()]
-        if on_tokens.numel() == 0:
-            on_tokens = weights.new_ones(1)
-        metrics["mismatch/is_weight_mean"].append(gather(on_tokens.mean()).mean().item())
-        metrics["mismatch/is_weight_min"].append(gather(on_tokens.min()).min().item())
-        metrics["mismatch/is_weight_max"].append(gather(on_tokens.max()).max().item())
-        if args.mismatch_correction == "token_tis":
-            clipped = (torch.exp(train_logps - torch.nan_to_num(rollout_logps)) > args.mismatch_tis_cap)[mask.bool()]
-            metrics["mismatch/frac_tokens_truncated"].append(gather(clipped.float().mean()).mean().item())
+        if self.loss_type == "vespo":  # TRL's VESPO folds the ratio into its own sequence weights
+            inputs["importance_sampling_ratio"] = ratio
         else:
-            metrics["mismatch/frac_tokens_masked"].append(gather((on_tokens == 0).float().mean()).mean().item())
+            advantages = inputs["advantages"]
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            inputs["advantages"] = advantages * weights  # [B, T], see the module docstring
+
+        # TRL's metrics: over the sequences (sequence modes) or the policy tokens (token modes); 0 when empty
+        sequence_level = is_mode in SEQUENCE_LEVEL_MODES
+        flat = ratio.flatten() if sequence_level else ratio[mask.bool()]
+        nonempty = flat.numel() > 0
+        zero = ratio.new_zeros(())
+        for stat, reduce in (("min", "min"), ("mean", "mean"), ("max", "max")):
+            local = getattr(flat, stat)() if nonempty else zero
+            metrics[f"sampling/importance_sampling_ratio/{stat}"].append(getattr(gather(local), reduce)().item())
+        # beyond TRL: the share of ratios the mode changed (truncated, or masked to 0)
+        if is_mode.endswith("truncate"):
+            raw = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode.replace("truncate", "mask"),
+                                            clip_min=None, clip_max=None)  # fmt: skip
+            raw = raw.flatten() if sequence_level else raw[mask.bool()]
+            changed = (raw != flat).float().mean() if nonempty else zero
+            metrics["mismatch/frac_is_truncated"].append(gather(changed).mean().item())
+        else:
+            changed = (flat == 0).float().mean() if nonempty else zero
+            metrics["mismatch/frac_is_masked"].append(gather(changed).mean().item())
 
     # ------------------------------------------------------------------ weight sync
 
@@ -554,6 +671,40 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._push_weights(self.rollout_engine, version=self.state.global_step)
         if self.args.rollout_backend == "sglang":
             self.accelerator.wait_for_everyone()
+
+
+def _model_type(model, args) -> str | None:
+    """`config.model_type` of a model instance, or of a model id/path (read from its config, as TRL will load it)."""
+    if not isinstance(model, str):
+        return getattr(model.config, "model_type", None)
+    from transformers import AutoConfig
+
+    init_kwargs = args.model_init_kwargs or {}
+    config = AutoConfig.from_pretrained(
+        model,
+        revision=init_kwargs.get("revision"),
+        trust_remote_code=init_kwargs.get("trust_remote_code", args.trust_remote_code),
+    )
+    return config.model_type
+
+
+def _check_prompt_column(dataset, name: str) -> None:
+    """TRL reads `example["prompt"]` at the first step; fail at construction instead, naming the column."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):  # DatasetDict, or TRL's {name: dataset} eval sets
+        for key, value in dataset.items():
+            _check_prompt_column(value, f"{name}[{key!r}]")
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:  # an IterableDataset whose features are unknown until read
+        return
+    if "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (its columns: {list(columns)}). GRPO samples completions for the "
+            "prompts in a 'prompt' column: text, or a list of chat messages. Rename yours, e.g. "
+            "`dataset.rename_column('question', 'prompt')`, or map it."
+        )
 
 
 def _agent_rollout(prompts: list, trainer: AgenticGRPOTrainer) -> dict[str, list]:

@@ -33,6 +33,8 @@ Decisions (documented in docs/rollouts.md):
   ``"max_turns reached: not executed"`` and not run (the model could not read the result anyway).
 - An engine failure (e.g. SGLang unreachable after its retries) ends that trajectory with ``"abort"`` and the
   error text in ``errors``; the other trajectories of the batch go on.
+- ``turn_format="plain"`` (models that do not speak harmony): one generate call per trajectory, no tools; a stop
+  token ends it with ``"final"`` (the caller decodes the text), the budget with ``"length"``.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class AgentLoop:
         max_tool_output_chars: tool results longer than this are cut (with a note saying how much was cut).
         tool_timeout_s: wall-clock limit of one tool call (on top of the tool's own limits).
         max_concurrency: most trajectories running at once in `run_batch`.
+        turn_format: ``"harmony"`` (GPT-OSS: multi-turn, tool calls) or ``"plain"`` (any causal LM: one turn, no
+            tools; the stop tokens are ``sampling.stop_token_ids``).
+        progress: show a progress bar (tqdm) of the finished trajectories while `run_batch` runs, with the mean
+            turns and tool calls so far.
     """
 
     def __init__(
@@ -87,9 +93,17 @@ class AgentLoop:
         max_tool_output_chars: int = 4096,
         tool_timeout_s: float = 30.0,
         max_concurrency: int = 64,
+        turn_format: str = "harmony",
+        progress: bool = False,
     ) -> None:
         if max_turns < 1 or max_completion_tokens < 1 or max_concurrency < 1:
             raise ValueError("max_turns, max_completion_tokens and max_concurrency must be >= 1")
+        if turn_format not in ("harmony", "plain"):
+            raise ValueError(f"turn_format must be 'harmony' or 'plain', got {turn_format!r}")
+        if turn_format == "plain" and tools:
+            raise ValueError("tool calls are parsed from harmony turns: turn_format='plain' takes no tools")
+        self.turn_format = turn_format
+        self.progress = bool(progress)
         self.engine = engine
         self.tools: dict[str, Tool] = {}
         for tool in tools or []:
@@ -129,6 +143,9 @@ class AgentLoop:
                 traj.finish_reason = "abort"
                 break
             self._append_sampled(traj, out)
+            if self.turn_format == "plain":
+                traj.finish_reason = {"stop": "final", "length": "length", "abort": "abort"}[out.finish_reason]
+                break
             if out.finish_reason == "abort":
                 traj.finish_reason = "abort"
                 break
@@ -166,12 +183,35 @@ class AgentLoop:
     async def run_batch(self, prompts: list[list[int]]) -> list[Trajectory]:
         """Run trajectories concurrently (at most ``max_concurrency`` at once); order preserved."""
         semaphore = asyncio.Semaphore(self.max_concurrency)
+        bar = self._progress_bar(len(prompts)) if self.progress else None
+        totals = {"turns": 0, "tool_calls": 0, "done": 0}
 
         async def one(prompt: list[int]) -> Trajectory:
             async with semaphore:
-                return await self.run(prompt)
+                traj = await self.run(prompt)
+            if bar is not None:
+                totals["done"] += 1
+                totals["turns"] += traj.num_turns
+                totals["tool_calls"] += traj.num_tool_calls
+                bar.set_postfix(
+                    turns=f"{totals['turns'] / totals['done']:.2f}",
+                    tool_calls=f"{totals['tool_calls'] / totals['done']:.2f}",
+                    refresh=False,
+                )
+                bar.update(1)
+            return traj
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        try:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    @staticmethod
+    def _progress_bar(total: int):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="rollouts", unit="traj", leave=False, dynamic_ncols=True)
 
     def run_batch_sync(self, prompts: list[list[int]]) -> list[Trajectory]:
         """`run_batch` from synchronous code (see `run_sync`)."""
@@ -229,7 +269,13 @@ class AgentLoop:
         except ValueError as exc:
             return None, str(exc)
         try:
-            result = await asyncio.wait_for(tool(arguments), timeout=self.tool_timeout_s)
+            # the tool's own run time only: a sandboxed tool waiting for a free slot bounds that wait separately
+            # (Tool.call_with_timeout); tools without the hook get the whole call bounded
+            run = getattr(tool, "call_with_timeout", None)
+            if run is not None:
+                result = await run(arguments, self.tool_timeout_s)
+            else:
+                result = await asyncio.wait_for(tool(arguments), timeout=self.tool_timeout_s)
         except ToolError as exc:
             return None, str(exc)
         except (asyncio.TimeoutError, TimeoutError):
