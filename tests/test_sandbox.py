@@ -1,18 +1,27 @@
-"""LocalSandbox against hostile code, and the SandboxFusion client against a local /run_code server.
+"""LocalSandbox against hostile code, and the SandboxFusion client against a local stand-in /run_code server.
 
 Every hostile program runs with small limits; each test checks that the program was contained (limit hit, nothing
-left running, working directory gone) and that the calling process is unaffected (no children, memory flat).
+left running, working directory gone, host files unchanged) and that the calling process is unaffected (no
+children, memory flat). These tests run as root in CI: the uid-0 case is exercised there, not skipped. A test skips
+only when this kernel lacks the feature it checks, and says which.
 """
 
 import ast
 import asyncio
+import ctypes
+import errno
+import fcntl
 import json
 import os
 import resource
+import signal
+import stat
+import struct
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_ext.tools.sandbox import LocalSandbox, SandboxResult
+from trl_ext.tools import CodeInterpreterTool
+from trl_ext.tools.sandbox import LocalSandbox, SandboxResult, _probe, remove_tree, usable_cpus
 from trl_ext.tools.sandbox_fusion import SandboxFusionBackend
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only")
@@ -29,9 +39,28 @@ LIMITS = dict(timeout_s=5.0, memory_mb=256, max_output_bytes=64 * 1024)
 MAX_PROCS = 6
 
 
+ROOT = os.geteuid() == 0
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def _system_python_usable() -> bool:
+    from trl_ext.tools.sandbox import _world_accessible
+
+    return os.access(SYSTEM_PYTHON, os.X_OK) and _world_accessible(SYSTEM_PYTHON)
+
+
 @pytest.fixture(scope="module")
 def sandbox():
-    return LocalSandbox(max_processes=MAX_PROCS, max_concurrency=2)
+    # a small disk quota keeps the memory cgroup's limit (memory_mb + quota + 64 MiB) close to memory_mb
+    return LocalSandbox(max_processes=MAX_PROCS, max_concurrency=2, max_disk_mb=16)
+
+
+@pytest.fixture(scope="module")
+def no_namespace_sandbox():
+    """Root without namespaces: an on-disk working directory, protected by the unprivileged uid alone."""
+    if not ROOT or not _system_python_usable():
+        pytest.skip("needs root and a system python any uid can run (the no-namespace mode requires one)")
+    return LocalSandbox(python=SYSTEM_PYTHON, max_processes=MAX_PROCS, use_namespaces=False, use_cgroups=False)
 
 
 def run(sandbox, code, **overrides) -> SandboxResult:
@@ -146,9 +175,9 @@ def test_cancelled_run_is_killed(sandbox):
     assert_contained(None)
 
 
-def test_without_namespaces_subreaper_and_landlock_still_contain():
-    """Where namespaces are not allowed: init, a child subreaper, kills escapees; Landlock closes TCP."""
-    sb = LocalSandbox(max_processes=MAX_PROCS, use_namespaces=False, use_cgroups=False)
+def test_without_namespaces_subreaper_and_landlock_still_contain(no_namespace_sandbox):
+    """Where namespaces are not used: init, a child subreaper, kills escapees; Landlock closes TCP."""
+    sb = no_namespace_sandbox
     code = PRINT_CWD + (
         "import time, socket\n"
         "if os.fork() == 0:\n"
@@ -184,8 +213,7 @@ def test_fork_bomb_is_contained(sandbox):
         "        break\n"
         "print('forked', n, flush=True)\n"
     ))
-    if counted.isolation["process_limit"] is None:
-        pytest.skip("root without cgroups or a uid switch: no process limit here, so no real fork bomb either")
+    assert counted.isolation["process_limit"] in ("pids-cgroup", "rlimit-nproc")
     forked = int(counted.stdout.split("forked")[1])
     assert 0 <= forked <= MAX_PROCS - 1, counted
     assert_contained(counted, workdir_of(counted))
@@ -200,8 +228,7 @@ def test_threads_count_against_the_process_limit(sandbox):
     r = run(sandbox, "import threading, time\nn = 0\ntry:\n    for _ in range(50):\n"
                      "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start(); n += 1\n"
                      "except RuntimeError:\n    pass\nprint(n)")
-    if r.isolation["process_limit"] is not None:
-        assert int(r.stdout) <= MAX_PROCS - 1
+    assert int(r.stdout) <= MAX_PROCS - 1
 
 
 def test_10gb_allocation_fails_inside(sandbox):
@@ -322,20 +349,76 @@ def test_reading_and_writing_outside_its_directory_fail(sandbox, tmp_path):
     if not r.isolation.get("landlock"):
         pytest.skip(f"Landlock unavailable here ({r.isolation.get('landlock_error')}): files are protected by uid only")
     assert "TOP SECRET" not in r.stdout and "WROTE" not in r.stdout, r.stdout
-    assert "'ok'" in r.stdout and r.stdout.count("PermissionError") == 7, r.stdout
+    # PermissionError from Landlock or the uid; OSError(EROFS) where the read-only mount refuses first
+    assert "'ok'" in r.stdout and r.stdout.count("PermissionError") + r.stdout.count("OSError") == 7, r.stdout
     assert not (tmp_path / "written.txt").exists() and not os.path.exists("/tmp/escaped.txt")
     assert_contained(r, workdir_of(r))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="privilege dropping only applies to root")
-def test_root_runs_without_capabilities(sandbox):
-    r = run(sandbox, "import os\nout = []\nfor f in (lambda: os.setuid(1), lambda: os.nice(-5), "
+WHO_AM_I = "import os\nprint(os.getresuid(), os.getresgid(), os.getgroups())\n"
+
+
+def _ids(result: SandboxResult) -> list[int]:
+    uids, gids, groups = ast.literal_eval("[" + result.stdout.splitlines()[0].replace(") (", "), (").replace(") [", "), [") + "]")
+    return [*uids, *gids, *groups]
+
+
+@pytest.mark.skipif(not ROOT, reason="the uid-0 case needs a root caller (CI runs as root)")
+def test_root_caller_never_runs_the_program_as_uid_0(sandbox):
+    """The installation here keeps the interpreter in a 0700 folder (a pyenv under /root) or not: either way the
+    program runs as an unprivileged uid/gid with no supplementary groups and no capabilities."""
+    r = run(sandbox, WHO_AM_I + "out = []\nfor f in (lambda: os.setuid(0), lambda: os.nice(-5), "
                      "lambda: os.chroot('.'), lambda: os.mknod('dev', 0o600 | 0o020000, os.makedev(1, 3)), "
-                     "lambda: open('/proc/sysrq-trigger', 'w')):\n"
+                     "lambda: open('/proc/sysrq-trigger', 'w'), lambda: os.chown('main.py', 0, 0)):\n"
                      "    try:\n        f(); out.append('ALLOWED')\n    except OSError as e:\n"
                      "        out.append(type(e).__name__)\nprint(out)")
-    assert r.exit_code == 0, r.stderr
-    assert "ALLOWED" not in r.stdout, r.stdout
+    assert r.exit_code == 0, r
+    ids = _ids(r)
+    assert 0 not in ids and len(set(ids)) == 1, r.stdout  # one fresh uid == gid, no groups
+    assert "ALLOWED" not in r.stdout and r.isolation["privileges"] == f"uid {ids[0]}"
+    with pytest.raises(ValueError, match="never run as uid 0"):
+        LocalSandbox(sandbox_uid=0)
+    with pytest.raises(ValueError, match="never run as uid 0"):
+        LocalSandbox(sandbox_uid=False)
+
+
+@pytest.mark.skipif(not ROOT, reason="the uid-0 case needs a root caller (CI runs as root)")
+def test_launcher_refuses_uid_0_even_if_asked(monkeypatch):
+    """Belt and braces: a configuration without a sandbox uid (a bug upstream) stops in the launcher."""
+    sb = LocalSandbox()
+    monkeypatch.setattr(sb, "_root", False)  # the parent now "forgets" the uid switch; the launcher still runs as root
+    r = run(sb, "print('ran')")
+    assert r.error and "refusing to run the program as uid/gid 0" in r.error and "ran" not in r.stdout
+
+
+@pytest.mark.skipif(not ROOT, reason="needs a root caller")
+def test_interpreter_in_a_private_folder_is_exposed_read_only():
+    """A venv/pyenv under a 0700 /root: inside the sandbox's mount namespace a tmpfs hides /root, showing only the
+    interpreter's folders, read-only, so the unprivileged uid can run it (imports included)."""
+    sb = LocalSandbox(isolate_filesystem=False)  # without Landlock, to see exactly what the mount namespace shows
+    if not sb._expose:
+        pytest.skip(f"the interpreter ({sys.executable}) is already reachable by every uid here: nothing to expose")
+    blocker, paths = sb._expose[0]
+    visible = os.path.relpath(paths[0], blocker).split(os.sep)[0]
+    r = run(sb, WHO_AM_I + f"import numpy\nprint(sorted(os.listdir({blocker!r})))\n"
+                f"try:\n    open({paths[0] + '/x'!r}, 'w')\nexcept OSError as e:\n    print(e.errno)", memory_mb=512)
+    assert r.exit_code == 0, r
+    assert 0 not in _ids(r)
+    assert r.stdout.splitlines()[1] == str([visible]) and r.stdout.splitlines()[2] == str(errno.EROFS)
+
+
+@pytest.mark.skipif(not ROOT, reason="needs a root caller")
+def test_refuses_when_the_uid_cannot_reach_the_interpreter(monkeypatch):
+    """Without a mount namespace a private interpreter cannot be exposed: refuse, naming the reason and the fix."""
+    from trl_ext.tools.sandbox import _reachable
+
+    if _reachable(sys.executable) is None:
+        pytest.skip(f"{sys.executable} is reachable by every uid here: nothing to refuse")
+    with pytest.raises(RuntimeError, match=r"(?s)will not run model code as uid 0.*cannot be traversed.*Fix: "):
+        LocalSandbox(use_namespaces=False)
+    monkeypatch.setattr("trl_ext.tools.sandbox._probe", lambda euid: {"mount": False, "mount_error": "EPERM"})
+    with pytest.raises(RuntimeError, match=r"(?s)no mount namespace.*EPERM.*allow mount namespaces"):
+        LocalSandbox()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK), reason="needs root and a system python")
@@ -355,8 +438,9 @@ def test_unprivileged_uid_mode_with_rlimit_nproc():
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to become an unprivileged user")
 @pytest.mark.parametrize("namespaces", [True, False])
 def test_unprivileged_caller(tmp_path, namespaces):
-    """The sandbox started by an unprivileged user (as in CI): no cgroups; RLIMIT_NPROC counted in a user namespace
-    or (without namespaces) relative to the user's tasks; network closed by the namespace or Landlock."""
+    """The sandbox started by an unprivileged user: inside a user namespace it runs (no cgroups, RLIMIT_NPROC counted
+    in the namespace, network namespace, read-only mounts, no capabilities); without namespaces nothing would stop
+    the program from changing the caller's own files, so the constructor refuses."""
     python = "/usr/bin/python3"
     if not os.access(python, os.X_OK):
         pytest.skip("needs a system python reachable by an unprivileged uid")
@@ -377,15 +461,22 @@ def test_unprivileged_caller(tmp_path, namespaces):
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", script],
         capture_output=True, text=True, timeout=60, cwd="/tmp", env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"},
     )
+    if not namespaces:
+        # the program would run as the caller's uid, owning the caller's files: refused, with the fixes named
+        assert out.returncode != 0 and "cannot protect host files" in out.stderr, out.stderr[-2000:]
+        assert "unprivileged user namespaces" in out.stderr and "SandboxFusionBackend" in out.stderr
+        return
+    if "cannot protect host files" in out.stderr:
+        pytest.skip(f"unprivileged user namespaces are not allowed on this kernel: {out.stderr[-300:]}")
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["err"] is None, report
     forked, net = report["stdout"].split()
-    # without a user namespace the count is relative to the user's other tasks (our watcher thread may exit: +1)
-    assert int(forked) <= MAX_PROCS - (1 if namespaces else 0), report
+    assert int(forked) <= MAX_PROCS, report
     assert net != "CONNECTED", report
     assert not report["iso"].get("cgroups") and report["iso"]["process_limit"] == "rlimit-nproc"
-    assert report["iso"]["pidns"] == namespaces or not namespaces
+    assert report["iso"]["pidns"] and report["iso"]["userns"] and report["iso"]["mntns"]
+    assert "no capabilities" in report["iso"]["privileges"]
 
 
 def test_concurrent_runs(sandbox):
@@ -425,6 +516,381 @@ def test_bad_limits_rejected(sandbox):
         run(sandbox, "print(1)", timeout_s=0)
     with pytest.raises(ValueError):
         LocalSandbox(max_processes=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Host files: nothing outside the working directory can be changed, not even a file the sandbox uid owns
+# ---------------------------------------------------------------------------------------------------------------------
+
+OWNED_UID = 2_999_999  # a fixed sandbox uid, so the test can hand it a host file
+
+
+def _host_state(path: Path) -> tuple:
+    st = os.lstat(path)
+    try:
+        xattrs = sorted(os.listxattr(path, follow_symlinks=False))
+    except OSError:
+        xattrs = None
+    # (not atime: reading the file here for the comparison updates it)
+    return (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink, xattrs,
+            sorted(os.listdir(path)) if stat.S_ISDIR(st.st_mode) else path.read_bytes())
+
+
+TAMPER = """
+import os, sys
+target, folder = sys.argv[1], sys.argv[2]
+attempts = {
+    "chmod": lambda: os.chmod(target, 0o777),
+    "chmod_dir": lambda: os.chmod(folder, 0o777),
+    "chown": lambda: os.chown(target, os.getuid(), os.getgid()),
+    "chgrp": lambda: os.chown(target, -1, os.getgid()),
+    "utime": lambda: os.utime(target, (0, 0)),
+    "utime_now": lambda: os.utime(target),
+    "setxattr": lambda: os.setxattr(target, "user.tampered", b"1"),
+    "removexattr": lambda: os.removexattr(target, "user.keep"),
+    "truncate": lambda: os.truncate(target, 0),
+    "write": lambda: open(target, "a").write("x"),
+    "link_out": lambda: os.link(target, os.path.join(folder, "hardlink")),
+    "link_in": lambda: os.link(target, "hardlink_in_workdir"),
+    "symlink": lambda: os.symlink("/etc", os.path.join(folder, "symlink")),
+    "rename": lambda: os.rename(target, os.path.join(folder, "renamed")),
+    "rename_in": lambda: os.rename(target, "moved_into_workdir"),
+    "create": lambda: open(os.path.join(folder, "created"), "x"),
+    "mkdir": lambda: os.mkdir(os.path.join(folder, "newdir")),
+    "mkfifo": lambda: os.mkfifo(os.path.join(folder, "fifo")),
+    "unlink": lambda: os.unlink(target),
+    "rmdir": lambda: os.rmdir(os.path.join(folder, "sub")),
+    "create_tmp": lambda: open("/tmp/hf_gptoss_rl_escaped", "x"),
+}
+allowed = []
+for name, attempt in attempts.items():
+    try:
+        attempt()
+        allowed.append(name)
+    except OSError:
+        pass
+print("ALLOWED", allowed)
+"""
+
+
+def _tamper_targets(tmp_path: Path, owner: int | None) -> tuple[Path, Path]:
+    folder = tmp_path / "host"
+    folder.mkdir()
+    (folder / "sub").mkdir()
+    target = folder / "data.txt"
+    target.write_text("precious")
+    os.setxattr(target, "user.keep", b"1")
+    os.chmod(target, 0o644)
+    os.chmod(folder, 0o755)
+    os.chmod(tmp_path, 0o755)
+    if owner is not None:  # the program's own uid owns them: only the read-only mount can refuse now
+        for p in (folder, folder / "sub", target):
+            os.chown(p, owner, owner)
+    return folder, target
+
+
+def _tamper(sb: LocalSandbox, folder: Path, target: Path) -> SandboxResult:
+    code = f"import sys\nsys.argv = ['x', {str(target)!r}, {str(folder)!r}]\n" + TAMPER
+    before = {p: _host_state(p) for p in (folder, target, folder / "sub")}
+    r = run(sb, code)
+    assert r.exit_code == 0, r
+    assert r.stdout.strip() == "ALLOWED []", r.stdout
+    assert {p: _host_state(p) for p in (folder, target, folder / "sub")} == before
+    assert not os.path.exists("/tmp/hf_gptoss_rl_escaped")
+    return r
+
+
+@pytest.mark.skipif(not ROOT, reason="handing a host file to the sandbox uid needs root (CI runs as root)")
+@pytest.mark.parametrize("landlock", [True, False], ids=["landlock", "mounts-only"])
+def test_host_metadata_cannot_be_changed_even_when_owned(tmp_path, landlock):
+    """chmod, chown, utime, xattrs, links, renames, creation and deletion outside the working directory all fail,
+    even on files the program's own uid owns and with Landlock off: the mount namespace is read-only."""
+    folder, target = _tamper_targets(tmp_path, OWNED_UID)
+    sb = LocalSandbox(sandbox_uid=OWNED_UID, isolate_filesystem=landlock, max_processes=MAX_PROCS)
+    r = _tamper(sb, folder, target)
+    assert r.isolation["mntns"] and r.isolation["privileges"] == f"uid {OWNED_UID}"
+
+
+@pytest.mark.skipif(not ROOT, reason="root-owned host files are the uid-0 case (CI runs as root)")
+def test_root_owned_host_files_cannot_be_changed(sandbox, tmp_path):
+    """The reported defect: a root-owned file's mode, times and xattrs changed by the program. Not any more."""
+    folder, target = _tamper_targets(tmp_path, None)
+    _tamper(sandbox, folder, target)
+
+
+def test_host_files_without_namespaces(no_namespace_sandbox, tmp_path):
+    """Root without namespaces: the fresh uid owns nothing on the host, so the uid alone refuses every change."""
+    folder, target = _tamper_targets(tmp_path, None)
+    _tamper(no_namespace_sandbox, folder, target)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cleanup: never raises into the result, never leaves a working directory behind
+# ---------------------------------------------------------------------------------------------------------------------
+
+HOSTILE_TREE = PRINT_CWD + """
+import fcntl, socket, struct
+base = os.getcwd()
+os.mkdir("deep"); os.chdir("deep")
+for _ in range(1200):          # deeper than shutil.rmtree's recursion (3.11) and, 6000 characters, than PATH_MAX
+    os.mkdir("dddd"); os.chdir("dddd")
+open("bottom.txt", "w").write("x")
+os.chdir(base)
+os.makedirs("locked/inner"); open("locked/inner/f", "w").write("x")
+os.chmod("locked/inner", 0); os.chmod("locked", 0)
+os.mkfifo("fifo")
+try:
+    s = socket.socket(socket.AF_UNIX); s.bind("sock")
+except OSError as e:
+    print("no unix socket:", e.errno)
+try:                           # +i needs CAP_LINUX_IMMUTABLE, which the program does not have
+    fd = os.open("bottom2.txt", os.O_CREAT | os.O_RDONLY)
+    fcntl.ioctl(fd, 0x40086602, struct.pack("=iI", 0x10, 0)); print("IMMUTABLE SET")
+except OSError as e:
+    print("immutable refused:", e.errno)
+os.symlink("/etc/passwd", "link")
+print("built", flush=True)
+"""
+
+
+def test_hostile_trees_are_cleaned_up(sandbox):
+    r = run(sandbox, HOSTILE_TREE, timeout_s=20)
+    assert r.exit_code == 0 and "built" in r.stdout and r.error is None, r
+    assert "IMMUTABLE SET" not in r.stdout and "cleanup_error" not in r.isolation
+    assert_contained(r, workdir_of(r))
+    assert os.path.exists("/etc/passwd")
+
+
+def test_hostile_trees_are_cleaned_up_on_disk(no_namespace_sandbox, fast_tmp, monkeypatch):
+    """Without a mount namespace the tree is in an ordinary folder: the iterative remover deletes it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(fast_tmp))
+    os.chmod(fast_tmp, 0o755)
+    r = run(no_namespace_sandbox, HOSTILE_TREE, timeout_s=20)
+    assert r.exit_code == 0 and "built" in r.stdout and r.error is None, r
+    assert "cleanup_error" not in r.isolation, r.isolation
+    assert_contained(r, workdir_of(r))
+
+
+@pytest.fixture
+def fast_tmp(tmp_path):
+    """A folder on a tmpfs when there is one: on CI's ext4 (mounted with discard) each rmdir costs ~4 ms, which
+    would make a 3000-level tree a 13 s test of the disk rather than of the remover."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        folder = tempfile.mkdtemp(dir="/dev/shm", prefix="hf_gptoss_rl_test_")
+        yield Path(folder)
+        remove_tree(folder)
+    else:
+        yield tmp_path
+
+
+def test_remove_tree_handles_what_rmtree_does_not(fast_tmp):
+    tmp_path = fast_tmp
+    root = tmp_path / "victim"
+    keep = tmp_path / "keep.txt"
+    keep.write_text("must survive")
+    fd = os.open(tmp_path, os.O_RDONLY)
+    os.mkdir(root)
+    cur = os.open(root, os.O_RDONLY)
+    for _ in range(3000):  # deeper than PATH_MAX and than shutil.rmtree's recursion in Python 3.11
+        os.mkdir("d", dir_fd=cur)
+        nxt = os.open("d", os.O_RDONLY, dir_fd=cur)
+        os.close(cur)
+        cur = nxt
+    os.close(cur)
+    os.close(fd)
+    (root / "locked" / "inner").mkdir(parents=True)
+    (root / "locked" / "inner" / "f").write_text("x")
+    os.chmod(root / "locked" / "inner", 0)
+    os.chmod(root / "locked", 0)
+    os.mkfifo(root / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(root / "sock"))
+    os.symlink(keep, root / "link_to_keep")
+    os.symlink(tmp_path, root / "link_to_parent")
+    immutable = root / "immutable.txt"
+    immutable.write_text("x")
+    flagged = False
+    if ROOT:
+        try:
+            with open(immutable) as f:
+                fcntl.ioctl(f.fileno(), 0x40086602, struct.pack("=iI", 0x10, 0))  # FS_IOC_SETFLAGS immutable
+            appendonly = root / "appendonly"
+            appendonly.mkdir()
+            (appendonly / "f").write_text("x")
+            dfd = os.open(appendonly, os.O_RDONLY)
+            fcntl.ioctl(dfd, 0x40086602, struct.pack("=iI", 0x20, 0))  # append-only folder
+            os.close(dfd)
+            flagged = True
+        except OSError as e:
+            print(f"immutable flags unsupported on {tmp_path}: {e}")
+    try:
+        t = time.monotonic()
+        assert remove_tree(str(root)) is None
+        assert time.monotonic() - t < 10
+    finally:
+        sock.close()
+    assert not root.exists() and keep.read_text() == "must survive" and tmp_path.exists()
+    if ROOT:
+        assert flagged, "this filesystem should support immutable flags (ext4, tmpfs)"
+    assert remove_tree(str(root)) is None  # already gone: nothing to do, no error
+    assert remove_tree(str(tmp_path / "no" / "such")) is None
+
+
+def test_cleanup_failure_is_reported_not_raised(sandbox, monkeypatch):
+    """Whatever goes wrong while removing the working directory stays out of the tool result."""
+    import trl_ext.tools.sandbox as mod
+
+    real_rmdir = os.rmdir
+    leftover = []
+
+    def failing_rmdir(path, *args, **kwargs):
+        if isinstance(path, str) and os.path.basename(path).startswith("hf_gptoss_rl_sandbox_"):
+            leftover.append(path)
+            raise RecursionError("maximum recursion depth exceeded")
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(mod.os, "rmdir", failing_rmdir)
+    r = run(sandbox, "print('fine')")
+    monkeypatch.undo()
+    assert r.stdout == "fine\n" and r.exit_code == 0 and r.error is None
+    assert "RecursionError" in r.isolation["cleanup_error"] and "RecursionError" not in r.stdout + r.stderr
+    for path in leftover:
+        remove_tree(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Disk quota, kernel surface, results the model can act on
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_disk_quota_is_enforced_and_reported():
+    sb = LocalSandbox(max_processes=MAX_PROCS, max_disk_mb=8, max_file_mb=4, max_disk_files=64)
+    r = run(sb, PRINT_CWD + "n = 0\ntry:\n    for i in range(100):\n"
+                "        open(f'f{i}', 'wb').write(b'x' * 3 * 2**20); n += 1\n"
+                "except OSError as e:\n    print('stopped', n, e.errno)")
+    assert r.disk_full and r.isolation["disk_quota"] == 8 * 2**20
+    assert f"stopped 2 {errno.ENOSPC}" in r.stdout, r.stdout  # 3 files of 3 MiB do not fit in 8 MiB
+    text = CodeInterpreterTool(sb).format_result(r)
+    assert "[disk quota of 8 MiB for the working directory exceeded (size or number of files)]" in text
+    files = run(sb, "import os\ntry:\n    for i in range(1000):\n        os.mkdir(f'd{i}')\n"
+                    "except OSError as e:\n    print('stopped', e.errno)")
+    assert files.disk_full and f"stopped {errno.ENOSPC}" in files.stdout
+    fine = run(sb, "open('small', 'w').write('x')")
+    assert not fine.disk_full and fine.exit_code == 0
+    assert_contained(r, workdir_of(r))
+
+
+def test_new_namespaces_and_kernel_interfaces_are_refused(sandbox):
+    """seccomp: no user/mount/net namespaces (nor unshare at all), no bpf, no io_uring, no keyrings; threads and
+    subprocesses still work (clone3 answers ENOSYS, glibc falls back to clone)."""
+    code = (
+        "import ctypes, os, subprocess, sys, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "out = {}\n"
+        "for name, nr, args in [('unshare_user', 272, (0x10000000,)), ('unshare_files', 272, (0x400,)),"
+        " ('clone_newuser', 56, (0x10000000 | 17, 0, 0, 0, 0)), ('bpf', 321, (0, 0, 0)), ('io_uring', 425, (8, 0)),"
+        " ('keyctl', 250, (0, 0)), ('userfaultfd', 323, (0,)), ('perf_event_open', 298, (0, 0, -1, -1, 0))]:\n"
+        "    ret = libc.syscall(nr, *args)\n"
+        "    out[name] = 'ALLOWED' if ret >= 0 else ctypes.get_errno()\n"
+        "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+        "out['subprocess'] = subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True, text=True).stdout\n"
+        "print(out)"
+    )
+    if os.uname().machine != "x86_64":
+        pytest.skip("the syscall numbers in this test are x86_64's")
+    r = run(sandbox, code)
+    assert r.exit_code == 0, r
+    out = ast.literal_eval(r.stdout)
+    assert out.pop("subprocess") == "7\n"
+    assert all(v == errno.EPERM for v in out.values()), out
+
+
+def test_exit_status_is_reported(sandbox):
+    r = run(sandbox, "import sys\nsys.exit(3)")
+    assert r.exit_code == 3 and r.killed_by is None
+    tool = CodeInterpreterTool(sandbox)
+    assert tool.format_result(r) == "[exit status 3]"
+    assert tool.format_result(run(sandbox, "x = 1")) == "[no output]"
+    crash = tool.format_result(run(sandbox, "1 / 0"))
+    assert "ZeroDivisionError" in crash and crash.endswith("[exit status 1]")
+
+
+def test_self_kill_memory_kill_and_timeout_are_told_apart(sandbox):
+    tool = CodeInterpreterTool(sandbox, memory_mb=256, timeout_s=1)
+    own = run(sandbox, "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert own.signal == signal.SIGKILL and own.killed_by == "program" and not own.timed_out and own.oom_kills == 0
+    assert tool.format_result(own) == "bye\n[process terminated by SIGKILL, raised by the program itself (not a sandbox limit)]"
+    slow = run(sandbox, "import time\ntime.sleep(30)", timeout_s=1)
+    assert slow.timed_out and slow.killed_by == "timeout"
+    assert tool.format_result(slow, timeout_s=1) == "[execution timed out after 1 s]"
+    # three processes fill the run's memory cgroup (256 MiB + 16 MiB quota + 64 MiB): the OOM killer acts in it
+    hog = run(sandbox, (
+        "import os, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        b = bytearray(200 * 2**20)\n"
+        "        for j in range(0, len(b), 4096):\n            b[j] = 1\n"
+        "        time.sleep(3); os._exit(0)\n"
+        "b = bytearray(200 * 2**20)\n"
+        "for j in range(0, len(b), 4096):\n    b[j] = 1\n"
+        "for _ in range(3):\n    os.wait()\n"
+        "print('survived')"), timeout_s=10)
+    if hog.isolation.get("memory_limit") != "cgroup+rlimit-as":
+        pytest.skip("no memory cgroup here: memory is limited per process only (RLIMIT_AS -> MemoryError)")
+    assert hog.oom_kills >= 1 and not hog.timed_out, hog
+    text = tool.format_result(hog)
+    assert "memory limit of 256 MiB exceeded" in text and "timed out" not in text and "by the program" not in text
+    if hog.signal == signal.SIGKILL:
+        assert hog.killed_by == "memory_limit"
+
+
+def test_queue_wait_does_not_count_against_the_timeout():
+    sb = LocalSandbox(max_processes=MAX_PROCS, max_concurrency=1)
+
+    async def main():
+        return await asyncio.gather(*[sb.run_code("import time\ntime.sleep(0.5)\nprint('ran')", timeout_s=1.5,
+                                                  memory_mb=256, max_output_bytes=1000) for _ in range(4)])
+
+    results = asyncio.run(main())
+    assert [r.stdout for r in results] == ["ran\n"] * 4 and not any(r.timed_out for r in results)
+    assert max(r.queued_s for r in results) > 1.5  # the last one waited longer than its own timeout
+
+
+def test_queue_has_its_own_bound():
+    sb = LocalSandbox(max_processes=MAX_PROCS, max_concurrency=1, queue_timeout_s=0.3)
+
+    async def main():
+        return await asyncio.gather(sb.run_code("import time\ntime.sleep(1.5)", timeout_s=5, memory_mb=256,
+                                                max_output_bytes=100),
+                                    sb.run_code("print('ran')", timeout_s=5, memory_mb=256, max_output_bytes=100))
+
+    first, second = asyncio.run(main())
+    assert first.exit_code == 0 and first.error is None
+    assert second.error and "queue_timeout_s=0.3" in second.error and "did not run" in second.error
+    assert second.stdout == "" and 0.25 < second.queued_s < 1.4
+
+
+def test_concurrency_default_follows_the_machine(monkeypatch):
+    assert LocalSandbox().max_concurrency == usable_cpus() <= (os.cpu_count() or 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert usable_cpus() == 1 and LocalSandbox().max_concurrency == 1
+    assert LocalSandbox(max_concurrency=64).max_concurrency == 64
+    with pytest.raises(ValueError, match="max_concurrency"):
+        LocalSandbox(max_concurrency=0)
+    with pytest.raises(ValueError, match="queue_timeout_s"):
+        LocalSandbox(queue_timeout_s=0)
+
+
+def test_this_machine_supports_the_security_layers():
+    """CI runs on this machine kind as root: the layers the security tests rely on must be there, or the skip
+    reasons above would hide them. Fails loudly instead of skipping."""
+    support = _probe(os.geteuid())
+    if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip(f"not a Linux x86_64/aarch64 host ({sys.platform}, {os.uname().machine})")
+    assert support["mount"], support
+    assert support["landlock_abi"] >= 4, support  # TCP rules need ABI 4
+    r = run(LocalSandbox(require_isolation=True), "print(1)")
+    assert r.error is None and r.isolation["seccomp"] and r.isolation["netns"] and r.isolation["pidns"], r
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,17 +1,23 @@
-"""Launcher of ``LocalSandbox`` (stdlib only; run as ``python -I -S _sandbox_launcher.py CONFIG_JSON``).
+"""Launcher of ``LocalSandbox`` (stdlib only; run as ``python -I -S _sandbox_launcher.py CONFIG_JSON``, or with
+``--probe`` to print what this machine allows as one JSON line).
 
 Process tree (``LocalSandbox`` starts the launcher in a new session, so all three share one process group):
 
-    launcher (host namespaces): joins the sandbox cgroups, unshares net/pid/ipc/uts namespaces, forks
+    launcher (host namespaces): joins the sandbox cgroups, unshares mount/net/pid/ipc/uts namespaces (plus a user
+      namespace when not root), builds the program's view of the filesystem (every mount read-only, a size-limited
+      tmpfs as the working directory, the interpreter made reachable for the sandbox uid), forks
       -> init (pid 1 of the new pid namespace, trusted, child subreaper): forks the user process, reaps every
-         child, reports the user process's wait status on the status pipe, kills every remaining descendant (on
-         the program's exit or on SIGTERM from LocalSandbox) and exits; inside a pid namespace the kernel also
-         kills whatever is left when init exits
-           -> user process: rlimits, drops root (setuid or capabilities), no_new_privs, Landlock, then execs Python
+         child, reports the user process's wait status and the working directory's usage on the status pipe, kills
+         every remaining descendant (on the program's exit or on SIGTERM from LocalSandbox) and exits; inside a pid
+         namespace the kernel also kills whatever is left when init exits
+           -> user process: rlimits, switches to the sandbox uid (never runs as uid 0), no_new_privs, Landlock,
+              seccomp, then execs Python
 
-Reports go to ``status_fd`` as JSON lines (``{"stage": "launch", "init_pid"}`` from the launcher,
-``{"stage": "setup", ...}`` from the user process before exec,
-``{"stage": "exit", "status": wait_status}`` from init). Nothing is written to stdout/stderr except by user code.
+The mount namespace dies with its last process, and its tmpfs with it: nothing the program wrote reaches the host
+disk. Reports go to ``status_fd`` as JSON lines (``{"stage": "launch", "init_pid"}`` from the launcher,
+``{"stage": "setup", ...}`` from the user process before exec, ``{"stage": "exit", "status": wait_status, "disk"}``
+from init, ``{"stage": "error", "error"}`` when the sandbox could not be built: the program then never runs).
+Nothing is written to stdout/stderr except by user code.
 """
 
 import ctypes
@@ -53,6 +59,66 @@ def _check(ret, what):
 def _write(path, text):
     with open(path, "w") as f:
         f.write(text)
+
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 4096, 16384, 1 << 18
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda v: None if v is None else v.encode()  # noqa: E731
+    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount({source} -> {target})")
+
+
+def _readonly_tree(path):
+    """Make every mount at and below ``path`` read-only (mount_setattr, Linux >= 5.12). A read-only mount refuses
+    chmod, chown, utime, xattr, link, rename, create and delete whoever the caller is: Landlock has no right for
+    metadata, and a program owning a file could otherwise change it."""
+    attr = struct.pack("=QQQQ", MOUNT_ATTR_RDONLY, 0, 0, 0)
+    _check(libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(AT_RECURSIVE),
+                        ctypes.create_string_buffer(attr, 32), ctypes.c_size_t(32)), f"mount_setattr({path}, RDONLY)")
+
+
+def _expose(blocker, paths):
+    """Make ``paths`` (below ``blocker``, a folder the sandbox uid cannot traverse, e.g. a 0700 ``/root`` holding a
+    pyenv interpreter) reachable: a small tmpfs hides ``blocker``'s contents, the folders leading to each path are
+    recreated in it (mode 0755) and each path is bind-mounted back. Only these paths appear; the rest of
+    ``blocker`` is invisible to the program. (Mount-namespace-private; read-only with the rest of the tree.)"""
+    fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths]  # before the tmpfs hides them
+    try:
+        _mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+        for path, fd in zip(paths, fds):
+            parent = os.path.dirname(path)
+            os.makedirs(parent, mode=0o755, exist_ok=True)
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            else:
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def build_filesystem(cfg, code):
+    """In the fresh mount namespace: stop propagation to the host, expose the interpreter where needed, make every
+    mount read-only, then mount the size-limited, writable tmpfs working directory holding ``main.py``."""
+    mnt = cfg["mount"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
+    for blocker, paths in mnt.get("expose", []):
+        _expose(blocker, paths)
+    _readonly_tree("/")
+    uid, gid = cfg["uid"] if cfg["uid"] is not None else os.getuid(), cfg["gid"] if cfg["gid"] is not None else os.getgid()
+    _mount("tmpfs", cfg["workdir"], "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={mnt['size']},nr_inodes={mnt['inodes']},mode=0700,uid={uid},gid={gid}")
+    main = os.path.join(cfg["workdir"], "main.py")
+    fd = os.open(main, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, code)
+        os.fchown(fd, uid, gid)
+    finally:
+        os.close(fd)
 
 
 def landlock_abi():
@@ -103,47 +169,69 @@ def apply_landlock(read_paths, write_paths, deny_tcp, scope):
 
 
 # seccomp: refuse socket(AF_UNIX, ...) (Landlock does not cover connect() on pathname unix sockets, e.g. a docker
-# socket) and io_uring (its socket/connect ops bypass syscall filters); refuse every syscall of a foreign ABI.
+# socket) and io_uring (its socket/connect ops bypass syscall filters); refuse new namespaces (clone/unshare with
+# CLONE_NEW*, setns: an unprivileged user namespace would hand the program CAP_SYS_ADMIN over fresh namespaces, the
+# entry point of many kernel exploits), bpf, perf_event_open, userfaultfd and the kernel keyring (kernel attack
+# surface a Python program does not need; Docker's default profile refuses them too); clone3 answers ENOSYS (its flags
+# sit in memory a filter cannot read; glibc then falls back to clone, whose flags are checked); refuse every syscall
+# of a foreign ABI.
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
-BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
-AF_UNIX, EPERM, EACCES = 1, 1, 13
-_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, __NR_socket, __NR_io_uring_setup)
-    "x86_64": (0xC000003E, 41, 425),
-    "aarch64": (0xC00000B7, 198, 425),
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
+AF_UNIX, EPERM, EACCES, ENOSYS = 1, 1, 13, 38
+CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+_SECCOMP_ARCH = {  # machine: AUDIT_ARCH_*, then syscall numbers
+    "x86_64": dict(arch=0xC000003E, socket=41, clone=56, clone3=435, unshare=272, setns=308, bpf=321,
+                   perf_event_open=298, userfaultfd=323, keyctl=250, add_key=248, request_key=249,
+                   io_uring_setup=425, io_uring_enter=426, io_uring_register=427),
+    "aarch64": dict(arch=0xC00000B7, socket=198, clone=220, clone3=435, unshare=97, setns=268, bpf=280,
+                    perf_event_open=241, userfaultfd=282, keyctl=219, add_key=217, request_key=218,
+                    io_uring_setup=425, io_uring_enter=426, io_uring_register=427),
 }
+_SECCOMP_DENIED = ("unshare", "setns", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+                   "io_uring_setup", "io_uring_enter", "io_uring_register")
 
 
 def apply_seccomp():
     """Install the filter described above; returns a description, or None where the architecture is unknown."""
-    arch = _SECCOMP_ARCH.get(os.uname().machine)
-    if arch is None:
+    nr = _SECCOMP_ARCH.get(os.uname().machine)
+    if nr is None:
         return None
-    audit_arch, nr_socket, nr_io_uring_setup = arch
 
     def ins(code, jt, jf, k):
         return struct.pack("=HBBI", code, jt, jf, k)
 
+    deny = SECCOMP_RET_ERRNO | EPERM
     program = [
-        ins(BPF_LD_W_ABS, 0, 0, 4),                               # 0: A = arch
-        ins(BPF_JEQ_K, 1, 0, audit_arch),                         # 1: native ABI? -> 3
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM),          # 2: foreign ABI: refuse
-        ins(BPF_LD_W_ABS, 0, 0, 0),                               # 3: A = syscall number
-        ins(BPF_JGE_K, 0, 1, 0x40000000),                         # 4: x32 ABI bit set? -> 5, else 6
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM),          # 5: refuse
-        ins(BPF_JEQ_K, 0, 1, nr_io_uring_setup),                  # 6: io_uring_setup? -> 7, else 8
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM),          # 7: refuse
-        ins(BPF_JEQ_K, 0, 3, nr_socket),                          # 8: socket? -> 9, else 12
-        ins(BPF_LD_W_ABS, 0, 0, 16),                              # 9: A = low 32 bits of args[0] (domain)
-        ins(BPF_JEQ_K, 0, 1, AF_UNIX),                            # 10: AF_UNIX? -> 11, else 12
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),         # 11: refuse
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  # 12: allow
+        ins(BPF_LD_W_ABS, 0, 0, 4),                               # A = arch
+        ins(BPF_JEQ_K, 1, 0, nr["arch"]),                         # native ABI? skip the refusal
+        ins(BPF_RET_K, 0, 0, deny),                               # foreign ABI: refuse
+        ins(BPF_LD_W_ABS, 0, 0, 0),                               # A = syscall number
+        ins(BPF_JGE_K, 0, 1, 0x40000000),                         # x32 ABI bit set?
+        ins(BPF_RET_K, 0, 0, deny),                               #   refuse
+        ins(BPF_JEQ_K, 0, 1, nr["clone3"]),                       # clone3?
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | ENOSYS),         #   "not implemented": glibc falls back to clone
+    ]
+    for name in _SECCOMP_DENIED:
+        program += [ins(BPF_JEQ_K, 0, 1, nr[name]), ins(BPF_RET_K, 0, 0, deny)]
+    program += [
+        ins(BPF_JEQ_K, 0, 4, nr["socket"]),                       # socket? else to the clone check
+        ins(BPF_LD_W_ABS, 0, 0, 16),                              #   A = low 32 bits of args[0] (domain)
+        ins(BPF_JEQ_K, 0, 1, AF_UNIX),                            #   AF_UNIX?
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),         #     refuse
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  #     other families: allow
+        ins(BPF_JEQ_K, 0, 4, nr["clone"]),                        # clone? else allow
+        ins(BPF_LD_W_ABS, 0, 0, 16),                              #   A = low 32 bits of args[0] (flags)
+        ins(BPF_JSET_K, 0, 1, CLONE_NEW_ANY),                     #   any CLONE_NEW* flag?
+        ins(BPF_RET_K, 0, 0, deny),                               #     refuse
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  #     plain fork / thread: allow
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  # everything else: allow
     ]
     filters = ctypes.create_string_buffer(b"".join(program))
     fprog = struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(filters))
     _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.create_string_buffer(fprog, 16), 0, 0),
            "prctl(PR_SET_SECCOMP)")
-    return "no AF_UNIX sockets, no io_uring, native ABI only"
+    return "no AF_UNIX sockets, io_uring, new namespaces, bpf, perf events, userfaultfd or keyrings; native ABI only"
 
 
 def drop_capabilities():
@@ -190,24 +278,32 @@ def user_process(cfg, status_fd, report):
         setrl(resource.RLIMIT_AS, (limits["as"], limits["as"]))
         setrl(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
         setrl(resource.RLIMIT_NOFILE, (limits["nofile"], limits["nofile"]))
-        uid = cfg.get("uid")
+        uid, gid = cfg.get("uid"), cfg.get("gid")
         is_root = os.geteuid() == 0
         # RLIMIT_NPROC counts the tasks of the real uid: in a fresh user namespace only the ones inside it (init and
         # the program); otherwise every task of this user (counted by the launcher before it forked, + init)
         nproc = limits["nproc"] + (1 if report.get("userns") else report.get("tasks_before", 0) + 1)
         setrl(resource.RLIMIT_NPROC, (nproc, nproc))
         report["nproc_limit"] = nproc
-        if is_root and uid is not None:
-            os.chown(cfg["workdir"], uid, uid)
+        if is_root:
+            # uid 0 keeps owning root's files (chmod, utime and xattrs need no capability then): never run it as root
+            if uid is None or uid == 0 or gid is None or gid == 0:
+                raise OSError("refusing to run the program as uid/gid 0: no unprivileged sandbox uid was configured")
+            for cap in range(64):
+                if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                    break  # EINVAL past the last capability
+            libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
             os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)  # clears the permitted and effective capabilities too
             report["privileges"] = f"uid {uid}"
-        elif is_root:
-            drop_capabilities()
-            report["privileges"] = "uid 0, no capabilities"
+        elif report.get("userns"):
+            drop_capabilities()  # the ones the fresh user namespace granted
+            report["privileges"] = f"uid {os.getuid()} (unprivileged, in a user namespace, no capabilities)"
         else:
             report["privileges"] = f"uid {os.getuid()} (unprivileged)"
+        if 0 in os.getresuid() or 0 in os.getresgid():  # belt and braces: nothing below runs as root
+            raise OSError(f"refusing to run the program with uids {os.getresuid()} / gids {os.getresgid()}")
         _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         report["landlock"] = None
         if cfg["landlock"]:
@@ -222,12 +318,7 @@ def user_process(cfg, status_fd, report):
             report["seccomp"] = None
             report["seccomp_error"] = str(e)
         cgroups = report.get("cgroups") or []
-        if "pids" in cgroups or "unified" in cgroups:
-            report["process_limit"] = "pids-cgroup"
-        elif not is_root or uid is not None:
-            report["process_limit"] = "rlimit-nproc"
-        else:
-            report["process_limit"] = None  # root ignores RLIMIT_NPROC: only the pid namespace and timeouts bound it
+        report["process_limit"] = "pids-cgroup" if ("pids" in cgroups or "unified" in cgroups) else "rlimit-nproc"
         report["memory_limit"] = "cgroup+rlimit-as" if ("memory" in cgroups or "unified" in cgroups) else "rlimit-as"
         argv = list(cfg["argv"])
         network_isolated = report.get("netns") or (report.get("landlock") or {}).get("tcp_denied")
@@ -256,7 +347,87 @@ def user_process(cfg, status_fd, report):
         os._exit(126)
 
 
+def _fatal(status_fd, message):
+    """The sandbox could not be built as configured: report it and exit; the program never runs."""
+    try:
+        os.write(status_fd, (json.dumps({"stage": "error", "error": message}) + "\n").encode())
+    except OSError:
+        pass
+    os._exit(126)
+
+
+def enter_namespaces(want_mount, report):
+    """Unshare mount (when asked), network, pid, IPC and UTS namespaces; without root, inside a fresh user namespace
+    mapping only our own uid/gid (files keep their owner). Returns whether the mount namespace was created."""
+    flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNS if want_mount else 0)
+    report["netns"] = report["pidns"] = report["userns"] = False
+    if libc.unshare(flags) == 0:
+        report["netns"] = report["pidns"] = True
+        return want_mount
+    if os.geteuid() == 0:
+        report["namespace_error"] = os.strerror(ctypes.get_errno())
+        return False
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(flags | CLONE_NEWUSER) != 0:
+        report["namespace_error"] = os.strerror(ctypes.get_errno())
+        return False
+    report["netns"] = report["pidns"] = report["userns"] = True
+    try:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    except OSError as e:
+        report["namespace_error"] = f"uid/gid map: {e}"
+        return False
+    return want_mount
+
+
+def probe():
+    """Print (one JSON line) what this machine allows: the namespaces, a tmpfs and read-only remounts in a private
+    mount namespace, and the Landlock ABI. The trial runs in a child process; nothing of it outlives the child."""
+    import tempfile
+
+    out = {"euid": os.geteuid(), "landlock_abi": landlock_abi(), "mount": False}
+    target = tempfile.mkdtemp(prefix="hf_gptoss_rl_probe_")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        child = {}
+        try:
+            report = {}
+            if enter_namespaces(True, report):
+                try:
+                    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+                    _readonly_tree("/")
+                    _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=16,mode=0700")
+                    child["mount"] = True
+                except OSError as e:
+                    child["mount_error"] = str(e)
+            else:
+                child["mount_error"] = f"cannot create a mount namespace: {report.get('namespace_error')}"
+            child.update({k: report[k] for k in ("netns", "userns") if k in report})
+        except BaseException as e:  # noqa: BLE001
+            child["mount_error"] = f"{type(e).__name__}: {e}"
+        os.write(w, json.dumps(child).encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    os.rmdir(target)
+    try:
+        out.update(json.loads(data))
+    except ValueError:
+        out["mount_error"] = "the probe process died"
+    print(json.dumps(out), flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["--probe"]:
+        return probe()
     cfg = json.loads(sys.argv[1])
     status_fd = cfg["status_fd"]
     report = {}
@@ -269,23 +440,23 @@ def main():
             report.setdefault("cgroup_errors", []).append(f"{procs}: {e}")
     if os.geteuid() != 0:
         report["tasks_before"] = count_user_tasks(os.getuid())
-    ns_flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-    report["netns"] = report["pidns"] = False
-    if not cfg.get("namespaces", True):
-        pass
-    elif libc.unshare(ns_flags) == 0:
-        report["netns"] = report["pidns"] = True
-        report["userns"] = False
-    elif os.geteuid() != 0:
-        uid, gid = os.getuid(), os.getgid()
-        if libc.unshare(ns_flags | CLONE_NEWUSER) == 0:
-            report["netns"] = report["pidns"] = report["userns"] = True
-            try:  # map our own ids so files keep their owner
-                _write("/proc/self/setgroups", "deny")
-                _write("/proc/self/uid_map", f"{uid} {uid} 1")
-                _write("/proc/self/gid_map", f"{gid} {gid} 1")
-            except OSError:
-                pass
+    want_mount = bool(cfg.get("mount"))
+    code = None
+    if want_mount:  # read the program before the tmpfs covers the folder it was written to
+        with open(os.path.join(cfg["workdir"], "main.py"), "rb") as f:
+            code = f.read()
+    report["mntns"] = report["netns"] = report["pidns"] = report["userns"] = False
+    if cfg.get("namespaces", True):
+        report["mntns"] = enter_namespaces(want_mount, report)
+    if want_mount:
+        if not report["mntns"]:
+            _fatal(status_fd, f"could not create the sandbox's mount namespace: {report.get('namespace_error')}")
+        try:
+            build_filesystem(cfg, code)
+        except OSError as e:
+            _fatal(status_fd, f"could not build the sandbox's filesystem: {e}")
+        report["filesystem"] = "read-only mounts, tmpfs workdir"
+        report["disk_quota"] = cfg["mount"]["size"]
     init_pid = os.fork()
     if init_pid:  # launcher: tell the parent who init is (it signals init to stop a run), wait, mirror its exit
         os.write(status_fd, (json.dumps({"stage": "launch", "init_pid": init_pid}) + "\n").encode())
@@ -381,8 +552,17 @@ def run_init(cfg, status_fd, report):
     if not report.get("pidns"):
         # inside a pid namespace the kernel kills everything when init exits (and /proc shows host pids there)
         _kill_descendants()
-    os.write(status_fd, (json.dumps({"stage": "exit", "status": user_status}) + "\n").encode())
+    disk = None
+    if report.get("disk_quota"):
+        try:  # the tmpfs is only visible in this mount namespace: measure it before it goes
+            st = os.statvfs(cfg["workdir"])
+            disk = {"used": (st.f_blocks - st.f_bfree) * st.f_frsize, "size": st.f_blocks * st.f_frsize,
+                    "files_left": st.f_ffree, "full": st.f_bavail * st.f_frsize < 65536 or st.f_favail == 0}
+        except OSError:
+            pass
+    os.write(status_fd, (json.dumps({"stage": "exit", "status": user_status, "disk": disk}) + "\n").encode())
     os._exit(0)
+
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,13 @@ class Tool(ABC):
     async def __call__(self, arguments: dict) -> str:
         """Run the tool on parsed JSON arguments and return the text the model reads."""
 
+    async def call_with_timeout(self, arguments: dict, timeout_s: float) -> str:
+        """Run the tool with at most ``timeout_s`` seconds of its own run time (what the agent loop calls); raises
+        ``TimeoutError`` past it. This default bounds the whole call. Tools that first wait for a shared resource
+        (:class:`~trl_ext.tools.CodeInterpreterTool` waits for a free sandbox slot) override it so that the wait,
+        bounded on its own, does not count: a call that never ran must not be reported as timed out."""
+        return await asyncio.wait_for(self(arguments), timeout=timeout_s)
+
     def validate_arguments(self, arguments: Any) -> dict:
         """Check ``arguments`` against the top level of ``parameters``: an object, required keys present, no
         unknown keys (unless ``additionalProperties`` allows them), and JSON types of the declared properties."""

@@ -1,4 +1,4 @@
-"""``code_interpreter``: ReTool's Python tool (FACTS §11) on a sandbox backend (local by default, or SandboxFusion)."""
+"""``code_interpreter``: ReTool's Python tool (verl-recipe ``retool/``) on a sandbox backend (local by default, or SandboxFusion)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class CodeInterpreterTool(Tool):
     The model passes ``{"code": "..."}``. The tool runs the first fenced ``python`` block of that text (or the
     text itself), with a bare last expression wrapped in ``print(...)``, in ``backend`` (a
     :class:`~trl_ext.tools.sandbox.LocalSandbox` by default). The result is stdout followed by stderr, cut to
-    ``max_output_chars`` with a ``[... output truncated ...]`` marker; timeouts and kills are noted in brackets.
+    ``max_output_chars`` with a ``[... output truncated ...]`` marker; timeouts, memory kills, signals, a full disk
+    quota and a non-zero exit status are noted in brackets.
     """
 
     name = "code_interpreter"
@@ -88,23 +89,36 @@ class CodeInterpreterTool(Tool):
             self.name = name
 
     async def __call__(self, arguments: dict) -> str:
+        return await self._execute(arguments, self.timeout_s)
+
+    async def call_with_timeout(self, arguments: dict, timeout_s: float) -> str:
+        """The agent loop's entry point: ``timeout_s`` bounds the program's own run time (the lower of it and the
+        tool's ``timeout_s`` applies); the wait for a free sandbox slot is bounded separately by the backend
+        (``queue_timeout_s``), so a call that waited in the queue is never reported as timed out."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        return await self._execute(arguments, min(self.timeout_s, float(timeout_s)))
+
+    async def _execute(self, arguments: dict, timeout_s: float) -> str:
         code = self.validate_arguments(arguments)["code"]
         program = wrap_last_expression(extract_code(code))
         if not program.strip():
             raise ToolError("code_interpreter: the code is empty")
         result = await self.backend.run_code(
             program,
-            timeout_s=self.timeout_s,
+            timeout_s=timeout_s,
             memory_mb=self.memory_mb,
             # bytes read from the process: enough for max_output_chars of UTF-8 plus the marker decision
             max_output_bytes=4 * self.max_output_chars + 4,
         )
-        return self.format_result(result)
+        return self.format_result(result, timeout_s=timeout_s)
 
-    def format_result(self, result: SandboxResult) -> str:
-        """stdout + stderr, truncated to ``max_output_chars``, with bracketed notes for timeouts and kills."""
+    def format_result(self, result: SandboxResult, *, timeout_s: float | None = None) -> str:
+        """stdout + stderr, truncated to ``max_output_chars``, then bracketed notes: output truncated, timed out,
+        killed for memory, killed by a signal the program caused, disk quota reached, the exit status when not 0."""
         if result.error:
             raise ToolError(f"code_interpreter: sandbox error: {result.error}")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         text = result.stdout
         if result.stderr:
             if text and not text.endswith("\n"):
@@ -116,15 +130,31 @@ class CodeInterpreterTool(Tool):
         notes = []
         if truncated:
             notes.append(f"[... output truncated to {self.max_output_chars} characters ...]")
-        if result.timed_out:
-            notes.append(f"[execution timed out after {self.timeout_s:g} s]")
-        elif result.signal is not None and not truncated:
+        killed_by = result.killed_by
+        if killed_by == "cpu_limit":
+            notes.append(f"[process killed: CPU time limit of {timeout_s:g} s reached]")
+        elif result.timed_out or killed_by == "timeout":
+            notes.append(f"[execution timed out after {timeout_s:g} s]")
+        elif killed_by == "memory_limit":
+            notes.append(f"[process killed: memory limit of {self.memory_mb} MiB exceeded]")
+        elif result.signal is not None and killed_by != "output_limit":
             try:
                 sig = signal.Signals(result.signal).name
             except ValueError:
-                sig = str(result.signal)
-            hint = " (CPU time limit)" if sig == "SIGXCPU" else " (memory limit?)" if sig == "SIGKILL" else ""
-            notes.append(f"[process killed by {sig}{hint}]")
+                sig = f"signal {result.signal}"
+            if killed_by == "program":
+                notes.append(f"[process terminated by {sig}, raised by the program itself (not a sandbox limit)]")
+            else:
+                notes.append(f"[process terminated by {sig}]")
+        if result.oom_kills and killed_by != "memory_limit":
+            notes.append(f"[{result.oom_kills} process(es) of the program killed: memory limit of {self.memory_mb} "
+                         "MiB exceeded]")
+        if result.disk_full:
+            quota = result.isolation.get("disk_quota")
+            size = f" of {quota / 2**20:g} MiB" if quota else ""
+            notes.append(f"[disk quota{size} for the working directory exceeded (size or number of files)]")
+        if result.exit_code not in (None, 0):
+            notes.append(f"[exit status {result.exit_code}]")
         if notes:
             if text and not text.endswith("\n"):
                 text += "\n"

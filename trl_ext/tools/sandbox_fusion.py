@@ -1,4 +1,4 @@
-"""Client for a SandboxFusion server's ``POST /run_code`` (FACTS §11), as ReTool's recipe uses it."""
+"""Client for a SandboxFusion server's ``POST /run_code``, as ReTool's recipe (verl-recipe ``retool/``) uses it."""
 
 from __future__ import annotations
 
@@ -21,9 +21,17 @@ class SandboxFusionBackend(SandboxBackend):
     errors, 5xx and ``SandboxError`` are retried with exponential backoff and then reported in
     ``SandboxResult.error``.
 
+    The contract matches :class:`~trl_ext.tools.LocalSandbox`: ``timeout_s`` is the program's own run time (sent as
+    ``run_timeout``; the wait for one of this client's ``max_concurrency`` slots is bounded separately by
+    ``queue_timeout_s`` and reported in ``queued_s``); the exit status is ``exit_code``; a negative
+    ``return_code`` (the server's subprocess was killed by a signal) becomes ``signal``. The server does not say
+    who sent a signal (its memory limit or the program), so ``killed_by`` is ``"unknown"`` then. Isolation, disk
+    quotas and memory limits are the server's (run it in its own container).
+
     Args:
         url: server root (``http://host:8080``) or the full ``.../run_code`` endpoint.
         max_concurrency: requests in flight at once.
+        queue_timeout_s: longest wait for a free slot; past it the call returns ``SandboxResult.error`` unsent.
         max_retries: retries after the first attempt for transport errors, 5xx and ``SandboxError``.
         backoff_s: first retry delay (doubles each retry, with jitter).
         request_timeout_s: HTTP timeout on top of the run's own ``timeout_s``.
@@ -38,9 +46,15 @@ class SandboxFusionBackend(SandboxBackend):
         max_retries: int = 3,
         backoff_s: float = 0.5,
         request_timeout_s: float = 30.0,
+        queue_timeout_s: float = 600.0,
         language: str = "python",
         headers: dict | None = None,
     ):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http(s) URL, got {url!r}")
+        if max_concurrency < 1 or max_retries < 0 or backoff_s < 0 or not request_timeout_s > 0 or not queue_timeout_s > 0:
+            raise ValueError("max_concurrency must be >= 1, max_retries and backoff_s >= 0, request_timeout_s and "
+                             "queue_timeout_s > 0")
         url = url.rstrip("/")
         self.endpoint = url if url.endswith("/run_code") else url + "/run_code"
         self.max_retries = max_retries
@@ -49,6 +63,7 @@ class SandboxFusionBackend(SandboxBackend):
         self.language = language
         self.headers = headers or {}
         self.max_concurrency = max_concurrency
+        self.queue_timeout_s = float(queue_timeout_s)
         self._semaphore = self._client = self._loop = None
 
     def _bind_loop(self) -> None:
@@ -74,6 +89,8 @@ class SandboxFusionBackend(SandboxBackend):
     ) -> SandboxResult:
         import httpx
 
+        if not (timeout_s > 0 and memory_mb > 0 and max_output_bytes > 0):
+            raise ValueError("timeout_s, memory_mb and max_output_bytes must be positive")
         payload = {
             "code": code,
             "language": self.language,
@@ -84,10 +101,19 @@ class SandboxFusionBackend(SandboxBackend):
             "files": {},
             "fetch_files": [],
         }
-        start = time.monotonic()
         last_error = None
         self._bind_loop()
-        async with self._semaphore:
+        queued = time.monotonic()
+        try:  # the queue has its own bound: waiting for a slot never eats into the program's timeout_s
+            await asyncio.wait_for(self._semaphore.acquire(), timeout=self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            result = self._failure(f"no slot became free within queue_timeout_s={self.queue_timeout_s:g} s "
+                                   f"(max_concurrency={self.max_concurrency}); the program was not sent", queued)
+            result.queued_s, result.duration_s = result.duration_s, 0.0
+            return result
+        queued_s = time.monotonic() - queued
+        start = time.monotonic()
+        try:
             for attempt in range(self.max_retries + 1):
                 if attempt:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + 0.25 * random.random()))
@@ -103,17 +129,24 @@ class SandboxFusionBackend(SandboxBackend):
                     continue
                 if response.status_code != 200:
                     # 4xx: our request is wrong; retrying will not help
-                    return self._failure(f"HTTP {response.status_code}: {response.text[:500]}", start)
+                    result = self._failure(f"HTTP {response.status_code}: {response.text[:500]}", start)
+                    break
                 try:
                     body = response.json()
                 except ValueError:
                     last_error = f"response is not JSON: {response.text[:200]!r}"
                     continue
-                if body.get("status") == "SandboxError":
-                    last_error = f"SandboxError: {body.get('message', '')}"
+                if not isinstance(body, dict) or body.get("status") == "SandboxError":
+                    last_error = f"SandboxError: {body.get('message', '') if isinstance(body, dict) else body!r}"
                     continue
-                return self._result(body, max_output_bytes, start)
-        return self._failure(f"{last_error} (after {self.max_retries + 1} attempts)", start)
+                result = self._result(body, max_output_bytes, start)
+                break
+            else:
+                result = self._failure(f"{last_error} (after {self.max_retries + 1} attempts)", start)
+        finally:
+            self._semaphore.release()
+        result.queued_s = queued_s
+        return result
 
     @staticmethod
     def _failure(message: str, start: float) -> SandboxResult:
@@ -136,13 +169,25 @@ class SandboxFusionBackend(SandboxBackend):
         error = None
         if not run and body.get("status") != "Success" and not compile_:
             error = f"{body.get('status')}: {body.get('message', '')}"
+        return_code = run.get("return_code")
+        exit_code = sig = killed_by = None
+        if isinstance(return_code, int) and return_code < 0:  # Python's subprocess convention: -N = killed by N
+            sig = -return_code
+        elif isinstance(return_code, int):
+            exit_code = return_code
+        if timed_out:
+            exit_code, killed_by = None, "timeout"
+        elif sig is not None:
+            killed_by = "unknown"  # the server's memory limit or the program's own signal: the response can't tell
         return SandboxResult(
             stdout=out_b.decode("utf-8", errors="replace"),
             stderr=err_b.decode("utf-8", errors="replace"),
-            exit_code=run.get("return_code"),
+            exit_code=exit_code,
             timed_out=timed_out,
             truncated=truncated,
+            signal=sig,
             duration_s=time.monotonic() - start,
             error=error,
             isolation={"backend": "sandbox_fusion"},
+            killed_by=killed_by,
         )
