@@ -1,4 +1,4 @@
-"""The Gluon backward kernels (gluon_kernels.py) compile for sm_90 with the installed Triton, on any machine.
+"""The Gluon kernels (gluon_kernels.py) compile for sm_90 with the installed Triton, on any machine.
 
 Gluon has no interpreter, so CPU CI cannot run these kernels (the GPU tests in test_triton_kernels.py compare them
 with fp64); compiling them ahead of time for an sm_90 target catches what CI can: Gluon API changes between
@@ -23,16 +23,21 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def gk():
-    """gluon_kernels as the backward loads it: through a compiled-mode copy of triton_kernels, which binds its band
-    arithmetic (@triton.jit helpers) into it.  Needs a process that imported Triton compiled: under
-    TRITON_INTERPRET=1 those helpers' tl builtins are the interpreter's, which Gluon cannot compile."""
+def tk():
+    """A compiled-mode copy of the package's triton_kernels (its CONFIGS table and its gluon_kernels).  Needs a
+    process that imported Triton compiled: under TRITON_INTERPRET=1 the shared band helpers (@triton.jit) are
+    decorated for the interpreter, which Gluon cannot compile."""
     from test_triton_kernels import INTERPRETED, _load_kernels  # noqa: PLC0415 - this directory's loaders
 
     if INTERPRETED:
         pytest.skip("triton was imported for the interpreter here: test_compile_in_subprocess runs these")
-    module = _load_kernels(interpret=False)._gluon_kernels()
-    assert module is not None, _load_kernels(interpret=False)._GLUON.get("error")
+    return _load_kernels(interpret=False)
+
+
+@pytest.fixture(scope="module")
+def gk(tk):
+    module = tk._gluon_kernels()
+    assert module is not None, tk._GLUON.get("error")
     return module
 
 
@@ -62,19 +67,15 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
     if "maxnreg" in cfg:  # a compile option only
         options["maxnreg"] = cfg["maxnreg"]
     consts = dict(GROUP=8, HEAD_DIM=head_dim, **{k: v for k, v in cfg.items() if k != "maxnreg"})
-    def fp32_tile(rows):  # dQ's float32 accumulator, reduced into by TMA
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32)
-        return f"tensordesc<fp32[{rows}, {head_dim}],{layout!r}>"
-
     descs = {"q_desc": desc(block_q), "do_desc": desc(block_q), "k_desc": desc(block_k), "v_desc": desc(block_k),
-             "lse_desc": row_vector(block_q), "delta_desc": row_vector(block_q), "dq_desc": fp32_tile(block_q)}
+             "lse_desc": row_vector(block_q), "delta_desc": row_vector(block_q)}
     signature = {}
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
         elif name in descs:
             signature[name] = descs[name]
-        elif name in ("Lse2", "Delta", "Sinks", "Lse", "DQ32"):
+        elif name in ("Lse2", "Delta", "Sinks", "Lse"):
             signature[name] = "*fp32"
         elif name in ("DK", "DV", "DQ", "Out"):
             signature[name] = "*bf16"
@@ -90,17 +91,12 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
 
 
 @pytest.mark.parametrize("kernel, options", [
-    ("dkdv", {}), ("dkdv", dict(STAGES=3, DEFER=1)), ("dkdv_atomic_dq", {}),
-    ("dq", {}), ("dq", dict(STAGES=3, DEFER=1)),
-    ("fwd", dict(HAS_SINK=True)), ("fwd", dict(HAS_SINK=False, BLOCK_N=128, STAGES=2)),
-    ("fwd_ws", dict(HAS_SINK=True)), ("fwd_ws", dict(HAS_SINK=False, CONSUMERS=2, CONSUMER_REGS=232, maxnreg=168)),
+    ("gluon_dkdv", {}), ("gluon_dkdv", dict(STAGES=3)), ("gluon_dq", {}), ("gluon_dq", dict(STAGES=3)),
+    ("gluon_fwd", dict(HAS_SINK=True)), ("gluon_fwd", dict(HAS_SINK=False, STAGES=3)),
 ])
-def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
-    cfg = dict(gk.CONFIGS[(kernel, 64)], **options)
-    if kernel.startswith("dkdv"):  # dQ reduced into a float32 tensor by TMA (UTMAREDG in the SASS), or not at all
-        cfg.update(DQ_ATOMIC=kernel == "dkdv_atomic_dq")
-    fn = {"dkdv": gk._dkdv_kernel, "dkdv_atomic_dq": gk._dkdv_kernel, "dq": gk._dq_kernel, "fwd": gk._fwd_kernel,
-          "fwd_ws": gk._fwd_ws_kernel}[kernel]
+def test_gluon_kernels_compile_for_sm90(tk, gk, kernel, options):
+    cfg = dict(tk.CONFIGS[(kernel, 64)], **options)
+    fn = {"gluon_dkdv": gk._dkdv_kernel, "gluon_dq": gk._dq_kernel, "gluon_fwd": gk._fwd_ws_kernel}[kernel]
     try:
         compiled = _compile(fn, cfg, cfg["BLOCK_M"], cfg["BLOCK_N"])
     except RuntimeError as exc:
@@ -110,8 +106,6 @@ def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx, "the products must be asynchronous warpgroup MMAs"
     assert "cp.async.bulk.tensor" in ptx, "the tiles must arrive through TMA"
-    if cfg.get("DQ_ATOMIC"):
-        assert "cp.reduce.async.bulk.tensor" in ptx, "dQ must be reduced by TMA from shared memory"
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.is_file():  # register spills show as a stack frame in the cubin's resource usage
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -123,6 +117,6 @@ def test_gluon_kernels_compile_for_sm90(gk, kernel, options):
         # under a register cap (maxnreg) ptxas versions differ by a register or two: triton 3.6's spills nothing
         # at 168, 3.9's 8 bytes; a real spill (a cap too tight, 150+ bytes at 152 registers) must still fail
         allowed = 32 if "maxnreg" in cfg else 0
-        if kernel == "fwd_ws":  # three consumers at 160-168 registers: triton 3.6's ptxas (the GPU image's) spills 32
-            allowed = 160  # bytes outside the key loop, 3.9's more; a tighter split of the register file spills more
+        if kernel == "gluon_fwd":  # three consumers at 160-168 registers: triton 3.6's ptxas (the GPU image's) spills
+            allowed = 160  # 32 bytes outside the key loop, 3.9's more; a tighter split of the register file spills more
         assert stack is not None and int(stack.group(1)) <= allowed, usage

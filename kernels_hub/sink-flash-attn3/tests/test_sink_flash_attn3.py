@@ -189,11 +189,18 @@ def test_half_precision_inputs_and_sink_gradient_dtype(kernel, backend, sink_hal
 
 
 def test_backends_agree_and_auto_dispatch(kernel, monkeypatch):
-    """The override picks the path; "auto" follows the device and TRITON_INTERPRET."""
+    """The override picks the path; "auto" follows the device, the dtype and TRITON_INTERPRET."""
     cpu = torch.device("cpu")
     monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "auto")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kernel.resolve_backend(cpu) == "triton"
+    assert kernel.resolve_backend(cpu, dtype=torch.float16) == "triton"
+    # Triton's interpreter multiplies raw bf16 bits in tl.dot (triton#11584): bf16 CPU tensors stay on PyTorch, and
+    # asking for Triton with them raises
+    assert kernel.resolve_backend(cpu, dtype=torch.bfloat16) == "torch"
+    with pytest.raises(TypeError, match="11584"):
+        kernel.resolve_backend(cpu, "triton", torch.bfloat16)
+    assert kernel.resolve_backend(torch.device("cuda"), dtype=torch.bfloat16) == "triton"
     assert kernel.resolve_backend(torch.device("cuda")) == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
     assert kernel.resolve_backend(cpu) == "torch"
@@ -292,7 +299,7 @@ def test_custom_op_passes_opcheck(kernel):
     cu = torch.tensor([0, 6, 10], dtype=torch.int32)
     for t in (q, k, v, sinks):
         t.requires_grad_()
-    torch.library.opcheck(ops.fwd.default, (q, k, v, sinks, cu, cu, 6, 6, 0.125, True, 2, 2, False, "torch"))
+    torch.library.opcheck(ops.fwd.default, (q, k, v, sinks, cu, cu, 6, 6, 0.125, True, 2, 2, "torch"))
 
 
 def test_two_loaded_copies_do_not_clash(kernel, hub_kernel, built_kernel_repo):
@@ -306,3 +313,35 @@ def test_two_loaded_copies_do_not_clash(kernel, hub_kernel, built_kernel_repo):
     a = kernel.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True, s_aux=torch.zeros(4))
     b = hub_kernel.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True, s_aux=torch.zeros(4))
     torch.testing.assert_close(a, b)
+
+
+def test_bf16_under_the_interpreter_takes_the_pytorch_path(kernel, monkeypatch):
+    """With TRITON_INTERPRET=1, "auto" must not hand bf16 CPU tensors to the interpreter (its bf16 tl.dot is wrong):
+    the result matches fp64 to bf16 precision (the interpreter's would be off by ~1e9)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "auto")
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 12, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    sinks = torch.randn(4)
+    out = kernel.flash_attn_func(q, k, v, causal=True, s_aux=sinks)
+    ref = eager_sink_attention(q[0], k[0], v[0], sinks, 64**-0.5, True, (-1, -1))
+    assert rel_err(out[0], ref) <= 2e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_argument(kernel, backend):
+    """The backward is always deterministic: deterministic=True and False give the same gradients, bit for bit."""
+    torch.manual_seed(5)
+    lens = [13, 6]
+    cu = cu_seqlens(lens)
+    q, k, v = (torch.randn(19, h, 64, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, requires_grad=True)
+    grads = []
+    for deterministic in (True, False, True):
+        out = kernel.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True, s_aux=sinks,
+                                            deterministic=deterministic, backend=backend)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v, sinks)))
+    for first, other in zip(grads[0], grads[1]):
+        assert torch.equal(first, other)
+    for first, other in zip(grads[0], grads[2]):
+        assert torch.equal(first, other)

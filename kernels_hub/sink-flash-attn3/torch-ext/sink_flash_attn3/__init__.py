@@ -6,8 +6,10 @@ FlashAttention-compatible entry points, as transformers calls them:
 - ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ..., s_aux=None)``
   on ``[total_tokens, heads, head_dim]``.
 
-CUDA tensors run the Triton kernels; CPU tensors run a plain PyTorch path (or the Triton kernels under
-``TRITON_INTERPRET=1``). See ``interface.py`` for the dispatch rules and the ``SINK_FLASH_ATTN3_BACKEND`` override.
+CUDA tensors run the Triton kernels (on sm_90, Gluon kernels for the backward and for the forward of long
+full-attention layers); CPU tensors run a plain PyTorch path (or, for float16/float32, the Triton kernels under
+``TRITON_INTERPRET=1``). See ``interface.py`` for the dispatch rules, the ``SINK_FLASH_ATTN3_BACKEND`` override and
+the ``SINK_FLASH_ATTN3_GLUON=0`` switch.
 """
 
 # `interface` is bound explicitly: when the kernels loader imports these sources a second time under the same

@@ -1,12 +1,13 @@
-"""Hopper (sm_90) kernels in Gluon.  The backward: the same math and the same deterministic two-kernel structure as
-``triton_kernels.py`` (dK/dV per key block looping over the KV group's query heads; dQ per query block), written
-with explicit asynchronous warpgroup MMAs so that the exponentials and the elementwise dS work run on the
-MUFU/FMA units while the tensor cores compute the next product.
+"""Hopper (sm_90) kernels in Gluon: the backward (dK/dV and dQ) and the forward of long full-attention layers.
+
+The backward has the same math and the same deterministic two-kernel structure as ``triton_kernels.py`` (dK/dV per
+key block looping over the KV group's query heads; dQ per query block), written with explicit asynchronous
+warpgroup MMAs so that the exponentials and the elementwise dS work run on the MUFU/FMA units while the tensor cores
+compute the next product.
 
 Why: the Triton compiler (3.6, sm_90) waits for every ``tl.dot`` right after issuing it (``warp_group_dot_wait
 {pendings = 0}``), so in its kernels the tensor cores idle during ``exp2`` and the dS arithmetic; at head_dim 64
-those cost about as much as the matmuls (benchmarks/notes/attention.md).  Per iteration here (dK/dV kernel,
-transposed tiles, keys x queries)::
+those cost about as much as the matmuls.  Per iteration here (dK/dV kernel, transposed tiles, keys x queries)::
 
     issue  S^T = K Q^T,  dP^T = V dO^T            (async; Q, dO tiles arrived by TMA, next tiles already in flight)
     wait S^T     ->  P^T = exp2(S^T - LSE)         (overlaps dP^T on the tensor cores)
@@ -14,92 +15,42 @@ transposed tiles, keys x queries)::
     wait dP^T    ->  dS^T = P^T (dP^T - D)         (overlaps dV)
     issue  dK += dS^T Q ;  wait all                (the registers of P^T / dS^T live until their MMAs finish)
 
-and the dQ kernel does the same with S = Q K^T, dP = dO V^T, dQ += dS K.  Loads go through TMA with two
-buffers: the tiles of step i+1 are requested at the start of step i; in the dK/dV kernel the query rows' LSE and
-D come with them (1-D copies; a per-row global load per step cost ~25% of that kernel's instructions).  The dK/dV
-kernel is compiled with a register cap (``maxnreg`` in CONFIGS) so that three programs share an SM.  For
-``deterministic=False`` with ``triton_kernels.ATOMIC_DQ`` the dK/dV kernel also computes dQ += dS K and reduces each
-dQ tile into a float32 tensor by TMA (``DQ_ATOMIC``), and the dQ kernel does not run.
+and the dQ kernel does the same with S = Q K^T, dP = dO V^T, dQ += dS K.  Loads go through TMA with STAGES buffers:
+the tiles of step i+1 are requested at the start of step i; in the dK/dV kernel the query rows' LSE and D come with
+them (1-D copies; a per-row global load per step cost ~25% of that kernel's instructions).
 
-The forward ``_fwd_ws_kernel`` (FA4's sm_90 shape: a load warp and three consumer warpgroups of 64 query rows on
-128-key tiles, each overlapping the softmax of key block j+1 with its P_j V_j product) runs by default on layers
-without a left window from 8k queries (``triton_kernels.GLUON_FWD = "auto"``; H200, 16k causal: 4.48 vs 5.01 ms for
-the Triton forward).  ``_fwd_kernel`` (one warpgroup per program, ``GLUON_FWD = True``) is an opt-in variant, correct
-but no faster than the Triton forward.
+The forward ``_fwd_ws_kernel`` has FA4's sm_90 shape: a load warp and three consumer warpgroups of 64 query rows on
+128-key tiles, each overlapping the softmax of key block j+1 with its P_j V_j product, the consumers taking turns on
+the tensor cores.  ``triton_kernels._plan`` runs it on layers without a left window from 8k queries.
 
-Scope (the caller checks it, ``triton_kernels._gluon_applies``): CUDA sm_90, 16-bit inputs, head_dim 64, rows
-16-byte aligned.  Everything else runs the Triton kernels.  Gluon has no interpreter, so CPU CI cannot run
-these kernels; ``tests/test_triton_kernels.py`` compares them with the fp64 reference on the GPU.
+Scope (``triton_kernels._plan`` checks it): CUDA sm_90, 16-bit inputs, head_dim 64, rows 16-byte aligned.  The
+launch configurations are ``triton_kernels.CONFIGS`` ("gluon_*" entries), passed in by the caller.  Gluon has no
+interpreter, so CPU CI compiles these kernels for sm_90 (``tests/test_gluon_compile.py``) and the GPU tests compare
+them with an fp64 reference.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_init, warpgroup_mma_wait)
-from triton.experimental.gluon.language._core import builtin as gl_builtin
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton._C.libtriton import ir
 
-__all__ = ["CONFIGS", "dkdv", "dq", "fwd", "fwd_ws"]
+from ._bands import key_block_ranges as _key_block_ranges
+from ._bands import query_block_ranges as _query_block_ranges
+from ._bands import row_vector_start as _row_vector_start
+
+__all__ = ["dkdv", "dq", "fwd"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_reduce_add = getattr(tma, "async_atomic_add", None)
-if _tma_reduce_add is None:  # Triton 3.6 builds the op (cp.reduce.async.bulk.tensor) but has no wrapper for it yet
-    @gl_builtin
-    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
-
-# (kernel, head_dim) -> tile sizes and warps.  8 warps = two warpgroups, each owning 64 rows of the output tile.
-# maxnreg caps the registers per thread: the dK/dV kernel compiles to ~195 without a cap (two programs per SM) and
-# to 168 without spills with it (three per SM: 16k causal dK/dV kernel 9.3 -> 7.3 ms on the H200, notes v7).
-CONFIGS: dict[tuple[str, int], dict[str, int]] = {
-    ("dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0, maxnreg=168),
-    ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0),
-    # dK/dV kernel that also reduces dQ into float32 by TMA (deterministic=False with triton_kernels.ATOMIC_DQ).
-    # 16k causal backward on the H200 (notes v10): 15.3 ms at 184 registers (no spills), 18.0 at 168 (8 B spilled),
-    # 16.1 uncapped (202); the deterministic two-kernel backward: 13.7
-    ("dkdv_atomic_dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, DEFER=0, maxnreg=184),
-    # forward (triton_kernels.GLUON_FWD, off by default: not faster than the Triton forward on the H200).  sm_90:
-    # 124 registers, 57 KB of shared memory (3 programs per SM; 2 stages: 41 KB, 4 per SM); 64x128: 164 registers
-    ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
-    ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3),
-    # producer/consumer forward (GLUON_FWD = "auto" on full layers from 8k queries, or "ws" everywhere): FA4's sm_90
-    # shape at head_dim 64, a load warp and three 64-row consumer warpgroups on 128-key tiles, one program per SM.
-    # Registers: 512 threads at launch x 128 = the SM's 64K; then the consumers take 160-168, the load warp 24 (sm_90
-    # compile: no spills in the key loop, 90 KB of shared memory).  Two consumers: maxnreg=168, CONSUMER_REGS=232.
-    # H200, 16k causal (notes v12): 4.48 ms at 2 stages with turns, 4.50 without, 4.54 / 4.56 at 3 / 4 stages; 2
-    # consumers 5.08, 1 consumer 7.67 (before the paired P conversion: 4.64-4.78)
-    ("fwd_ws", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, CONSUMERS=3, SCHEDULE=True,
-                         CONSUMER_REGS=160, PRODUCER_REGS=24, maxnreg=128),
-}
 _LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 _LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-
-
-# Which query (key) blocks a tile visits and which of them need no mask (`_query_block_ranges` /
-# `_key_block_ranges`), and where a sequence's LSE / D values start (`_row_vector_start`), are triton_kernels'
-# @triton.jit scalar functions, which Gluon kernels can call.  triton_kernels binds them here when it loads this
-# module (`triton_kernels._gluon_kernels`), so there is one copy.
-_query_block_ranges = None
-_key_block_ranges = None
-_row_vector_start = None
-
-
-def bind_triton_helpers(key_block_ranges, query_block_ranges, row_vector_start) -> None:
-    global _key_block_ranges, _query_block_ranges, _row_vector_start
-    _key_block_ranges, _query_block_ranges, _row_vector_start = key_block_ranges, query_block_ranges, row_vector_start
-
-
-def _check_bound() -> None:
-    if None in (_key_block_ranges, _query_block_ranges, _row_vector_start):
-        raise RuntimeError("gluon_kernels: load it through triton_kernels._gluon_kernels(), which binds the "
-                           "triton_kernels helpers the kernels call")
 
 
 @gluon.jit
@@ -133,16 +84,11 @@ def _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_sm
 
 
 @gluon.jit(do_not_specialize=["stride_rows"])
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, cu_seqlens_q, cu_seqlens_k,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, cu_seqlens_q, cu_seqlens_k,
                  stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rows, qk_scale, sm_scale, win_left,
                  win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """dK, dV of one (KV head, key block), looping over the group's query heads and the visible query blocks.
-    DQ_ATOMIC: also dQ += dS K per step (a fifth product, A = dS from shared memory), added in fp32 to the tensor of
-    ``dq_desc`` by a TMA reduce-add of the tile from shared memory (FlashAttention-3's dQ accumulation; per-element
-    atomics cost more than the dQ kernel they save, benchmarks/notes/attention.md v10): the separate dQ kernel and
-    its two recomputed products are saved, and dQ's rounding order varies between runs (``deterministic=False``)."""
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of one (KV head, key block), looping over the group's query heads and the visible query blocks."""
     off_kh = gl.program_id(0)
     pid_n = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -169,10 +115,6 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    if DQ_ATOMIC:  # dS^T of the step, read back transposed as the A operand of dQ = dS K
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -188,10 +130,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
                                                    BLOCK_M, BLOCK_N)
     num_m = gl.cdiv(hi - lo, BLOCK_M)
     total = GROUP * num_m  # steps: (query head g of the group, query block), heads outermost
-    # Q / dO tiles are requested AHEAD steps early.  A buffer is free once the MMAs of its step retired: with DEFER
-    # the dV / dK products of step s are retired by the first wait of step s + 1 (they overlap its loads and its
-    # S^T / dP^T), so one buffer fewer is free at the start of a step.
-    AHEAD: gl.constexpr = STAGES - 1 - DEFER
+    # Q / dO tiles are requested STAGES - 1 steps early (a buffer is free once the MMAs of its step retired)
+    AHEAD: gl.constexpr = STAGES - 1
     for i in gl.static_range(AHEAD):
         _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, i, total,
                       num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP, HEAD_DIM, BLOCK_M, STAGES)
@@ -216,7 +156,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
         do_tile = do_smem.index(buf)
         sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # retires S^T (and, with DEFER, the previous step's dV / dK); dP^T may still run
+        # retires S^T; dP^T may still run
         sT, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv, pT_op, dsT_op))
         # (rows past len_q hold the next sequence's or TMA's zero rows: only edge blocks have them, masked below;
         # LSE and D are read from shared memory where they are used, which keeps them out of the peak registers)
@@ -227,9 +167,6 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
                        & (offs_n[:, None] <= row_pos[None, :] + win_right)
                        & (start_m + offs_m0 < len_q)[None, :])
             pT = gl.where(visible, pT, 0.0)
-        if DQ_ATOMIC:  # key rows past len_k (the next sequence's keys) are never stored as dK / dV rows, but their
-            if start_n + BLOCK_N > len_k:  # dS would reach dQ: the last key block of a sequence masks them
-                pT = gl.where((offs_n < len_k)[:, None], pT, 0.0)
         pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
@@ -237,27 +174,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
         dsT16 = dsT.to(dtype)
         dsT_op = gl.convert_layout(dsT16, a_layout)
         dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
-        if DQ_ATOMIC:
-            ds_smem.store(dsT16)
-            fence_async_shared()
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout),
-                               use_acc=False, is_async=True)
-            dq, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv, pT_op, dsT_op))
-            dk = warpgroup_mma_init(dk)
-            dv = warpgroup_mma_init(dv)
-            # the previous step's reduce has read dq_smem by now (it had a whole step); rows past len_q add zeros
-            # (dS is masked there) to the next sequence's rows, or fall past the tensor (TMA clips them)
-            tma.store_wait(0)
-            dq_smem.store(dq * sm_scale)
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, [q_start + start_m, (off_kh * GROUP + g) * HEAD_DIM], dq_smem)
-        elif not DEFER:
-            dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
-            dk = warpgroup_mma_init(dk)
-            dv = warpgroup_mma_init(dv)
+        dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
     dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
-    if DQ_ATOMIC:
-        tma.store_wait(0)
 
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):
@@ -288,7 +208,7 @@ def _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step, num_n, row0, col, BL
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, stride_dqt,
                stride_dqh, stride_rows, qk_scale, sm_scale, win_left, win_right, GROUP: gl.constexpr,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               DEFER: gl.constexpr, num_warps: gl.constexpr):
+               num_warps: gl.constexpr):
     off_h = gl.program_id(0)
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -326,7 +246,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
                                                  BLOCK_M, BLOCK_N)
     num_n = gl.cdiv(hi - lo, BLOCK_N)
     kv_col = off_kh * HEAD_DIM
-    AHEAD: gl.constexpr = STAGES - 1 - DEFER  # as in _dkdv_kernel
+    AHEAD: gl.constexpr = STAGES - 1  # as in _dkdv_kernel
     for i in gl.static_range(AHEAD):
         _dq_request(k_desc, v_desc, k_smem, v_smem, bars, i, num_n, k_start + lo, kv_col, BLOCK_N, STAGES)
 
@@ -362,9 +282,8 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
         ds = p * (dp - delta[:, None])
         ds_op = gl.convert_layout(ds.to(dtype), a_layout)
         dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
-        if not DEFER:
-            dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
-            dq = warpgroup_mma_init(dq)
+        dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
+        dq = warpgroup_mma_init(dq)
     dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
 
     mbarrier.invalidate(q_bar)
@@ -430,93 +349,6 @@ def _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_o
     gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
 
 
-@gluon.jit(do_not_specialize=["stride_lse_h"])
-def _fwd_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
-                stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
-                num_warps: gl.constexpr):
-    """Forward of one (query head, query block): FlashAttention-3's in-warpgroup overlap.  Per key block j::
-
-        issue  S_{j+1} = Q K_{j+1}^T ;  issue  O += P_j V_j     (async, P_j from registers)
-        wait S_{j+1}  ->  softmax(S_{j+1}) -> P_{j+1}          (exp2 overlaps the P_j V_j product)
-        wait P_j V_j  ->  O *= alpha_{j+1}                     (then K/V buffer j is free: request block j + STAGES)
-    """
-    off_h = gl.program_id(0)  # heads fastest: programs sharing K/V (a GQA group) run together
-    pid_m = gl.program_id(1)
-    off_b = gl.program_id(2)
-    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
-    start_m = (gl.num_programs(1) - 1 - pid_m) * BLOCK_M  # longest (last) query blocks first
-    if start_m >= len_q:
-        return
-    shift = len_k - len_q
-    off_kh = off_h // GROUP
-    dtype: gl.constexpr = q_desc.dtype
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over queries
-    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-
-    # (rows past len_q: the next sequence's or TMA's zero rows; computed, never stored)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], q_bar, q_smem)
-    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
-                                                 BLOCK_M, BLOCK_N)
-    num_n = gl.cdiv(hi - lo, BLOCK_N)
-    kv_col = off_kh * HEAD_DIM
-    for i in gl.static_range(STAGES):  # the same K/V requests as the dQ kernel's
-        _dq_request(k_desc, v_desc, k_smem, v_smem, bars, i, num_n, k_start + lo, kv_col, BLOCK_N, STAGES)
-
-    m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
-    row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
-    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    mbarrier.wait(q_bar, 0)
-    if num_n > 0:
-        acc = warpgroup_mma_init(acc)
-        mbarrier.wait(bars.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
-                                          win_right, qk_scale)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(num_n - 1):
-            buf = j % STAGES
-            nxt = (j + 1) % STAGES
-            mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) % 2)
-            s = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_{j+1} retired; P_j V_j may still run
-            p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo + (j + 1) * BLOCK_N, offs_n0, row_pos, len_k,
-                                              full_lo, full_hi, win_left, win_right, qk_scale)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
-            _dq_request(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, num_n, k_start + lo, kv_col, BLOCK_N,
-                        STAGES)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index((num_n - 1) % STAGES), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-    _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
-               BLOCK_M, HEAD_DIM, o_layout, row_layout)
-
-
 @gluon.jit
 def _to_16bit_pairs(x, dtype: gl.constexpr):
     """``x.to(dtype)`` for 16-bit dtype, converting neighbouring elements in pairs (``cvt.rn.{bf16,f16}x2.f32``, element
@@ -557,12 +389,13 @@ def _fwd_ws_producer(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES
 
 
 @gluon.jit
-def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr, SCHEDULE: gl.constexpr,
+def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
                      STAGES: gl.constexpr):
     """Consumer warpgroup C of ``_fwd_ws_kernel``: query rows [start_m0 + C * BLOCK_M, + BLOCK_M), every key block of
-    the program, ``_fwd_kernel``'s in-warpgroup overlap.  With SCHEDULE the consumers issue their products in turn
-    (mbarriers ``turn``, round robin), so one's softmax runs while the others' products hold the tensor cores."""
+    the program, with FlashAttention-3's in-warpgroup overlap (the softmax of key block j+1 runs while P_j V_j is on
+    the tensor cores).  The consumers issue their products in turn (mbarriers ``turn``, round robin), so one's
+    softmax runs while the others' products hold the tensor cores."""
     (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Sinks, Out, Lse, off_h, q_start, len_q,
      len_k, start_m0, lo, num_n, stride_ot, stride_oh, stride_lse_h, qk_scale, win_left, win_right) = shared
     NUM_WARPS: gl.constexpr = 4
@@ -584,18 +417,15 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr, SCHEDULE:
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    if SCHEDULE:
-        if C == CONSUMERS - 1:  # consumer 0 issues first
-            mbarrier.arrive(turn.index(0), count=1)
+    if C == CONSUMERS - 1:  # consumer 0 issues first
+        mbarrier.arrive(turn.index(0), count=1)
     mbarrier.wait(q_bar, 0)
     if num_n > 0:
         acc = warpgroup_mma_init(acc)
         mbarrier.wait(k_ready.index(0), 0)
-        if SCHEDULE:
-            mbarrier.wait(turn.index(C), 0)
+        mbarrier.wait(turn.index(C), 0)
         s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if SCHEDULE:
-            mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
+        mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
@@ -606,12 +436,10 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr, SCHEDULE:
             nxt = (j + 1) % STAGES
             mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) % 2)
             mbarrier.wait(v_ready.index(buf), (j // STAGES) % 2)
-            if SCHEDULE:
-                mbarrier.wait(turn.index(C), (j + 1) % 2)
+            mbarrier.wait(turn.index(C), (j + 1) % 2)
             s = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
-            if SCHEDULE:
-                mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
+            mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_{j+1} retired; P_j V_j may still run
             mbarrier.arrive(k_empty.index(nxt), count=1)
             p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo + (j + 1) * BLOCK_N, offs_n0, row_pos, len_k,
@@ -632,11 +460,11 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr, SCHEDULE:
 def _fwd_ws_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
                    stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
-                   CONSUMERS: gl.constexpr, SCHEDULE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Forward with a load warp and CONSUMERS warpgroups of BLOCK_M query rows of one head per program (FA4's sm_90
-    forward at head_dim 64: 3 x 64 rows, 128-key tiles).  The load warp alone issues TMA, so the consumers run no
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Forward with a load warp and three consumer warpgroups of BLOCK_M query rows of one head per program (FA4's
+    sm_90 forward at head_dim 64: 3 x 64 rows, 128-key tiles).  The load warp alone issues TMA, so the consumers run no
     CTA barriers; K and V have their own ready / empty barriers, so S_{j+1} can start before V_j lands."""
+    CONSUMERS: gl.constexpr = 3
     off_h = gl.program_id(0)
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -674,112 +502,74 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seq
               win_right)
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
              q_start + start_m0, off_h * HEAD_DIM, k_start + lo, kv_col, num_n)
-    if CONSUMERS == 1:
-        gl.warp_specialize([
-            (_fwd_ws_consumer, (shared, 0, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
-        ], [1], [PRODUCER_REGS])
-    elif CONSUMERS == 2:
-        gl.warp_specialize([
-            (_fwd_ws_consumer, (shared, 0, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-            (_fwd_ws_consumer, (shared, 1, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.static_assert(CONSUMERS == 3, "_fwd_ws_kernel: 1, 2 or 3 consumer warpgroups")
-        gl.warp_specialize([
-            (_fwd_ws_consumer, (shared, 0, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-            (_fwd_ws_consumer, (shared, 1, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-            (_fwd_ws_consumer, (shared, 2, CONSUMERS, SCHEDULE, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-
+    gl.warp_specialize([
+        (_fwd_ws_consumer, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+        (_fwd_ws_consumer, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+        (_fwd_ws_consumer, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+        (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 # ----------------------------------------------------------------------------------------------------------
-# Host side
+# Host side (the caller, triton_kernels.py, checks the scope and passes the launch configuration)
 # ----------------------------------------------------------------------------------------------------------
-_GL_DTYPES = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16, "torch.float32": gl.float32}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """The NVMMA shared-memory layout of a TMA tile (cached: building it costs more than the descriptor)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
 def _descriptor(t, block_rows: int):
     """TMA descriptor over ``t [T, H, D]`` viewed as ``[T, H * D]``, tiles ``[block_rows, D]``."""
     T, H, D = t.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, D], _GL_DTYPES[str(t.dtype)])
-    return TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D], layout)
+    return TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D], _shared_layout((block_rows, D), t.dtype))
 
 
 def _row_vector(t, block: int):
     """1-D TMA descriptor over the float32 per-row vector ``t [H, T]`` (LSE or D) flattened, tiles of ``block``."""
-    layout = gl.NVMMASharedLayout.get_default_for([block], gl.float32)
-    return TensorDescriptor(t, [t.numel()], [1], [block], layout)
+    return TensorDescriptor(t, [t.numel()], [1], [block], _shared_layout((block,), t.dtype))
+
+
+def _launch_options(config: dict) -> tuple[int, int, dict]:
+    cfg = dict(config)
+    return cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg
 
 
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, qk_scale, sm_scale,
-         win_left, win_right, config=None, dq32=None):
+         win_left, win_right, config):
     """dK, dV into ``dk``, ``dv`` (see ``triton_kernels.sink_attention_backward`` for the contract; ``lse2`` and
-    ``delta`` are the per-row vectors ``[H, stride_rows]`` laid out by ``triton_kernels._row_vector_start``).
-    ``dq32``: a zeroed float32 ``[Tq, Hq, D]`` tensor that also receives dQ (TMA reduce-add; no dQ kernel needed)."""
-    _check_bound()
+    ``delta`` are the per-row vectors ``[H, stride_rows]`` laid out by ``_bands.row_vector_start``)."""
     _, H_q, D = q.shape
-    H_kv = k.shape[1]
-    cfg = dict(config or CONFIGS[("dkdv_atomic_dq" if dq32 is not None else "dkdv", D)])
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    if dq32 is not None and cfg.get("DEFER"):
-        raise ValueError("the atomic-dQ dK/dV kernel retires every product within its step (DEFER=0)")
-    grid = (H_kv, triton.cdiv(int(max_seqlen_k), bn), cu_seqlens_q.numel() - 1)
-    q_desc = _descriptor(q, bm)
-    dq_desc = _descriptor(dq32, bm) if dq32 is not None else q_desc  # (unused without DQ_ATOMIC)
+    bm, bn, cfg = _launch_options(config)
+    grid = (k.shape[1], triton.cdiv(int(max_seqlen_k), bn), cu_seqlens_q.numel() - 1)
     _dkdv_kernel[grid](
-        q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _row_vector(lse2, bm),
-        _row_vector(delta, bm), dq_desc, dk, dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D,
-        BLOCK_M=bm, BLOCK_N=bn, DQ_ATOMIC=dq32 is not None, **cfg)
-
-
-def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right,
-        windowed: bool = False, config=None):
-    """Forward into ``out`` and ``lse`` (see ``triton_kernels.sink_attention_forward`` for the contract)."""
-    _check_bound()
-    _, H_q, D = q.shape
-    H_kv = k.shape[1]
-    cfg = dict(config or CONFIGS[("fwd_window" if windowed else "fwd", D)])
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
-    has_sink = sinks is not None
-    _fwd_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
-        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
-        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
-
-
-def fwd_ws(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right,
-           config=None):
-    """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (CONSUMERS * BLOCK_M query rows per program)."""
-    _check_bound()
-    _, H_q, D = q.shape
-    H_kv = k.shape[1]
-    cfg = dict(config or CONFIGS[("fwd_ws", D)])
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    if cfg["CONSUMERS"] not in (1, 2, 3):
-        raise ValueError(f"the producer/consumer forward takes 1, 2 or 3 consumer warpgroups, got {cfg['CONSUMERS']}")
-    grid = (H_q, triton.cdiv(int(max_seqlen_q), cfg["CONSUMERS"] * bm), cu_seqlens_q.numel() - 1)
-    has_sink = sinks is not None
-    _fwd_ws_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
-        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
-        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _row_vector(lse2, bm),
+        _row_vector(delta, bm), dk, dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0),
+        dv.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left, win_right, GROUP=H_q // k.shape[1], HEAD_DIM=D,
+        BLOCK_M=bm, BLOCK_N=bn, **cfg)
 
 
 def dq(q, k, v, dout, lse2, delta, dq_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, sm_scale,
-       win_left, win_right, config=None):
+       win_left, win_right, config):
     """dQ into ``dq_out``."""
-    _check_bound()
     _, H_q, D = q.shape
-    H_kv = k.shape[1]
-    cfg = dict(config or CONFIGS[("dq", D)])
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    bm, bn, cfg = _launch_options(config)
     grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
     _dq_kernel[grid](
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), lse2, delta, dq_out,
         cu_seqlens_q, cu_seqlens_k, dq_out.stride(0), dq_out.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left,
-        win_right, GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
+        win_right, GROUP=H_q // k.shape[1], HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
+
+
+def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right, config):
+    """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (three consumers x BLOCK_M query rows per program)."""
+    _, H_q, D = q.shape
+    bm, bn, cfg = _launch_options(config)
+    grid = (H_q, triton.cdiv(int(max_seqlen_q), 3 * bm), cu_seqlens_q.numel() - 1)
+    has_sink = sinks is not None
+    _fwd_ws_kernel[grid](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
+        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
+        GROUP=H_q // k.shape[1], HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)

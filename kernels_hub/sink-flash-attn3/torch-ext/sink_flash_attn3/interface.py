@@ -1,26 +1,30 @@
 """Public API: FlashAttention-compatible functions with learnable attention sinks (``s_aux``) and their gradient.
 
-Design: the FlashAttention signatures users know, argument checks up front, and one differentiable torch custom
-op (forward op + backward op, both with fake/meta implementations, joined by ``register_autograd``) that both
-entry points call, so ``torch.compile(fullgraph=True)`` traces forward and backward with no graph break. (An
-``autograd.Function`` per entry point, as in FlashAttention, would break the graph: dynamo cannot trace
-``Function.apply`` when one tensor feeds two inputs, and transformers passes the same ``cu_seqlens`` tensor for
-queries and keys.) The op namespace is derived from the name this package was imported under, so two loaded
-copies (e.g. the Hub kernel loaded by ``kernels`` under its hashed module name, and the copy shipped inside
-``hf_gptoss_rl``) never clash.
+Design: the FlashAttention signatures users know and argument checks up front.  In eager mode the entry points call
+the backend through one ``torch.autograd.Function`` (the cheapest host path: no dispatcher round trip per call);
+under ``torch.compile`` they call one differentiable torch custom op instead (forward op + backward op, both with
+fake implementations, joined by ``register_autograd``), so ``torch.compile(fullgraph=True)`` traces forward and
+backward with no graph break (dynamo cannot trace ``Function.apply`` when one tensor feeds two inputs, and
+transformers passes the same ``cu_seqlens`` tensor for queries and keys).  Both run the same backend functions.
+The op namespace is derived from the name this package was imported under, so two loaded copies (e.g. the Hub
+kernel loaded by ``kernels`` under its hashed module name, and the copy shipped inside ``hf_gptoss_rl``) never
+clash.
 
-Backend dispatch (per call, from the tensors' device):
+Backend dispatch (per call, from the tensors):
 
-- CUDA tensors -> Triton kernels (``triton_kernels.py``; on sm_90 it runs part of the backward in Gluon,
-  ``gluon_kernels.py``);
-- CPU tensors -> plain PyTorch (``reference.py``), or the Triton kernels when ``TRITON_INTERPRET=1`` is set
-  (the interpreter runs them on CPU tensors, so CI exercises the real kernel code);
+- CUDA tensors -> the Triton kernels (``triton_kernels.py``; on sm_90 the backward, and the forward of long
+  full-attention layers, run the Gluon kernels of ``gluon_kernels.py``; ``SINK_FLASH_ATTN3_GLUON=0`` turns those
+  off);
+- CPU tensors -> plain PyTorch (``reference.py``); with ``TRITON_INTERPRET=1`` set, float16/float32 CPU tensors
+  run the Triton kernels in Triton's interpreter (how CI exercises the real kernel code), bf16 ones stay on PyTorch
+  (the interpreter multiplies raw bf16 bits in ``tl.dot``, triton-lang/triton#11584);
 - override with the ``backend=`` argument or the ``SINK_FLASH_ATTN3_BACKEND`` environment variable
   (``"auto"`` | ``"triton"`` | ``"torch"``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -44,36 +48,96 @@ def _triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """The backend (``"triton"`` or ``"torch"``) that runs attention on ``device``.
+def resolve_backend(device: torch.device, backend: str | None = None, dtype: torch.dtype | None = None) -> str:
+    """The backend (``"triton"`` or ``"torch"``) that runs attention on ``device`` for inputs of ``dtype``.
 
     ``backend`` (or, when it is None, the ``SINK_FLASH_ATTN3_BACKEND`` environment variable) forces a choice;
-    ``"auto"`` picks Triton on CUDA, and on CPU only when ``TRITON_INTERPRET=1``.
+    ``"auto"`` picks Triton on CUDA, and on CPU only when ``TRITON_INTERPRET=1`` is set and ``dtype`` is not bf16
+    (Triton's interpreter multiplies raw bf16 bits in ``tl.dot``, triton-lang/triton#11584).  Asking for Triton on
+    CPU without the interpreter, or for bf16 CPU tensors, raises.
     """
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
     if choice not in _BACKENDS:
         raise ValueError(f"sink_flash_attn3: backend must be one of {_BACKENDS}, got {choice!r}")
+    on_cpu = device.type == "cpu"
     if choice == "auto":
-        if device.type == "cuda" or (device.type == "cpu" and _triton_interpret_enabled()):
+        if device.type == "cuda" or (on_cpu and _triton_interpret_enabled() and dtype != torch.bfloat16):
             return "triton"
         return "torch"
-    if choice == "triton" and device.type == "cpu" and not _triton_interpret_enabled():
-        raise RuntimeError(
-            "sink_flash_attn3: the Triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
-            "imported; use backend='torch' for the plain PyTorch path"
-        )
+    if choice == "triton" and on_cpu:
+        if not _triton_interpret_enabled():
+            raise RuntimeError(
+                "sink_flash_attn3: the Triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
+                "imported; use backend='torch' for the plain PyTorch path"
+            )
+        if dtype == torch.bfloat16:
+            raise TypeError(
+                "sink_flash_attn3: the Triton backend cannot run bf16 CPU tensors: Triton's interpreter multiplies "
+                "raw bf16 bits in tl.dot (triton-lang/triton#11584); use backend='torch' or float16/float32"
+            )
     return choice
+
+
+_BACKEND_MODULES: dict = {}
 
 
 def _backend_module(backend: str) -> ModuleType:
     # Imported lazily: Triton is optional on CPU-only machines, and TRITON_INTERPRET must be set before the
     # kernels are decorated.
-    name = "triton_kernels" if backend == "triton" else "reference"
-    return importlib.import_module(f".{name}", __package__)
+    module = _BACKEND_MODULES.get(backend)
+    if module is None:
+        name = "triton_kernels" if backend == "triton" else "reference"
+        module = _BACKEND_MODULES[backend] = importlib.import_module(f".{name}", __package__)
+    return module
+
+
+def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+             window_left, window_right, backend):
+    if sinks is not None and sinks.dtype != torch.float32:
+        sinks = sinks.float()  # the backends take fp32 sink logits
+    return _backend_module(backend).sink_attention_forward(
+        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+        window_right)
+
+
+def _backward_impl(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, window_left, window_right, backend):
+    if sinks is not None and sinks.dtype != torch.float32:
+        sinks = sinks.float()
+    return _backend_module(backend).sink_attention_backward(
+        dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        causal, window_left, window_right)
+
+
+class _SinkAttention(torch.autograd.Function):
+    """The eager path: the same backend calls as the custom ops below, without their dispatch overhead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params):
+        out, lse = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
+        ctx.params = params
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv, dsink = _backward_impl(dout.contiguous(), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k,
+                                           *ctx.params)
+        if dsink is not None and dsink.dtype != sinks.dtype:
+            dsink = dsink.to(sinks.dtype)  # the sink gradient in the sink's own dtype
+        return (dq, dk, dv, dsink) + (None,) * (2 + len(ctx.params))
+
+
+def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params):
+    if torch.compiler.is_compiling():
+        return _fwd_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params)
+    return _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Custom ops
+# Custom ops (the path torch.compile traces)
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -108,23 +172,16 @@ def _fwd_op(
     causal: bool,
     window_left: int,
     window_right: int,
-    deterministic: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: ``out [Tq, Hq, D]`` (q's dtype) and the sink-inclusive ``lse [Hq, Tq]`` (fp32).
-
-    ``deterministic`` only matters to the backward; it is an input so the autograd formula can see it.
-    """
-    sinks = sinks.float() if sinks is not None else None  # the backends take fp32 sink logits
-    return _backend_module(backend).sink_attention_forward(
-        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right,
-    )  # fmt: skip
+    """Forward: ``out [Tq, Hq, D]`` (q's dtype) and the sink-inclusive ``lse [Hq, Tq]`` (fp32)."""
+    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    window_left, window_right, backend)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, deterministic, backend):  # fmt: skip
+      window_left, window_right, backend):  # fmt: skip
     total_q, num_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((num_heads, total_q), dtype=torch.float32)
 
@@ -146,15 +203,11 @@ def _bwd_op(
     causal: bool,
     window_left: int,
     window_right: int,
-    deterministic: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``dq, dk, dv`` (input dtypes) and ``dsink [Hq]`` fp32 (an empty tensor without sinks)."""
-    sinks = sinks.float() if sinks is not None else None
-    dq, dk, dv, dsink = _backend_module(backend).sink_attention_backward(
-        dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right, deterministic,
-    )  # fmt: skip
+    dq, dk, dv, dsink = _backward_impl(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, softmax_scale, causal, window_left, window_right, backend)
     if dsink is None:  # custom ops return tensors only: an empty tensor stands for "no sink gradient"
         dsink = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dsink
@@ -162,7 +215,7 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      causal, window_left, window_right, deterministic, backend):  # fmt: skip
+      causal, window_left, window_right, backend):  # fmt: skip
     dsink_shape = (q.shape[1],) if sinks is not None else (0,)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(dsink_shape, dtype=torch.float32)
 
@@ -171,7 +224,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
-    ctx.params = params  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left/right, deterministic, backend
+    ctx.params = params  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left/right, backend
     ctx.mark_non_differentiable(lse)
 
 
@@ -179,7 +232,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv, dsink = _bwd_op(dout.contiguous(), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params)
     dsink = dsink.to(sinks.dtype) if sinks is not None else None  # the sink gradient in the sink's own dtype
-    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None
 
 
 # The op is its own autograd unit (rather than an autograd.Function around it): dynamo cannot trace
@@ -288,13 +341,26 @@ _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 def _select_backend(q: torch.Tensor, backend: str | None) -> str:
     """Resolves the backend and checks what only the Triton kernels restrict (head_dim is a tile dimension)."""
-    resolved = resolve_backend(q.device, backend)
+    resolved = resolve_backend(q.device, backend, q.dtype)
     if resolved == "triton" and q.shape[-1] not in _TRITON_HEAD_DIMS:
         raise ValueError(
             f"sink_flash_attn3: the Triton kernels support head_dim in {_TRITON_HEAD_DIMS}, got {q.shape[-1]}; "
             "use backend='torch' (or SINK_FLASH_ATTN3_BACKEND=torch) for other sizes"
         )
     return resolved
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """``[0, seqlen, 2 * seqlen, ...]`` (int32, ``batch + 1``) on ``device``, built once per shape (the tensors are
+    only ever read)."""
+    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+
+
+def _cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a traced graph builds its own (a cached tensor would become a constant)
+        return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+    return _dense_cu_seqlens(batch, seqlen, device)
 
 
 def _as_int(value):
@@ -337,7 +403,9 @@ def flash_attn_func(
         window_size: ``(left, right)`` sliding window, -1 = unbounded: key j is visible from aligned query
             position i iff ``i - left <= j <= i + right``.
         s_aux: learnable sink logits ``[num_heads]`` (fp32, bf16 or fp16); receives a gradient in its own dtype.
-        deterministic: deterministic backward (the sink gradient is always deterministic).
+        deterministic: FlashAttention's switch for a deterministic backward. This kernel's backward is always
+            deterministic (every gradient, the sink's included, is reduced in a fixed order, with no atomics), so
+            both values give bitwise-reproducible gradients.
         return_softmax_lse: also return the sink-inclusive log-sum-exp ``[batch, num_heads, seqlen_q]`` (fp32).
         backend: ``"auto"`` (default, see module docstring), ``"triton"`` or ``"torch"``.
 
@@ -351,14 +419,14 @@ def flash_attn_func(
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     # A fixed-length batch is the varlen problem with equal lengths: flatten the batch into the token axis.
-    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-    cu_seqlens_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32, device=q.device)
-    out, lse = _fwd_op(
+    cu_seqlens_q = _cu_seqlens(batch, seqlen_q, q.device)
+    cu_seqlens_k = cu_seqlens_q if seqlen_k == seqlen_q else _cu_seqlens(batch, seqlen_k, q.device)
+    out, lse = _attention(
         q.reshape(batch * seqlen_q, num_heads, head_dim).contiguous(),
         k.reshape(batch * seqlen_k, *k.shape[2:]).contiguous(),
         v.reshape(batch * seqlen_k, *v.shape[2:]).contiguous(),
         s_aux, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, scale, bool(causal), window_left, window_right,
-        bool(deterministic), _select_backend(q, backend),
+        _select_backend(q, backend),
     )  # fmt: skip
     out = out.view(batch, seqlen_q, num_heads, head_dim)
     lse = lse.view(num_heads, batch, seqlen_q).transpose(0, 1)  # [B, H, S] like FlashAttention's softmax_lse
@@ -402,9 +470,8 @@ def flash_attn_varlen_func(
         return_attn_probs, varlen=True,
     )  # fmt: skip
     scale = _softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = _fwd_op(
+    out, lse = _attention(
         q.contiguous(), k.contiguous(), v.contiguous(), s_aux, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q),
-        _as_int(max_seqlen_k), scale, bool(causal), window_left, window_right, bool(deterministic),
-        _select_backend(q, backend),
+        _as_int(max_seqlen_k), scale, bool(causal), window_left, window_right, _select_backend(q, backend),
     )  # fmt: skip
     return (out, lse) if return_softmax_lse else out
