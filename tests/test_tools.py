@@ -131,7 +131,7 @@ class ScriptedBackend(SandboxBackend):
 def test_code_interpreter_formats_results():
     backend = ScriptedBackend(SandboxResult("out\n", "Traceback...\nValueError: x\n", 1, False, False))
     tool = CodeInterpreterTool(backend, timeout_s=5, max_output_chars=100, memory_mb=300)
-    assert call(tool, {"code": "```python\n1 + 1\n```"}) == "out\nTraceback...\nValueError: x\n"
+    assert call(tool, {"code": "```python\n1 + 1\n```"}) == "out\nTraceback...\nValueError: x\n[exit status 1]"
     assert backend.calls == [dict(code="print(1 + 1)\n", timeout_s=5.0, memory_mb=300, max_output_bytes=404)]
     assert tool.spec()["name"] == "code_interpreter" and tool.spec()["parameters"]["required"] == ["code"]
 
@@ -151,12 +151,86 @@ def test_code_interpreter_formats_results():
         call(silent, {"code": "```python\n```"})
 
 
+@pytest.mark.parametrize(
+    "result, expected",
+    [
+        (SandboxResult("", "", 3, False, False), "[exit status 3]"),
+        (SandboxResult("", "", 0, False, False), "[no output]"),
+        (SandboxResult("", "", None, False, False, signal=9, killed_by="memory_limit", oom_kills=1),
+         "[process killed: memory limit of 300 MiB exceeded]"),
+        (SandboxResult("", "", None, False, False, signal=9, killed_by="program"),
+         "[process terminated by SIGKILL, raised by the program itself (not a sandbox limit)]"),
+        (SandboxResult("", "", None, False, False, signal=11, killed_by="program"),
+         "[process terminated by SIGSEGV, raised by the program itself (not a sandbox limit)]"),
+        (SandboxResult("", "", None, False, False, signal=9, killed_by="unknown"), "[process terminated by SIGKILL]"),
+        (SandboxResult("p", "", None, True, False, signal=24, killed_by="cpu_limit"),
+         "p\n[process killed: CPU time limit of 5 s reached]"),
+        (SandboxResult("", "", 0, False, False, oom_kills=2),
+         "[2 process(es) of the program killed: memory limit of 300 MiB exceeded]"),
+        (SandboxResult("", "OSError: [Errno 28] No space left on device\n", 1, False, False, disk_full=True,
+                       isolation={"disk_quota": 8 * 2**20}),
+         "OSError: [Errno 28] No space left on device\n[disk quota of 8 MiB for the working directory exceeded "
+         "(size or number of files)]\n[exit status 1]"),
+    ],
+    ids=["exit", "silent", "memory", "self-kill", "crash", "unknown-signal", "cpu", "child-oom", "disk"],
+)
+def test_code_interpreter_tells_the_model_why(result, expected):
+    tool = CodeInterpreterTool(ScriptedBackend(result), timeout_s=5, memory_mb=300)
+    assert call(tool, {"code": "x"}) == expected
+
+
+def test_call_with_timeout_bounds_the_programs_run_time_only():
+    backend = ScriptedBackend(SandboxResult("ok\n", "", 0, False, False))
+    tool = CodeInterpreterTool(backend, timeout_s=10)
+    assert asyncio.run(tool.call_with_timeout({"code": "print(1)"}, 3)) == "ok\n"
+    assert asyncio.run(tool.call_with_timeout({"code": "print(1)"}, 30)) == "ok\n"
+    assert [c["timeout_s"] for c in backend.calls] == [3.0, 10.0]  # the lower of the loop's and the tool's
+    with pytest.raises(ValueError):
+        asyncio.run(tool.call_with_timeout({"code": "print(1)"}, 0))
+
+    async def slow(x: int) -> int:
+        """Sleep.
+
+        Args:
+            x: ignored
+        """
+        await asyncio.sleep(5)
+        return x
+
+    with pytest.raises(asyncio.TimeoutError):  # the default hook bounds the whole call
+        asyncio.run(FunctionTool(slow).call_with_timeout({"x": 1}, 0.05))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only")
+def test_agent_loop_tool_timeout_ignores_the_sandbox_queue():
+    """Four concurrent code_interpreter calls share one sandbox slot; each runs 0.5 s under the loop's 1.2 s
+    tool_timeout_s. The last one waits ~1.5 s for its slot and must still succeed: only its own run counts."""
+    from types import SimpleNamespace
+
+    from trl_ext.rollout.agent_loop import AgentLoop
+    from trl_ext.rollout.types import SamplingParams
+
+    tool = CodeInterpreterTool(LocalSandbox(max_processes=4, max_concurrency=1), timeout_s=10, memory_mb=256)
+    loop = AgentLoop(None, [tool], sampling=SamplingParams(max_new_tokens=8), tool_timeout_s=1.2)
+    call_ = SimpleNamespace(name="code_interpreter", recipient="functions.code_interpreter",
+                            parsed_arguments=lambda: {"code": "import time\ntime.sleep(0.5)\nprint('ran')"})
+
+    async def main():
+        return await asyncio.gather(*[loop._run_tool(call_) for _ in range(4)])
+
+    assert asyncio.run(main()) == [("ran\n", None)] * 4
+    hung = SimpleNamespace(name="code_interpreter", recipient="functions.code_interpreter",
+                           parsed_arguments=lambda: {"code": "while True: pass"})
+    result, error = asyncio.run(loop._run_tool(hung))
+    assert error is None and result == "[execution timed out after 1.2 s]"  # the program's run, bounded by the loop
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only")
 def test_code_interpreter_on_local_sandbox():
     tool = CodeInterpreterTool(LocalSandbox(max_processes=4), timeout_s=5, max_output_chars=200, memory_mb=512)
     assert call(tool, {"code": "```python\nimport math\nx = math.factorial(10)\nx\n```"}) == "3628800\n"
     out = call(tool, {"code": "1 / 0"})
-    assert "ZeroDivisionError" in out and out.startswith("Traceback")
+    assert "ZeroDivisionError" in out and out.startswith("Traceback") and out.endswith("[exit status 1]")
     assert "[execution timed out after 1 s]" in asyncio.run(
         CodeInterpreterTool(LocalSandbox(), timeout_s=1)({"code": "while True: pass"}))
     flood = call(tool, {"code": "print('z' * 100000)"})
