@@ -1,36 +1,68 @@
-"""SGLangEngine against a real local HTTP server speaking SGLang's native API (backed by the embedded engine).
+"""SGLangEngine and the weight sync against a local test double of SGLang's HTTP server (`fake_sglang_server`).
 
-Faults are injected by the server: 5xx, slow answers (client timeouts), dropped connections, a server that
-starts late, ``abort`` finish reasons, log-prob/ids length mismatches. Weight sync is checked end to end:
-after ``update_weights`` the served greedy outputs equal those of a model holding the new weights.
+The fake server follows SGLang's semantics where the client depends on them (begin/end sessions, per-rank
+payloads, unknown names skipped with success, pause modes), and every request the client sends is checked
+against SGLang's own request classes, parsed from the sglang 0.5.17 and 0.5.23 wheels (`sglang_schema`; skipped
+when the wheels cannot be downloaded). Faults are injected by the server: 5xx, slow and trickled answers, dropped
+connections, restarts, dead URLs, refused updates, ``abort`` finish reasons, log-prob/ids length mismatches.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from fake_sglang_server import Fault, FakeSGLangServer
 from transformers import GptOssForCausalLM
 
 from hf_gptoss_rl.testing import tiny_gptoss_config
-from trl_ext.rollout import EmbeddedEngine, SamplingParams, SGLangEngine, SGLangError
-from trl_ext.rollout.distributed import free_port
-from trl_ext.rollout.protocol_server import Fault, SGLangProtocolServer
+from trl_ext.rollout import AgentLoop, EmbeddedEngine, SamplingParams, SGLangEngine, SGLangError
+from trl_ext.rollout.sglang import SGLangUnavailableError
+from trl_ext.weight_sync import (
+    WeightSyncError,
+    export_lora_adapter,
+    flatten_bucket,
+    free_port,
+    plan_buckets,
+    reference_logprobs,
+    serialize_per_rank,
+    unflatten_bucket,
+)
 
 VOCAB = 128
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(200 % VOCAB,))
+SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
 
 def make_model(seed: int = 0) -> GptOssForCausalLM:
     torch.manual_seed(seed)
     return GptOssForCausalLM(tiny_gptoss_config(vocab_size=VOCAB)).float().eval()
+
+
+@pytest.fixture(scope="session")
+def sglang_schemas():
+    """SGLang's request schemas per version, or {} when the wheels cannot be fetched (offline)."""
+    from sglang_schema import fetch_schemas
+
+    cache = os.environ.get("SGLANG_SCHEMA_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hf_gptoss_rl", "sglang-schemas"
+    )
+    out = {}
+    for version in SGLANG_VERSIONS:
+        try:
+            out[version] = fetch_schemas(version, cache)
+        except Exception as exc:  # noqa: BLE001 - offline: the schema checks skip, the rest runs
+            logging.getLogger(__name__).warning("no SGLang %s schemas: %s", version, exc)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +71,26 @@ def model():
 
 
 @pytest.fixture
-def server(model):
-    engine = EmbeddedEngine(make_model(0), seed=0)
-    srv = SGLangProtocolServer(engine).start()
-    yield srv
-    srv.stop()
-    engine.shutdown()
+def make_server(sglang_schemas):
+    made = []
+
+    def make(version="0.5.23", *, seed=0, **kwargs):
+        engine = EmbeddedEngine(make_model(seed), seed=0)
+        schema = sglang_schemas.get(version)
+        srv = FakeSGLangServer(engine, version=version, validator=schema.validate if schema else None, **kwargs)
+        made.append(srv)
+        return srv.start()
+
+    yield make
+    for srv in made:
+        srv.stop()
+        srv.engine.shutdown()
+        assert not srv.schema_violations, srv.schema_violations
+
+
+@pytest.fixture
+def server(make_server):
+    return make_server()
 
 
 def client(url, **kwargs) -> SGLangEngine:
@@ -66,6 +112,9 @@ def perturbed_state(model, scale=0.5, seed=1):
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
 
 
+# ---------------------------------------------------------------------------------------------- generation
+
+
 def test_generate_speaks_the_native_api(server, model):
     async def main():
         engine = client(server.url)
@@ -75,7 +124,7 @@ def test_generate_speaks_the_native_api(server, model):
 
     outs = asyncio.run(main())
     payload = server.last_generate_payload
-    assert payload["return_logprob"] is True and payload["logprob_start_len"] == -1
+    assert payload["return_logprob"] is True and payload["logprob_start_len"] == -1 and "lora_path" not in payload
     assert payload["sampling_params"] == {
         "max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [200 % VOCAB],
         "skip_special_tokens": False, "no_stop_trim": True,
@@ -103,11 +152,11 @@ def test_one_client_serves_many_event_loops(server):
         asyncio.run(engine.generate([1, 2], GREEDY))
 
 
-def test_server_rejects_what_sglang_rejects(server):
+def test_fake_server_rejects_what_sglang_rejects(server):
     r = httpx.post(server.url + "/generate", json={"input_ids": [1], "sampling_params": {"max_tokens": 3}})
     assert r.status_code == 400 and "unknown keys" in r.text
-    r = httpx.post(server.url + "/generate", json={"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}})
-    assert r.status_code == 400 and "not supported" in r.text
+    server.schema_violations.clear()
+    assert httpx.get(server.url + "/get_weight_version").status_code == 404  # gone from SGLang's server
 
     async def main():
         engine = client(server.url)
@@ -125,11 +174,11 @@ def test_retries_5xx_disconnects_mismatches_and_timeouts(server, model):
         Fault("status", status=503),
         Fault("disconnect"),
         Fault("drop_logprob"),  # len(logprobs) != len(output_ids): malformed, retried
-        Fault("delay", delay_s=5.0),  # longer than the client timeout
+        Fault("delay", delay_s=6.0),  # longer than the client's deadline
     )
 
     async def main():
-        engine = client(server.url, timeout_s=2.0, max_retries=5)
+        engine = client(server.url, timeout_s=4.0)
         out = await engine.generate([4, 5, 6], GREEDY)
         stats = dict(engine.stats)
         await engine.close()
@@ -140,18 +189,25 @@ def test_retries_5xx_disconnects_mismatches_and_timeouts(server, model):
     assert stats["retries"] == 4 and not server.faults
 
 
-def test_gives_up_after_max_retries(server):
+def test_retries_end_at_max_retries_or_the_retry_deadline(server):
+    assert SGLangEngine("http://127.0.0.1:1").retry_deadline_s >= 60  # spans an ordinary restart by default
     server.inject(*[Fault("status", status=500)] * 3)
 
     async def main():
         engine = client(server.url, max_retries=2)
-        try:
-            with pytest.raises(SGLangError, match="after 3 attempts.*HTTP 500"):
-                await engine.generate([1], GREEDY)
-        finally:
-            await engine.close()
+        with pytest.raises(SGLangError, match=r"after 3 attempt\(s\).*HTTP 500"):
+            await engine.generate([1], GREEDY)
+        server.inject(*[Fault("status", status=500)] * 100)
+        engine.retry_deadline_s, engine.max_retries, engine.backoff_s = 0.5, None, 0.05
+        start = time.monotonic()
+        with pytest.raises(SGLangError, match="retry_deadline_s=0.5"):
+            await engine.generate([1], GREEDY)
+        elapsed = time.monotonic() - start
+        await engine.close()
+        return elapsed
 
-    asyncio.run(main())
+    assert asyncio.run(main()) < 2.0
+    server.faults.clear()
 
 
 def test_abort_finish_reason_is_surfaced(server):
@@ -168,63 +224,139 @@ def test_abort_finish_reason_is_surfaced(server):
     assert stats["aborts"] == 1 and stats["retries"] == 0
 
 
-def test_refused_then_recovered_and_readiness_deadline(model):
+def test_dead_url_fails_fast_with_url_and_cause(caplog):
+    dead = f"http://127.0.0.1:{free_port()}"
+    engine = client(dead, ready_timeout_s=1.5, log_every_s=0.2)
+    caplog.set_level(logging.INFO, logger="trl_ext.rollout.sglang")
+    start = time.monotonic()
+    with pytest.raises(SGLangUnavailableError, match=f"{dead}: ConnectError") as info:
+        engine.check_servers()
+    assert isinstance(info.value, TimeoutError) and time.monotonic() - start < 4
+    assert any("still waiting for SGLang server" in r.message and dead in r.message for r in caplog.records)
+
+    async def batch():  # every trajectory fails at once: the readiness failure is not waited out again
+        loop = AgentLoop(engine, [], sampling=GREEDY, max_completion_tokens=8)
+        return await loop.run_batch([[1, 2]] * 8)
+
+    start = time.monotonic()
+    trajs = asyncio.run(batch())
+    assert time.monotonic() - start < 3.0  # not 8 readiness deadlines in turn (12 s)
+    assert all(t.finish_reason == "abort" and "not ready" in t.errors[0] for t in trajs)
+    assert not asyncio.run(engine.health())
+    asyncio.run(engine.close())
+
+
+def test_refused_then_recovered(model, make_server):
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    engine = EmbeddedEngine(make_model(0))
-    srv = SGLangProtocolServer(engine, port=port)
-    timer = threading.Timer(0.8, srv.start)  # connections are refused until then
+    srv = make_server(port=port)
+    srv.stop()  # connections are refused until it starts again
+    timer = threading.Timer(0.8, srv.start)
 
     async def main():
-        c = client(url)
+        c = client(f"http://127.0.0.1:{port}")
         timer.start()
         out = await c.generate([1, 2, 3], GREEDY)
         await c.close()
-        late = client(f"http://127.0.0.1:{free_port()}", ready_timeout_s=0.3)
-        with pytest.raises(TimeoutError, match="not ready"):
-            await late.generate([1], GREEDY)
-        assert not await late.health()
-        await late.close()
         return out
 
-    try:
-        out = asyncio.run(main())
-    finally:
-        timer.join()
-        srv.stop()
-        engine.shutdown()
+    out = asyncio.run(main())
+    timer.join()
     assert out.output_ids == greedy_reference(model, [1, 2, 3])
     assert srv.request_counts.get("/health", 0) >= 1
 
 
-def test_connection_lost_mid_run_is_retried(model):
-    engine = EmbeddedEngine(make_model(0))
-    srv = SGLangProtocolServer(engine).start()
-    port = srv.port
-
+def test_request_spans_a_server_restart(server):
     async def main():
-        c = client(srv.url, backoff_s=0.3, max_retries=5)
+        c = client(server.url, backoff_s=0.1, max_backoff_s=0.5, retry_deadline_s=20)
         first = await c.generate([1, 2], GREEDY)
-        srv.stop()  # the server goes away ...
-        restart = threading.Timer(0.4, lambda: SGLangProtocolServer.start(srv))  # ... and comes back on its port
-        srv.port = port
-        restart.start()
+        thread = server.restart(down_s=1.5)  # longer than the old fixed retry window would tolerate
         second = await c.generate([1, 2], GREEDY)
-        restart.join()
+        thread.join()
         await c.close()
         return first, second, dict(c.stats)
 
-    try:
-        first, second, stats = asyncio.run(main())
-    finally:
-        srv.stop()
-        engine.shutdown()
-    assert first.output_ids == second.output_ids and stats["retries"] >= 1
+    first, second, stats = asyncio.run(main())
+    assert first.output_ids == second.output_ids and stats["retries"] >= 2
 
 
-def test_load_balancing_over_servers(model):
-    engines = [EmbeddedEngine(make_model(0)) for _ in range(2)]
-    servers = [SGLangProtocolServer(e).start() for e in engines]
+def test_trickled_body_trips_the_request_deadline(make_server, model):
+    slow, fast = make_server(), make_server()
+    slow.inject(Fault("trickle", delay_s=0.05))  # a ~400-byte answer at 20 bytes/s: ~20 s, each read quick
+
+    async def one_server():
+        c = client(slow.url, timeout_s=0.5, retry_deadline_s=0)
+        await c.wait_until_ready()
+        with pytest.raises(SGLangError, match="timeout_s=0.5"):
+            await c.generate([1, 2], GREEDY)
+        await c.close()
+
+    start = time.monotonic()
+    asyncio.run(one_server())
+    assert time.monotonic() - start < 2.0
+
+    slow.inject(*[Fault("trickle", delay_s=0.1)] * 4)
+
+    async def two_servers():  # the slow server's requests move to the other one: the batch is not stalled
+        c = client([slow.url, fast.url], timeout_s=3.0)
+        await c.wait_until_ready()
+        start = time.monotonic()
+        outs = await asyncio.gather(*(c.generate([1, 2, i], GREEDY) for i in range(4)))
+        elapsed = time.monotonic() - start
+        await c.close()
+        return outs, elapsed
+
+    outs, elapsed = asyncio.run(two_servers())
+    assert elapsed < 15.0  # the trickled answers alone would take ~40 s
+    assert [o.output_ids for o in outs] == [greedy_reference(model, [1, 2, i]) for i in range(4)]
+    slow.faults.clear()
+
+
+def test_trajectory_turns_stay_on_one_server_and_cached_tokens_are_logged(make_server, caplog):
+    servers = [make_server(), make_server()]
+    turns = {}
+
+    async def trajectory(c, k):
+        ids = [1, 2, 3, k]
+        for _ in range(3):  # each turn extends the previous prompt + output, as the agent loop does
+            out = await c.generate(ids, SamplingParams(max_new_tokens=3, temperature=1.0, stop_token_ids=()))
+            ids = ids + out.output_ids + [5]
+        turns[k] = ids
+
+    async def main():
+        c = client([s.url for s in servers], log_every_s=0.05)
+        await asyncio.gather(*(trajectory(c, k) for k in range(6)))
+        await asyncio.sleep(0.1)
+        stats = dict(c.stats)
+        await c.close()
+        return stats
+
+    caplog.set_level(logging.INFO, logger="trl_ext.rollout.sglang")
+    stats = asyncio.run(main())
+    for k in range(6):  # every request of trajectory k went to the same server
+        hosts = {i for i, s in enumerate(servers) for (_, p, b) in s.requests
+                 if p == "/generate" and b["input_ids"][:4] == [1, 2, 3, k]}
+        assert len(hosts) == 1
+    assert min(s.request_counts["/generate"] for s in servers) >= 3  # trajectories are spread
+    # turns 2 and 3 reuse the trajectory's prefix on its server
+    assert stats["cached_tokens"] >= 6 * 2 * 4 and stats["prompt_tokens"] > stats["cached_tokens"]
+
+
+def test_progress_lines_while_requests_run(server, caplog):
+    server.inject(Fault("delay", delay_s=0.5))
+    caplog.set_level(logging.INFO, logger="trl_ext.rollout.sglang")
+
+    async def main():
+        c = client(server.url, log_every_s=0.1)
+        await asyncio.gather(*(c.generate([1, i], GREEDY) for i in range(3)))
+        await c.close()
+
+    asyncio.run(main())
+    lines = [r.message for r in caplog.records if r.message.startswith("SGLang rollouts:")]
+    assert lines and "in flight" in lines[0] and "cached" in lines[0]
+
+
+def test_load_balancing_over_servers(make_server):
+    servers = [make_server(), make_server()]
 
     async def main():
         c = client([s.url for s in servers], max_concurrency=4)
@@ -232,12 +364,7 @@ def test_load_balancing_over_servers(model):
         await c.close()
         return outs
 
-    try:
-        outs = asyncio.run(main())
-    finally:
-        for s, e in zip(servers, engines):
-            s.stop()
-            e.shutdown()
+    outs = asyncio.run(main())
     counts = [s.request_counts.get("/generate", 0) for s in servers]
     assert sum(counts) == 12 and min(counts) >= 3
     assert all(len(o.output_ids) == len(o.logprobs) for o in outs)
@@ -255,8 +382,41 @@ def test_flush_cache_retries_while_busy(server):
     assert server.request_counts["/flush_cache"] == 3
 
 
+# ---------------------------------------------------------------------------------------------- weight sync
+
+
+def test_buckets_are_aligned_and_round_trip():
+    named = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.randn(5)), ("c", torch.ones(2, dtype=torch.int64)),
+             ("d", torch.randn(4, 4))]
+    buckets = plan_buckets(named, bucket_bytes=64)
+    assert sorted(n for b in buckets for n, _ in b) == ["a", "b", "c", "d"]
+    for bucket in buckets:
+        flat, meta = flatten_bucket(bucket)
+        assert flat.dtype == torch.uint8 and all(m.start_idx % m.dtype.itemsize == 0 for m in meta)
+        for (name, t), (name2, t2) in zip(bucket, unflatten_bucket(flat, meta)):
+            assert name == name2 and torch.equal(t, t2)
+    with pytest.raises(ValueError, match="multiple of"):
+        flatten_bucket([("a", torch.ones(3, dtype=torch.bfloat16)), ("b", torch.ones(1))])
+
+
+def test_one_payload_per_tp_rank():
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    named = [("w", torch.randn(3))]
+    payloads = serialize_per_rank(named, 3)
+    assert len(payloads) == 3 and all(isinstance(p, str) for p in payloads)
+    for p in payloads:
+        (name, t), = ForkingPickler.loads(base64.b64decode(p))
+        assert name == "w" and torch.equal(t, named[0][1])
+    with pytest.raises(ValueError, match="tp_size"):
+        serialize_per_rank(named, 0)
+
+
+@pytest.mark.parametrize("version", SGLANG_VERSIONS)
 @pytest.mark.parametrize("sync_mode", ["disk", "tensor"])
-def test_weight_sync_changes_outputs(server, model, sync_mode, tmp_path):
+def test_weight_sync_changes_outputs(make_server, model, sync_mode, version, tmp_path):
+    server = make_server(version, tp_size=2 if sync_mode == "tensor" else 1)
     new_state = perturbed_state(model)
     target = make_model(0)
     target.load_state_dict(new_state)
@@ -264,56 +424,270 @@ def test_weight_sync_changes_outputs(server, model, sync_mode, tmp_path):
 
     async def main():
         c = client(server.url, sync_mode=sync_mode, weight_dir=str(tmp_path / "w"), model_config=model.config,
-                   max_shard_size=200_000)
+                   max_shard_size=200_000, bucket_bytes=50_000, verify=("version", "checksum"))
         before = await c.generate(prompt, GREEDY)
         await c.update_weights(new_state.items(), version=5)
         after = await c.generate(prompt, GREEDY)
+        await c.update_weights(model.state_dict().items(), version=6)
+        back = await c.generate(prompt, GREEDY)
         await c.close()
-        return before, after, c.weight_version
+        return before, after, back, c.weight_version
 
-    before, after, version = asyncio.run(main())
-    assert before.output_ids == greedy_reference(model, prompt)
+    before, after, back, served = asyncio.run(main())
+    assert before.output_ids == greedy_reference(model, prompt) == back.output_ids
     assert after.output_ids == greedy_reference(target, prompt) != before.output_ids
-    assert after.weight_version == 5 == version
-    assert server.request_counts["/pause_generation"] == 1 == server.request_counts["/continue_generation"]
-    if sync_mode == "disk":
+    assert after.weight_version == 5 and back.weight_version == 6 == served
+    counts = server.request_counts
+    assert counts["/pause_generation"] == 2 == counts["/continue_generation"]
+    assert counts["/weights_checker"] == 2 and not server.skipped_names
+    sessions = 2 if (sync_mode == "tensor" and version == "0.5.23") else 0
+    assert counts.get("/begin_weight_update", 0) == sessions == counts.get("/end_weight_update", 0)
+    if sync_mode == "tensor":
+        assert counts["/update_weights_from_tensor"] > 2  # several buckets per sync
+        bodies = [b for _, p, b in server.requests if p == "/update_weights_from_tensor"]
+        assert all(len(b["serialized_named_tensors"]) == 2 for b in bodies)  # one payload per TP rank
+        assert [b["flush_cache"] for b in bodies].count(True) == 2  # flushed once per sync, at the end
+    else:
         files = os.listdir(tmp_path / "w")
         assert "config.json" in files and "model.safetensors.index.json" in files  # sharded at 200 kB
 
 
-def test_sync_with_pause_mode_abort_aborts_running_requests(server, model):
+def test_sglang_0_5_23_requires_a_session():
+    """The fake server's semantics, as in SGLang 0.5.23's weight updater: no session, no update."""
+    engine = EmbeddedEngine(make_model(0))
+    with FakeSGLangServer(engine) as srv:
+        body = {"serialized_named_tensors": serialize_per_rank([("x", torch.zeros(1))], 1), "weight_version": "1"}
+        r = httpx.post(srv.url + "/update_weights_from_tensor", json=body)
+        assert r.status_code == 400 and "begin_weight_update() and end_weight_update()" in r.text
+        assert httpx.post(srv.url + "/end_weight_update", json={}).status_code == 400
+    engine.shutdown()
+
+
+def test_unknown_names_are_skipped_by_sglang_and_caught_by_the_checksum(server):
     async def main():
-        c = client(server.url, sync_mode="tensor", pause_mode="abort")
-        long = asyncio.ensure_future(c.generate([1, 2, 3], SamplingParams(max_new_tokens=20000, stop_token_ids=())))
-        for _ in range(500):  # until the server decodes it
-            if server.engine.num_batches:
-                break
-            await asyncio.sleep(0.01)
-        await c.update_weights(perturbed_state(model).items(), version=1)
-        aborted = await long
-        after = await c.generate([1, 2, 3], GREEDY)  # generation continues after the sync
-        await c.close()
-        return aborted, after
-
-    aborted, after = asyncio.run(main())
-    assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < 20000
-    assert after.weight_version == 1 and after.finish_reason in ("stop", "length")
-
-
-def test_weight_sync_rejects_unknown_names(server):
-    async def main():
-        c = client(server.url, sync_mode="tensor")
-        with pytest.raises(SGLangError, match="unknown parameter"):
-            await c.update_weights([("nope", torch.zeros(2))], version=1)
+        c = client(server.url, sync_mode="tensor", verify=("version", "checksum"))
+        await c.update_weights([("model.layers.0.no_such.weight", torch.zeros(2))], version=1)  # baseline
+        with pytest.raises(WeightSyncError, match="no parameter changed"):
+            await c.update_weights([("model.layers.0.no_such.weight", torch.ones(2))], version=2)
+        with pytest.raises(SGLangError, match="refusing to generate.*no parameter changed"):
+            await c.generate([1, 2], GREEDY)
         await c.close()
 
     asyncio.run(main())
-    assert server.request_counts["/continue_generation"] == 1  # never left paused
+    assert server.skipped_names == ["model.layers.0.no_such.weight"] * 2  # the server said success both times
+    assert server.request_counts["/continue_generation"] == 2  # never left paused
+
+
+def test_in_place_pause_sends_no_flush_and_versions_agree(server, model):
+    server.inject(Fault("delay", delay_s=1.0))  # a request in the running batch during the sync
+
+    async def main():
+        c = client(server.url, sync_mode="tensor", pause_mode="in_place")
+        running = asyncio.ensure_future(c.generate([1, 2, 3], GREEDY))
+        await asyncio.sleep(0.3)
+        await c.update_weights(perturbed_state(model).items(), version=1)
+        await running
+        after = await c.generate([1, 2, 3], GREEDY)
+        await c.close()
+        return after
+
+    assert asyncio.run(main()).weight_version == 1
+    bodies = [b for _, p, b in server.requests if p == "/update_weights_from_tensor"]
+    assert bodies and all(b["flush_cache"] is False for b in bodies)
+    # what the client avoids: with flush_cache=True SGLang 0.5.23 loads the weights, then answers 400
+    server.inject(Fault("delay", delay_s=1.0))
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    runner = threading.Thread(target=lambda: httpx.post(server.url + "/generate", json=body, timeout=30))
+    runner.start()
+    time.sleep(0.3)
+    httpx.post(server.url + "/pause_generation", json={"mode": "in_place"})
+    httpx.post(server.url + "/begin_weight_update", json={})
+    r = httpx.post(server.url + "/update_weights_from_tensor", json={
+        "serialized_named_tensors": serialize_per_rank(list(model.state_dict().items()), 1), "weight_version": "9"})
+    httpx.post(server.url + "/end_weight_update", json={})
+    httpx.post(server.url + "/continue_generation", json={})
+    runner.join()
+    assert r.status_code == 400 and "Weights were updated" in r.text and server.served_version == "1"
+
+
+def test_failed_pause_on_one_server_continues_the_others(make_server, model):
+    a, b = make_server(), make_server()
+    b.inject(Fault("status", status=500, path="/pause_generation"))
+
+    async def main():
+        c = client([a.url, b.url], retry_deadline_s=0)
+        with pytest.raises(WeightSyncError, match=rf"{b.url}/pause_generation"):
+            await c.update_weights(perturbed_state(model).items(), version=1)
+        await c.close()
+
+    asyncio.run(main())
+    assert a.request_counts["/pause_generation"] == 1 == a.request_counts["/continue_generation"]
+    assert a._running.is_set()  # not left paused
+    assert a.served_version == "0" and b.served_version == "0"
+
+
+def test_update_failing_on_one_server_fails_the_step_loudly(make_server, model, tmp_path):
+    a, b = make_server(), make_server()
+    b.inject(Fault("refuse", path="/update_weights_from_disk"))
+    target = make_model(0)
+    target.load_state_dict(perturbed_state(model))
+
+    async def main():
+        c = client([a.url, b.url], weight_dir=str(tmp_path))
+        with pytest.raises(WeightSyncError) as info:
+            await c.update_weights(target.state_dict().items(), version=1)
+        msg = str(info.value)
+        assert f"{b.url}: " in msg and "injected refusal" in msg and f"{a.url} loaded" in msg
+        with pytest.raises(SGLangError, match="refusing to generate"):
+            await c.generate([1, 2], GREEDY)
+        assert c.weight_version is None
+        await c.update_weights(target.state_dict().items(), version=2)  # a later sync repairs it
+        out = await c.generate([1, 2], GREEDY)
+        await c.close()
+        return out
+
+    assert asyncio.run(main()).weight_version == 2
+    assert a.served_version == b.served_version == "2"
+    for s in (a, b):
+        assert s.request_counts["/pause_generation"] == 2 == s.request_counts["/continue_generation"]
+
+
+def test_a_server_on_another_version_after_the_sync_is_an_error(make_server, model):
+    a, b = make_server(), make_server()
+    original = b._load
+
+    def load_without_version(named, body):
+        return original(named, {k: v for k, v in body.items() if k != "weight_version"})
+
+    b._load = load_without_version
+
+    async def main():
+        c = client([a.url, b.url], sync_mode="tensor")
+        with pytest.raises(WeightSyncError, match=rf"{b.url} reports weight_version '0'.*expected '3'"):
+            await c.update_weights(model.state_dict().items(), version=3)
+        await c.close()
+
+    asyncio.run(main())
+
+
+def test_logprob_probe_names_the_mismatch(server, model):
+    target = make_model(0)
+    target.load_state_dict(perturbed_state(model))
+    probe = [3, 1, 4, 1, 5, 9, 2, 6]
+
+    async def main():
+        c = client(server.url, sync_mode="tensor", verify=("version", "logprobs"))
+        await c.update_weights(target.state_dict().items(), version=1)
+        await c.verify_logprobs(probe, reference_logprobs(target, probe))  # agrees
+        with pytest.raises(WeightSyncError, match=rf"{server.url}: mean \|log-prob difference\|"):
+            await c.verify_logprobs(probe, reference_logprobs(model, probe))  # the old weights do not
+        await c.close()
+
+    asyncio.run(main())
+
+
+def _lora_policy():
+    from peft import LoraConfig, get_peft_model
+
+    base = make_model(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return peft_model
+
+
+@pytest.mark.parametrize("sync_mode", ["disk", "tensor"])
+def test_lora_adapter_sync(make_server, sync_mode, tmp_path):
+    server = make_server(enable_lora=True)
+    policy = _lora_policy()
+    adapter = export_lora_adapter(policy)
+    merged = make_model(0)
+    with torch.no_grad():
+        policy.merge_adapter()
+        merged.load_state_dict({k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+                                for k, v in policy.state_dict().items() if "lora_" not in k})
+        policy.unmerge_adapter()
+    prompt = [7, 7, 1]
+    full = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
+    assert adapter.nbytes < full / 5
+
+    async def main():
+        c = client(server.url, sync_mode=sync_mode, weight_dir=str(tmp_path))
+        await c.update_lora_adapter(adapter, version=1)
+        first = await c.generate(prompt, GREEDY)
+        await c.update_lora_adapter(adapter, version=2)  # a new name; the old adapter is unloaded
+        second = await c.generate(prompt, GREEDY)
+        await c.close()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.output_ids == greedy_reference(merged, prompt) == second.output_ids
+    assert first.weight_version == 1 and second.weight_version == 2
+    assert server.last_generate_payload["lora_path"] == "policy-v2" and list(server._adapters) == ["policy-v2"]
+    assert server.request_counts.get("/update_weights_from_disk", 0) == 0
+
+
+def test_lora_sync_needs_enable_lora(server):
+    async def main():
+        c = client(server.url, sync_mode="tensor")
+        with pytest.raises(WeightSyncError, match="--enable-lora"):
+            await c.update_lora_adapter(export_lora_adapter(_lora_policy()), version=1)
+        await c.close()
+
+    asyncio.run(main())
+    assert server.request_counts["/continue_generation"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- SGLang's schemas
+
+
+def test_fake_server_has_only_sglang_routes(sglang_schemas):
+    if not sglang_schemas:
+        pytest.skip("sglang wheels not available (offline)")
+    for version, schema in sglang_schemas.items():
+        fake = FakeSGLangServer.__new__(FakeSGLangServer)
+        fake.version = version
+        missing = [f"{m} {p}" for m, p in FakeSGLangServer.routes(fake) if not schema.has_route(m, p)]
+        assert not missing, f"sglang {version} lacks {missing}"
+
+
+def test_client_requests_match_sglang_schemas(sglang_schemas, make_server, model, tmp_path):
+    """Every body the client sends in every mode is valid for SGLang's own request classes (both versions)."""
+    if set(sglang_schemas) != set(SGLANG_VERSIONS):
+        pytest.skip("sglang wheels not available (offline)")
+    for version in SGLANG_VERSIONS:
+        probe = [1, 2, 3, 4]
+        used = []
+
+        async def main():
+            for mode in ("disk", "tensor"):
+                servers = [make_server(version, enable_lora=True) for _ in range(2)]
+                used.extend(servers)
+                c = client([s.url for s in servers], sync_mode=mode, weight_dir=str(tmp_path / version / mode),
+                           verify=("version", "checksum", "logprobs"), api_key="k")
+                await c.generate([1, 2], SamplingParams(max_new_tokens=3, min_p=0.1, repetition_penalty=1.1))
+                target = make_model(0)
+                target.load_state_dict(perturbed_state(model, seed=len(mode)))
+                await c.update_weights(target.state_dict().items(), version=1)
+                await c.verify_logprobs(probe, reference_logprobs(target, probe))
+                await c.update_lora_adapter(export_lora_adapter(_lora_policy()), version=2)
+                await c.generate([1, 2], GREEDY)
+                await c.flush_cache()
+                await c.close()
+
+        asyncio.run(main())
+        assert sum(s.request_counts["/generate"] for s in used) == 8  # 2 generate + 2 probes, twice
+        for s in used:
+            assert not s.schema_violations, s.schema_violations
 
 
 @pytest.mark.multiprocess
 def test_weight_sync_distributed_gloo(model, tmp_path):
-    """The trainer broadcasts from rank 0 of a fresh gloo group to a server in another process."""
+    """The trainer broadcasts flattened buckets from rank 0 of a fresh gloo group to a server in another
+    process, inside a begin/end session."""
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     port = free_port()
@@ -321,7 +695,8 @@ def test_weight_sync_distributed_gloo(model, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]))
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trl_ext.rollout.protocol_server", "--model-path", str(model_dir), "--port", str(port)],
+        [sys.executable, str(Path(__file__).with_name("fake_sglang_server.py")), "--model-path", str(model_dir),
+         "--port", str(port)],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     new_state = perturbed_state(model, seed=2)
@@ -337,11 +712,12 @@ def test_weight_sync_distributed_gloo(model, tmp_path):
         after = await c.generate(prompt, GREEDY)
         await c.update_weights(model.state_dict().items(), version=4)  # the group is reused
         back = await c.generate(prompt, GREEDY)
+        counts = httpx.get(f"http://127.0.0.1:{port}/server_info").json()
         await c.close()
-        return before, after, back
+        return before, after, back, counts
 
     try:
-        before, after, back = asyncio.run(asyncio.wait_for(main(), timeout=180))
+        before, after, back, info = asyncio.run(asyncio.wait_for(main(), timeout=180))
     except BaseException:
         print((tmp_path / "server.log").read_text()[-3000:])  # the server's side of the story
         raise
@@ -352,6 +728,7 @@ def test_weight_sync_distributed_gloo(model, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+    assert info["version"] == "0.5.23"  # so the session was required
     assert before.weight_version is None  # SGLang's "default" before any sync
     assert after.output_ids == greedy_reference(target, prompt) != before.output_ids
     assert after.weight_version == 3 and back.weight_version == 4

@@ -8,7 +8,9 @@ and the engine works from any event loop or thread.
 Log-probs: ``log_softmax(logits / temperature)`` at the sampled id, computed in fp32 from the same logits
 that were sampled from — TRL's trainer divides logits by the same temperature, so a forward of the trainer's
 model on the same weights reproduces them (up to batching/padding numerics). Top-k / top-p only restrict
-what can be sampled; they do not renormalise the reported log-probs (SGLang's convention, FACTS §9).
+what can be sampled; they do not renormalise the reported log-probs (SGLang's convention: ``Sampler.forward``
+in ``sglang/srt/layers/sampler.py`` returns the log of ``softmax(logits / temperature)``, taken before the
+top-p/top-k filters).
 """
 
 from __future__ import annotations
@@ -188,21 +190,10 @@ class EmbeddedEngine(RolloutEngine):
         Raises `KeyError` for unknown names and `ValueError` for shape mismatches; nothing is loaded then
         (all tensors are checked before any is copied).
         """
+        from ..weight_sync import load_state_tensors
+
         with self._model_lock:
-            state = self.model.state_dict()
-            staged = []
-            for name, tensor in named_tensors:
-                if name not in state:
-                    raise KeyError(f"update_weights: unknown parameter {name!r} (not in the engine model)")
-                if tuple(tensor.shape) != tuple(state[name].shape):
-                    raise ValueError(
-                        f"update_weights: {name} has shape {tuple(tensor.shape)}, "
-                        f"engine expects {tuple(state[name].shape)}"
-                    )
-                staged.append((name, tensor))
-            with torch.no_grad():
-                for name, tensor in staged:
-                    state[name].copy_(tensor.detach().to(device=state[name].device, dtype=state[name].dtype))
+            load_state_tensors(self.model, named_tensors)
             self._version = version
 
     async def health(self) -> bool:

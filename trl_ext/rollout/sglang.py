@@ -1,20 +1,26 @@
 """Rollout engines on SGLang: a client of the native HTTP API, and ``sglang.Engine`` in-process.
 
-`SGLangEngine` talks to one or more ``python -m sglang.launch_server`` processes (FACTS §9):
+`SGLangEngine` talks to one or more ``python -m sglang.launch_server`` processes (SGLang 0.5.17 to 0.5.23;
+request bodies follow ``sglang/srt/managers/io_struct.py`` of both):
 
 - ``POST /generate`` with ``input_ids`` and only SGLang's ``sampling_params`` keys (``stop_token_ids`` = the
   harmony stops, ``skip_special_tokens=False``, ``no_stop_trim=True`` so the stop token stays in
-  ``output_ids``), ``return_logprob=True``, ``logprob_start_len=-1`` (log-probs of the output only);
-- bounded concurrency (a semaphore), per-request timeouts, retries with exponential backoff on connection
-  errors, timeouts, 5xx and malformed answers (log-prob/ids length mismatch); 4xx are not retried;
-- a readiness wait (``GET /health`` until 200 or a deadline) before the first request;
-- least-loaded routing over several servers;
-- weight sync after each optimizer step, wrapped in ``/pause_generation`` + ``/continue_generation``:
-  ``sync_mode="disk"`` (safetensors shards + config written to a directory the servers can read, then
-  ``/update_weights_from_disk``), ``"distributed"`` (``/init_weights_update_group`` once, then per bucket
-  ``/update_weights_from_distributed`` while this process broadcasts the tensors from rank 0 of that group),
-  ``"tensor"`` (``/update_weights_from_tensor`` with ForkingPickler payloads: CUDA IPC handles, so only for
-  servers on the same node and tensors on the GPU);
+  ``output_ids``), ``return_logprob=True``, ``logprob_start_len=-1`` (log-probs of the output only), and
+  ``lora_path`` = the synced adapter's name with LoRA sync;
+- an overall deadline per request (``timeout_s``: connecting, waiting and reading the whole body, so a server
+  that trickles its answer trips it), retries with exponential backoff on connection errors, timeouts, 5xx and
+  malformed answers until ``retry_deadline_s`` has passed (long enough to span a server restart); 4xx are not
+  retried;
+- one readiness wait (``GET /health`` on every server, concurrently, with a log line every ``log_every_s``)
+  shared by all requests; when it fails, every later request fails at once with the URL and the cause;
+- routing: a trajectory's turns stay on one server (requests from the same asyncio task; the radix cache then
+  reuses the trajectory's prefix, reported as ``meta_info.cached_tokens``), new trajectories go to the
+  least-loaded server; a failing server is left for another one on retry;
+- a progress line every ``log_every_s`` while requests are in flight (done, in flight, retries, cached
+  prefix tokens);
+- weight sync (`trl_ext.weight_sync.SGLangHTTPWeightSync`): ``"disk"``, ``"distributed"`` (NCCL, flattened
+  buckets), ``"tensor"`` (CUDA IPC, one payload per TP rank), or LoRA adapters (`update_lora_adapter`), each
+  checked and verified; a failed sync makes the engine refuse to generate until a sync succeeds;
 - ``meta_info.weight_version`` recorded on every output; ``finish_reason`` ``abort`` surfaced, not hidden.
 
 `SGLangOfflineEngine` wraps ``sglang.Engine`` (imported lazily; a clear `ImportError` without sglang).
@@ -23,27 +29,43 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
+import contextvars
 import itertools
 import logging
 import random
 import shutil
-import tempfile
-import uuid
-from datetime import timedelta
 import threading
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from ..weight_sync import (
+    _NOT_FOUND,
+    SYNC_MODES,
+    VERIFY_MODES,
+    LoRAAdapter,
+    SGLangHTTPWeightSync,
+    WeightSyncError,
+    default_weight_dir,
+    destroy_weight_update_group,
+    serialize_per_rank,
+)
 from .engine import RolloutEngine, validate_input_ids
 from .types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SYNC_MODES = ("disk", "distributed", "tensor")
+__all__ = [
+    "SGLangEngine",
+    "SGLangError",
+    "SGLangOfflineEngine",
+    "SGLangResponseError",
+    "SGLangUnavailableError",
+    "parse_generate_item",
+    "sampling_params_payload",
+]
 
 
 class SGLangError(RuntimeError):
@@ -54,15 +76,21 @@ class SGLangResponseError(SGLangError):
     """The server answered something that breaks the contract (missing keys, ids/log-probs mismatch)."""
 
 
+class SGLangUnavailableError(SGLangError, TimeoutError):
+    """No answer from a server before the readiness deadline; the message names the URL and the last cause."""
+
+
 class _RetryableStatus(SGLangError):
     pass
 
 
-def sampling_params_payload(sampling: SamplingParams) -> dict:
-    """SGLang ``sampling_params`` for token-level rollouts (only keys SGLang knows).
+# The server a trajectory's requests go to: each trajectory of `AgentLoop.run_batch` runs in its own asyncio
+# task, and a task's context variables persist across its awaits, so all turns of a trajectory share it.
+_AFFINITY: contextvars.ContextVar[dict | None] = contextvars.ContextVar("sglang_affinity", default=None)
 
-    ``min_p`` and the penalties are sent when they are not SGLang's defaults, then ``sampling.sglang_extra``.
-    """
+
+def sampling_params_payload(sampling: SamplingParams) -> dict:
+    """SGLang ``sampling_params`` for token-level rollouts (only keys SGLang's ``SamplingParams`` knows)."""
     payload = {
         "max_new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
@@ -72,9 +100,11 @@ def sampling_params_payload(sampling: SamplingParams) -> dict:
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
-    defaults = {"min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-    payload.update({k: getattr(sampling, k) for k, v in defaults.items() if getattr(sampling, k) != v})
-    payload.update(sampling.sglang_extra)
+    for key, off in (("min_p", 0.0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+        value = getattr(sampling, key, off)
+        if value != off:
+            payload[key] = value
+    payload.update(getattr(sampling, "sglang_extra", None) or {})
     return payload
 
 
@@ -130,25 +160,37 @@ class SGLangEngine(RolloutEngine):
     """Client of one or more SGLang servers (native API), for token-in/token-out agentic rollouts.
 
     Args:
-        base_urls: ``"http://host:30000"`` or a list of them (requests go to the least-loaded one).
+        base_urls: ``"http://host:30000"`` or a list of them.
         sync_mode: how `update_weights` ships weights: ``"disk"``, ``"distributed"`` or ``"tensor"``.
         max_concurrency: most ``/generate`` requests in flight (all servers together).
-        timeout_s: per-request read timeout (a long generation must fit in it); ``connect_timeout_s`` for
-            connecting.
-        max_retries: retries after the first attempt (connection errors, timeouts, 5xx, malformed answers).
+        timeout_s: overall deadline of one HTTP request (connect + wait + whole body); a long generation must
+            fit in it. ``connect_timeout_s`` bounds connecting alone.
+        retry_deadline_s: how long a request keeps retrying (connection refused, timeouts, 5xx, malformed
+            answers) before it fails; the default spans an ordinary server restart. ``max_retries`` optionally
+            caps the number of retries as well (None: the deadline alone).
         backoff_s, max_backoff_s: exponential backoff (with jitter) between attempts.
-        ready_timeout_s: how long the first request waits for ``GET /health`` to answer 200.
-        api_key: sent as a bearer token when the servers were launched with ``--api-key``.
+        ready_timeout_s: how long the readiness wait (``GET /health`` on every server) may take.
+        log_every_s: period of the log lines while waiting for servers and while requests are in flight.
+        api_key: sent as ``Authorization: Bearer`` (servers launched with ``--api-key`` / ``--admin-api-key``).
         weight_dir: disk mode: directory shared with the servers (a temporary one by default: only valid when
             the servers run on this machine). ``model_config``: a config (``save_pretrained``-able) written
             next to the weights, since SGLang reads ``config.json`` from that directory.
         max_shard_size: disk mode shard size (``huggingface_hub.save_torch_state_dict``).
-        dist_backend: distributed mode backend (``"nccl"`` with CUDA, ``"gloo"`` otherwise);
-            ``dist_master_address`` must be reachable from the servers; ``dist_master_port`` (free port by
-            default); ``group_name``; ``bucket_bytes`` bounds one ``/update_weights_from_distributed`` call;
+        dist_backend: distributed mode backend (``"nccl"`` with CUDA, ``"gloo"`` otherwise).
+        dist_master_address: address of this process that the servers connect to for the NCCL rendezvous
+            (``127.0.0.1`` only works when they run on this machine); ``dist_master_port`` (free port by
+            default); ``group_name``; ``bucket_bytes`` bounds one broadcast (one flattened bucket);
             ``dist_timeout_s`` bounds the rendezvous and each collective.
-        pause_mode: ``/pause_generation`` mode around syncs (``"retract"``: running requests are recomputed with
-            the new weights; ``"abort"``: they return ``abort``; ``"in_place"``; None: no pause).
+        pause_mode: ``/pause_generation`` mode around syncs: ``"retract"`` (running requests are recomputed
+            with the new weights), ``"abort"`` (they return ``abort``), ``"in_place"`` (they continue on their
+            old KV cache; the update is then sent with ``flush_cache=False``, since SGLang refuses to flush while
+            requests are in the running batch, and the radix cache keeps prefixes computed with old weights
+            until evicted), or None (no pause).
+        verify: checks after every sync: ``"version"`` (always: every server reports the new
+            ``weight_version``), ``"checksum"`` (``/weights_checker``: the weights changed and servers of the
+            same layout agree), ``"logprobs"`` (`verify_logprobs` against the trainer's log-probs).
+        logprob_probe_atol: largest mean absolute log-prob difference `verify_logprobs` accepts.
+        lora_name: name prefix of the adapters loaded by `update_lora_adapter` (``<prefix>-v<version>``).
     """
 
     def __init__(
@@ -159,10 +201,12 @@ class SGLangEngine(RolloutEngine):
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
-        max_retries: int = 3,
+        retry_deadline_s: float = 120.0,
+        max_retries: int | None = None,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         ready_timeout_s: float = 600.0,
+        log_every_s: float = 30.0,
         api_key: str | None = None,
         weight_dir: str | None = None,
         model_config=None,
@@ -174,7 +218,9 @@ class SGLangEngine(RolloutEngine):
         bucket_bytes: int = 1 << 30,
         dist_timeout_s: float = 600.0,
         pause_mode: str | None = "retract",
-        flush_cache_retries: int = 30,
+        verify: str | Iterable[str] = ("version",),
+        logprob_probe_atol: float = 0.05,
+        lora_name: str = "policy",
     ) -> None:
         try:
             import httpx  # noqa: F401
@@ -183,21 +229,39 @@ class SGLangEngine(RolloutEngine):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("SGLangEngine: no base_urls")
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ValueError(f"SGLangEngine: base URL {u!r} must start with http:// or https://")
         self.base_urls = [u.rstrip("/") for u in urls]
+        if len(set(self.base_urls)) != len(self.base_urls):
+            raise ValueError(f"SGLangEngine: duplicate base URLs {self.base_urls}")
         if sync_mode not in SYNC_MODES:
             raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {sync_mode!r}")
         if pause_mode not in (None, "abort", "retract", "in_place"):
             raise ValueError(f"pause_mode must be None, 'abort', 'retract' or 'in_place', got {pause_mode!r}")
-        if max_concurrency < 1 or max_retries < 0:
+        verify = (verify,) if isinstance(verify, str) else tuple(verify)
+        unknown = set(verify) - set(VERIFY_MODES)
+        if unknown:
+            raise ValueError(f"verify: unknown checks {sorted(unknown)} (choose from {VERIFY_MODES})")
+        if max_concurrency < 1 or (max_retries is not None and max_retries < 0):
             raise ValueError("max_concurrency must be >= 1 and max_retries >= 0")
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
+                            ("ready_timeout_s", ready_timeout_s), ("log_every_s", log_every_s),
+                            ("dist_timeout_s", dist_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if retry_deadline_s < 0:
+            raise ValueError(f"retry_deadline_s must be >= 0, got {retry_deadline_s}")
         self.sync_mode = sync_mode
         self.max_concurrency = int(max_concurrency)
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
-        self.max_retries = int(max_retries)
+        self.retry_deadline_s = float(retry_deadline_s)
+        self.max_retries = None if max_retries is None else int(max_retries)
         self.backoff_s = float(backoff_s)
         self.max_backoff_s = float(max_backoff_s)
         self.ready_timeout_s = float(ready_timeout_s)
+        self.log_every_s = float(log_every_s)
         self.api_key = api_key
         self.model_config = model_config
         self.max_shard_size = max_shard_size
@@ -208,14 +272,24 @@ class SGLangEngine(RolloutEngine):
         self.bucket_bytes = int(bucket_bytes)
         self.dist_timeout_s = float(dist_timeout_s)
         self.pause_mode = pause_mode
-        self.flush_cache_retries = int(flush_cache_retries)
+        self.verify = verify
+        self.logprob_probe_atol = float(logprob_probe_atol)
+        self.lora_name = lora_name
+        if pause_mode == "in_place":
+            logger.warning(
+                "pause_mode='in_place': requests in flight during a sync finish on their old KV cache and the radix "
+                "cache is not flushed (SGLang refuses to flush a running batch); prefer 'retract' for on-policy data"
+            )
         self._own_weight_dir = weight_dir is None
         self._weight_dir = Path(weight_dir) if weight_dir else None
         self._version: int | str | None = None
+        self._lora_name: str | None = None
+        self._inconsistent: str | None = None
         self._inflight = {u: 0 for u in self.base_urls}
         self._rr = itertools.count()
         self._ready = False
-        self._group = None
+        self._ready_error: SGLangUnavailableError | None = None
+        self._sync = SGLangHTTPWeightSync(self)
         self._client = None
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,13 +297,32 @@ class SGLangEngine(RolloutEngine):
         self._loop_lock = threading.Lock()
         self._closed = False
         self._ready_lock_obj: asyncio.Lock | None = None
-        self.stats = {"requests": 0, "retries": 0, "aborts": 0, "syncs": 0}
+        self._reporter: asyncio.Task | None = None
+        self._warned_versions: set[tuple[str, object]] = set()
+        self.stats = {
+            "requests": 0, "done": 0, "retries": 0, "aborts": 0, "syncs": 0,
+            "prompt_tokens": 0, "cached_tokens": 0,
+        }  # fmt: skip
 
     # ------------------------------------------------------------------ plumbing
 
     @property
     def weight_version(self) -> int | str | None:
         return self._version
+
+    @property
+    def _flush_in_update(self) -> bool:
+        return self.pause_mode != "in_place"
+
+    def _weights_dir(self) -> Path:
+        if self._weight_dir is None:
+            self._weight_dir = default_weight_dir()
+        self._weight_dir.mkdir(parents=True, exist_ok=True)
+        return self._weight_dir
+
+    def _mark_inconsistent(self, message: str) -> None:
+        self._inconsistent = message
+        logger.error("SGLang weight sync: %s", message)
 
     def _state(self):
         """(httpx client, semaphore), created on the engine's own loop (runs there only)."""
@@ -246,6 +339,16 @@ class SGLangEngine(RolloutEngine):
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
         return self._client, self._semaphore
 
+    def _start_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._closed:
+                raise RuntimeError("SGLangEngine is closed")
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(target=self._loop.run_forever, name="SGLangEngine", daemon=True)
+                self._loop_thread.start()
+            return self._loop
+
     async def _on_engine_loop(self, coro):
         """Run ``coro`` on the engine's private event loop (a daemon thread) and await it from any loop.
 
@@ -253,15 +356,17 @@ class SGLangEngine(RolloutEngine):
         (a trainer running each batch with ``asyncio.run``, a notebook's loop, worker threads), so the client
         lives on a loop of its own. Cancelling the caller cancels the request.
         """
-        with self._loop_lock:
-            if self._closed:
-                coro.close()
-                raise RuntimeError("SGLangEngine is closed")
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                self._loop_thread = threading.Thread(target=self._loop.run_forever, name="SGLangEngine", daemon=True)
-                self._loop_thread.start()
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        try:
+            loop = self._start_loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    def run(self, coro, timeout_s: float | None = None):
+        """Run one of this engine's coroutines from synchronous code (blocks the calling thread)."""
+        loop = self._start_loop()
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     def _pick_url(self, avoid: str | None = None) -> str:
         candidates = [u for u in self.base_urls if u != avoid] or self.base_urls
@@ -272,60 +377,140 @@ class SGLangEngine(RolloutEngine):
     def _backoff(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)
 
-    async def _request(self, method: str, url: str, path: str, payload: dict | None = None, *, retries: int | None = None):
-        """One HTTP call with retries on transport errors, timeouts and 5xx. Returns parsed JSON (or text)."""
+    def _may_retry(self, attempt: int, started: float, loop) -> float | None:
+        """The pause before retry number ``attempt + 1``, or None when the retry budget is spent."""
+        if self.max_retries is not None and attempt >= self.max_retries:
+            return None
+        pause = self._backoff(attempt)
+        if loop.time() + pause - started > self.retry_deadline_s:
+            return None
+        return pause
+
+    async def _send(self, method: str, url: str, payload: dict | None):
+        """One HTTP exchange under the overall deadline ``timeout_s`` (connect, wait, whole body)."""
+        client, _ = self._state()
+        try:
+            return await asyncio.wait_for(client.request(method, url, json=payload), timeout=self.timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise _RequestDeadline(f"no complete answer within timeout_s={self.timeout_s:g} s") from exc
+
+    async def _request(
+        self, method: str, url: str, path: str, payload: dict | None = None, *, retries: int | None = None,
+        ok_statuses: tuple[int, ...] = (),
+    ):
+        """One HTTP call with retries on transport errors, timeouts and 5xx. Returns parsed JSON (or text).
+
+        ``retries=0`` for calls that pair with a collective or are not idempotent. A status in ``ok_statuses``
+        returns ``_NOT_FOUND`` (404) instead of raising.
+        """
         import httpx
 
-        client, _ = self._state()
-        retries = self.max_retries if retries is None else retries
-        last: Exception | None = None
-        for attempt in range(retries + 1):
-            if attempt:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        attempt = 0
+        while True:
+            try:
+                resp = await self._send(method, url + path, payload)
+                if resp.status_code in ok_statuses:
+                    return _NOT_FOUND
+                if resp.status_code >= 500:
+                    raise _RetryableStatus(f"HTTP {resp.status_code}: {resp.text[:300]}")
+                if resp.status_code >= 400:
+                    raise SGLangError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
+                try:
+                    return resp.json()
+                except ValueError:
+                    return resp.text
+            except (httpx.TransportError, httpx.TimeoutException, _RequestDeadline, _RetryableStatus) as exc:
+                pause = None if retries == 0 else self._may_retry(attempt, started, loop)
+                if retries is not None and attempt >= retries:
+                    pause = None
+                if pause is None:
+                    raise SGLangError(
+                        f"{url}{path} failed after {attempt + 1} attempt(s) in {loop.time() - started:.1f} s: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                logger.warning("SGLang %s%s: %s: %s (attempt %d, retrying in %.1f s)",
+                               url, path, type(exc).__name__, exc, attempt + 1, pause)
                 self.stats["retries"] += 1
-                await asyncio.sleep(self._backoff(attempt - 1))
-            try:
-                resp = await client.request(method, url + path, json=payload)
-            except (httpx.TransportError, httpx.TimeoutException) as exc:
-                last = exc
-                logger.warning("SGLang %s%s failed (%s: %s), attempt %d", url, path, type(exc).__name__, exc, attempt + 1)
-                continue
-            if resp.status_code >= 500:
-                last = _RetryableStatus(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
-                continue
-            if resp.status_code >= 400:
-                raise SGLangError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
-            try:
-                return resp.json()
-            except ValueError:
-                return resp.text
-        raise SGLangError(f"{url}{path} failed after {retries + 1} attempts: {type(last).__name__}: {last}") from last
+                attempt += 1
+                await asyncio.sleep(pause)
+
+    # ------------------------------------------------------------------ readiness
+
+    def check_servers(self, timeout_s: float | None = None) -> None:
+        """Block until every server answers ``GET /health`` with 200, or raise `SGLangUnavailableError` naming
+        each URL that did not and its last error. For trainer start-up: fail before training, not during it."""
+        self.run(self._ensure_ready(timeout_s))
 
     async def wait_until_ready(self, timeout_s: float | None = None) -> None:
-        """Poll ``GET /health`` on every server until all answer 200; raise `TimeoutError` at the deadline."""
-        await self._on_engine_loop(self._wait_until_ready(timeout_s))
+        """Poll ``GET /health`` on every server until all answer 200; `SGLangUnavailableError` at the deadline."""
+        await self._on_engine_loop(self._ensure_ready(timeout_s))
+
+    async def _ensure_ready(self, timeout_s: float | None = None) -> None:
+        if self._ready:
+            return
+        if self._ready_error is not None and timeout_s is None:
+            raise self._ready_error
+        async with self._ready_lock():
+            if not self._ready:
+                await self._wait_until_ready(timeout_s)
+
+    def _ready_lock(self) -> asyncio.Lock:
+        if self._ready_lock_obj is None:
+            self._ready_lock_obj = asyncio.Lock()
+        return self._ready_lock_obj
 
     async def _wait_until_ready(self, timeout_s: float | None = None) -> None:
-        """Poll ``GET /health`` on every server until all answer 200; raise `TimeoutError` at the deadline."""
         import httpx
 
         client, _ = self._state()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.ready_timeout_s if timeout_s is None else timeout_s)
-        for url in self.base_urls:
-            delay, last = 0.05, None
-            while True:
+        budget = self.ready_timeout_s if timeout_s is None else float(timeout_s)
+        start = loop.time()
+        deadline = start + budget
+        last: dict[str, str] = {u: "no answer yet" for u in self.base_urls}
+        pending = set(self.base_urls)
+        next_log = start + self.log_every_s
+        delay = 0.05
+        logger.info("waiting for SGLang servers %s (up to %.0f s)", ", ".join(self.base_urls), budget)
+        while pending:
+            async def probe(url: str) -> tuple[str, bool]:
                 try:
-                    resp = await client.get(url + "/health", timeout=max(0.1, min(5.0, deadline - loop.time())))
+                    resp = await asyncio.wait_for(
+                        client.get(url + "/health"), timeout=max(0.1, min(5.0, deadline - loop.time()))
+                    )
                     if resp.status_code == 200:
-                        break
-                    last = f"HTTP {resp.status_code}"
-                except (httpx.TransportError, httpx.TimeoutException) as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                if loop.time() + delay > deadline:
-                    raise TimeoutError(f"SGLang server {url} not ready before the deadline (last: {last})")
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
+                        return url, True
+                    last[url] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                except (httpx.TransportError, httpx.TimeoutException, asyncio.TimeoutError) as exc:
+                    last[url] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                return url, False
+
+            for url, ok in await asyncio.gather(*(probe(u) for u in sorted(pending))):
+                if ok:
+                    pending.discard(url)
+                    logger.info("SGLang server %s is ready (%.1f s)", url, loop.time() - start)
+            if not pending:
+                break
+            now = loop.time()
+            if now >= deadline:
+                detail = "; ".join(f"{u}: {last[u]}" for u in sorted(pending))
+                self._ready_error = SGLangUnavailableError(
+                    f"SGLang server(s) not ready after {budget:g} s: {detail}. Check that the server is running "
+                    "and reachable at that URL (launch: python -m sglang.launch_server --model-path ... --port ...)"
+                )
+                raise self._ready_error
+            if now >= next_log:
+                logger.warning(
+                    "still waiting for SGLang server(s) after %.0f s (deadline %.0f s): %s",
+                    now - start, budget, "; ".join(f"{u}: {last[u]}" for u in sorted(pending)),
+                )
+                next_log = now + self.log_every_s
+            await asyncio.sleep(min(delay, max(0.0, deadline - now)))
+            delay = min(2.0, delay * 2)
         self._ready = True
+        self._ready_error = None
 
     async def health(self) -> bool:
         return await self._on_engine_loop(self._health())
@@ -335,8 +520,10 @@ class SGLangEngine(RolloutEngine):
 
         client, _ = self._state()
         try:
-            answers = await asyncio.gather(*(client.get(u + "/health", timeout=5.0) for u in self.base_urls))
-        except (httpx.TransportError, httpx.TimeoutException):
+            answers = await asyncio.gather(
+                *(asyncio.wait_for(client.get(u + "/health"), timeout=5.0) for u in self.base_urls)
+            )
+        except (httpx.TransportError, httpx.TimeoutException, asyncio.TimeoutError):
             return False
         return all(r.status_code == 200 for r in answers)
 
@@ -344,24 +531,39 @@ class SGLangEngine(RolloutEngine):
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         ids = validate_input_ids(input_ids)
-        return await self._on_engine_loop(self._generate(ids, sampling))
+        affinity = _AFFINITY.get()
+        if affinity is None:  # first request of this task (trajectory): its later turns reuse the server
+            affinity = {}
+            _AFFINITY.set(affinity)
+        return await self._on_engine_loop(self._generate(ids, sampling, affinity))
 
-    async def _ensure_ready(self) -> None:
-        if not self._ready:
-            async with self._ready_lock():
-                if not self._ready:
-                    await self._wait_until_ready()
+    def _ensure_reporter(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._report())
 
-    def _ready_lock(self) -> asyncio.Lock:
-        if self._ready_lock_obj is None:
-            self._ready_lock_obj = asyncio.Lock()
-        return self._ready_lock_obj
+    async def _report(self) -> None:
+        """A progress line every ``log_every_s`` while requests are in flight."""
+        while True:
+            await asyncio.sleep(self.log_every_s)
+            inflight = sum(self._inflight.values())
+            if inflight == 0:
+                self._reporter = None
+                return
+            s = self.stats
+            cached = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+            logger.info(
+                "SGLang rollouts: %d done, %d in flight (%s), %d retries, %d aborted, %.0f%% of prompt tokens cached",
+                s["done"], inflight, ", ".join(f"{u}: {n}" for u, n in self._inflight.items()), s["retries"],
+                s["aborts"], 100 * cached,
+            )
 
-    async def _generate(self, ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    async def _generate(self, ids: list[int], sampling: SamplingParams, affinity: dict) -> GenerationOutput:
         import httpx
 
+        if self._inconsistent is not None:
+            raise SGLangError(f"refusing to generate: {self._inconsistent}")
         await self._ensure_ready()
-        client, semaphore = self._state()
+        _, semaphore = self._state()
         payload = {
             "input_ids": ids,
             "sampling_params": sampling_params_payload(sampling),
@@ -369,212 +571,156 @@ class SGLangEngine(RolloutEngine):
             "logprob_start_len": -1,
             "stream": False,
         }
-        last: Exception | None = None
-        url = None
+        if self._lora_name is not None:
+            payload["lora_path"] = self._lora_name
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        attempt = 0
         async with semaphore:
-            for attempt in range(self.max_retries + 1):
-                if attempt:
-                    self.stats["retries"] += 1
-                    await asyncio.sleep(self._backoff(attempt - 1))
-                url = self._pick_url(avoid=url if len(self.base_urls) > 1 else None)
+            self._ensure_reporter()
+            while True:
+                url = affinity.get("url")
+                if url is None or url not in self._inflight:
+                    url = affinity["url"] = self._pick_url()
                 payload["rid"] = uuid.uuid4().hex
                 self._inflight[url] += 1
                 self.stats["requests"] += 1
                 try:
-                    resp = await client.post(url + "/generate", json=payload)
-                except (httpx.TransportError, httpx.TimeoutException) as exc:
-                    last = exc
-                    logger.warning("SGLang /generate on %s: %s: %s (attempt %d)", url, type(exc).__name__, exc, attempt + 1)
+                    resp = await self._send("POST", url + "/generate", payload)
+                    if resp.status_code >= 500:
+                        raise _RetryableStatus(f"HTTP {resp.status_code}: {resp.text[:300]}")
+                    if resp.status_code >= 400:
+                        raise SGLangError(f"{url}/generate: HTTP {resp.status_code}: {resp.text[:500]}")
+                    try:
+                        item = resp.json()
+                    except ValueError as exc:
+                        raise SGLangResponseError(f"/generate answer is not JSON: {resp.text[:200]}") from exc
+                    out = parse_generate_item(item)
+                except (httpx.TransportError, httpx.TimeoutException, _RequestDeadline, _RetryableStatus,
+                        SGLangResponseError) as exc:
+                    pause = self._may_retry(attempt, started, loop)
+                    if pause is None:
+                        raise SGLangError(
+                            f"{url}/generate failed after {attempt + 1} attempt(s) in {loop.time() - started:.1f} s "
+                            f"(retry_deadline_s={self.retry_deadline_s:g}): {type(exc).__name__}: {exc}"
+                        ) from exc
+                    logger.warning("SGLang /generate on %s: %s: %s (attempt %d, retrying in %.1f s)",
+                                   url, type(exc).__name__, exc, attempt + 1, pause)
+                    self.stats["retries"] += 1
+                    attempt += 1
+                    if len(self.base_urls) > 1:  # leave the failing server to the others
+                        affinity["url"] = self._pick_url(avoid=url)
+                    await asyncio.sleep(pause)
                     continue
                 finally:
                     self._inflight[url] -= 1
-                if resp.status_code >= 500:
-                    last = _RetryableStatus(f"HTTP {resp.status_code}: {resp.text[:300]}")
-                    logger.warning("SGLang /generate on %s: %s (attempt %d)", url, last, attempt + 1)
-                    continue
-                if resp.status_code >= 400:
-                    raise SGLangError(f"{url}/generate: HTTP {resp.status_code}: {resp.text[:500]}")
-                try:
-                    out = parse_generate_item(resp.json())
-                except (SGLangResponseError, ValueError) as exc:
-                    last = exc
-                    logger.warning("SGLang /generate on %s: malformed answer: %s (attempt %d)", url, exc, attempt + 1)
-                    continue
-                if out.finish_reason == "abort":
-                    self.stats["aborts"] += 1
-                return out
-        raise SGLangError(
-            f"/generate failed after {self.max_retries + 1} attempts: {type(last).__name__}: {last}"
-        ) from last
+                break
+        meta = item.get("meta_info") or {}
+        prompt_tokens, cached = meta.get("prompt_tokens"), meta.get("cached_tokens")
+        if isinstance(prompt_tokens, int) and isinstance(cached, int):
+            self.stats["prompt_tokens"] += prompt_tokens
+            self.stats["cached_tokens"] += cached
+            logger.debug("SGLang %s: %d prompt tokens, %d cached", url, prompt_tokens, cached)
+        self.stats["done"] += 1
+        if out.finish_reason == "abort":
+            self.stats["aborts"] += 1
+        if self._version is not None and out.weight_version != self._version:
+            key = (url, out.weight_version)
+            if key not in self._warned_versions:
+                self._warned_versions.add(key)
+                logger.warning(
+                    "%s served weight_version %r, but the engine synced version %r (did the server restart?); the "
+                    "trajectory records the served version and the next sync reloads the server",
+                    url, out.weight_version, self._version,
+                )
+        return out
 
     # ------------------------------------------------------------------ control
 
     async def flush_cache(self) -> None:
-        """``POST /flush_cache`` on every server, retrying while it answers 400 (requests still running)."""
+        """``POST /flush_cache`` on every server (SGLang answers 400 while requests are running: retried
+        within ``retry_deadline_s``)."""
         await self._on_engine_loop(self._flush_cache())
 
     async def _flush_cache(self) -> None:
-        client, _ = self._state()
+        loop = asyncio.get_running_loop()
         for url in self.base_urls:
-            for attempt in range(self.flush_cache_retries + 1):
-                resp = await client.post(url + "/flush_cache")
-                if resp.status_code == 200:
+            started, attempt = loop.time(), 0
+            while True:
+                try:
+                    await self._request("POST", url, "/flush_cache", retries=0)
                     break
-                if resp.status_code != 400 or attempt == self.flush_cache_retries:
-                    raise SGLangError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
-                await asyncio.sleep(self._backoff(min(attempt, 4)))
-
-    async def _post_all(self, path: str, payloads: list[dict] | dict, *, retries: int | None = None) -> list:
-        """POST to every server; ``retries=0`` for calls that pair with collectives (a retry would deadlock)."""
-        if isinstance(payloads, dict):
-            payloads = [payloads] * len(self.base_urls)
-        answers = await asyncio.gather(
-            *(self._request("POST", u, path, p, retries=retries) for u, p in zip(self.base_urls, payloads))
-        )
-        for url, answer in zip(self.base_urls, answers):
-            if isinstance(answer, dict) and answer.get("success") is False:
-                raise SGLangError(f"{url}{path} refused: {answer.get('message')}")
-        return answers
-
-    async def _pause_generation(self) -> None:
-        if self.pause_mode is not None:
-            await self._post_all("/pause_generation", {"mode": self.pause_mode})
-
-    async def _continue_generation(self) -> None:
-        if self.pause_mode is not None:
-            await self._post_all("/continue_generation", {})
+                except SGLangError as exc:
+                    pause = self._may_retry(attempt, started, loop)
+                    if pause is None or "HTTP 400" not in str(exc):
+                        raise
+                    attempt += 1
+                    await asyncio.sleep(pause)
 
     # ------------------------------------------------------------------ weight sync
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Ship new weights to every server (``sync_mode``), tagged ``weight_version=str(version)``."""
+        """Ship new weights to every server (``sync_mode``), tagged ``weight_version=str(version)``, and verify.
+
+        Raises `WeightSyncError` naming the server(s) and the problem; the servers are never left paused.
+        """
         named = [(name, t.detach()) for name, t in named_tensors]
         if not named:
             raise ValueError("update_weights: no tensors")
-        await self._on_engine_loop(self._update_weights(named, version))
+        await self._on_engine_loop(self._update(named, None, version))
 
-    async def _update_weights(self, named: list[tuple[str, torch.Tensor]], version) -> None:
+    async def update_lora_adapter(self, adapter: LoRAAdapter, *, version: int) -> None:
+        """Load a PEFT adapter on every server as ``<lora_name>-v<version>``; later requests name it in
+        ``lora_path``. Servers must run with ``--enable-lora`` (and ``--max-lora-rank``/``--lora-target-modules``
+        covering the adapter)."""
+        if not adapter.named_tensors:
+            raise ValueError("update_lora_adapter: empty adapter")
+        await self._on_engine_loop(self._update([], adapter, version))
+
+    async def _update(self, named, adapter, version) -> None:
         await self._ensure_ready()
-        await self._pause_generation()
-        try:
-            if self.sync_mode == "disk":
-                await self._sync_disk(named, version)
-            elif self.sync_mode == "distributed":
-                await self._sync_distributed(named, version)
-            else:
-                await self._sync_tensor(named, version)
-        finally:
-            await self._continue_generation()
+        self._inconsistent = None  # a new sync may repair a previous failure; it sets it again if it fails
+        await self._sync.update(named, version, lora=adapter)
         self._version = version
         self.stats["syncs"] += 1
+        logger.info("SGLang weight sync: %d server(s) on version %s", len(self.base_urls), version)
 
-    async def _sync_disk(self, named: list[tuple[str, torch.Tensor]], version) -> None:
-        from huggingface_hub import save_torch_state_dict
+    async def verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> None:
+        """Score ``probe_ids`` on every server (``input_token_logprobs``, temperature 1) and compare with
+        ``reference`` (the trainer's log-probs of ``probe_ids[1:]``); raise `WeightSyncError` naming the server
+        when the mean absolute difference exceeds ``logprob_probe_atol``."""
+        await self._on_engine_loop(self._verify_logprobs(list(probe_ids), list(reference)))
 
-        if self._weight_dir is None:
-            self._weight_dir = Path(tempfile.mkdtemp(prefix="sglang_weights_"))
-        out_dir = self._weight_dir
-        out_dir.mkdir(parents=True, exist_ok=True)
-
-        def write() -> None:
-            for stale in list(out_dir.glob("*.safetensors")) + list(out_dir.glob("*.safetensors.index.json")):
-                stale.unlink()  # never let an old shard mix with the new ones
-            state = {name: t.to("cpu").contiguous() for name, t in named}
-            save_torch_state_dict(state, out_dir, max_shard_size=self.max_shard_size)
-            if self.model_config is not None:
-                self.model_config.save_pretrained(out_dir)
-
-        await asyncio.to_thread(write)
-        await self._post_all(
-            "/update_weights_from_disk",
-            {"model_path": str(out_dir), "weight_version": str(version), "flush_cache": True},
-        )
-
-    async def _ensure_group(self) -> None:
-        if self._group is not None:
-            return
-        from .distributed import free_port, init_weight_update_group
-
-        infos = await asyncio.gather(*(self._request("GET", u, "/server_info") for u in self.base_urls))
-        for url, info in zip(self.base_urls, infos):
-            if int((info or {}).get("dp_size", 1) or 1) > 1:
-                raise SGLangError(
-                    f"{url} runs with dp_size > 1; distributed weight sync supports one TP group per server: "
-                    "launch one server per data-parallel replica (they are load-balanced by the client)"
+    async def _verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> None:
+        if len(reference) != len(probe_ids) - 1:
+            raise ValueError(f"reference must have len(probe_ids) - 1 = {len(probe_ids) - 1} log-probs, got {len(reference)}")
+        payload = {
+            "input_ids": probe_ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        if self._lora_name is not None:
+            payload["lora_path"] = self._lora_name
+        answers = await asyncio.gather(*(self._request("POST", u, "/generate", payload) for u in self.base_urls))
+        problems = []
+        for url, item in zip(self.base_urls, answers):
+            entries = ((item or {}).get("meta_info") or {}).get("input_token_logprobs") or []
+            served = [e[0] if isinstance(e, (list, tuple)) else e for e in entries][1:]  # the first token has none
+            if len(served) != len(reference) or any(v is None for v in served):
+                problems.append(f"{url}: {len(served)} input log-probs for {len(reference)} probe tokens")
+                continue
+            diff = [abs(a - b) for a, b in zip(served, reference)]
+            mean = sum(diff) / len(diff)
+            if mean > self.logprob_probe_atol:
+                worst = max(range(len(diff)), key=diff.__getitem__)
+                problems.append(
+                    f"{url}: mean |log-prob difference| {mean:.4f} > {self.logprob_probe_atol:g} (worst at probe "
+                    f"token {worst + 1}: server {served[worst]:.4f}, trainer {reference[worst]:.4f})"
                 )
-        sizes = [int((i or {}).get("tp_size", 1)) for i in infos]
-        world_size = 1 + sum(sizes)
-        port = self.dist_master_port or free_port(self.dist_master_address)
-        offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
-        payloads = [
-            {
-                "master_address": self.dist_master_address,
-                "master_port": port,
-                "rank_offset": off,
-                "world_size": world_size,
-                "group_name": self.group_name,
-                "backend": self.dist_backend,
-            }
-            for off in offsets
-        ]
-        join = asyncio.to_thread(
-            init_weight_update_group,
-            backend=self.dist_backend,
-            master_address=self.dist_master_address,
-            master_port=port,
-            world_size=world_size,
-            rank=0,
-            group_name=self.group_name,
-            timeout=timedelta(seconds=self.dist_timeout_s),
-        )
-        group, _ = await asyncio.gather(join, self._post_all("/init_weights_update_group", payloads, retries=0))
-        self._group = group
-
-    async def _sync_distributed(self, named: list[tuple[str, torch.Tensor]], version) -> None:
-        import torch.distributed as dist
-
-        await self._ensure_group()
-        device = torch.device("cuda", torch.cuda.current_device()) if self.dist_backend == "nccl" else torch.device("cpu")
-        buckets, current, size = [], [], 0
-        for name, t in named:
-            nbytes = t.numel() * t.element_size()
-            if current and size + nbytes > self.bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append((name, t))
-            size += nbytes
-        buckets.append(current)
-        for k, bucket in enumerate(buckets):
-            payload = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": self.group_name,
-                "flush_cache": k == len(buckets) - 1,
-                "weight_version": str(version),
-            }
-
-            def broadcast(bucket=bucket) -> None:
-                for _, t in bucket:  # same order as `names`: the servers receive in that order
-                    dist.broadcast(t.to(device).contiguous(), src=0, group=self._group)
-
-            await asyncio.gather(
-                self._post_all("/update_weights_from_distributed", payload, retries=0), asyncio.to_thread(broadcast)
-            )
-
-    async def _sync_tensor(self, named: list[tuple[str, torch.Tensor]], version) -> None:
-        infos = await asyncio.gather(*(self._request("GET", u, "/server_info") for u in self.base_urls))
-        blob = serialize_named_tensors(named)
-        payloads = [
-            {
-                "serialized_named_tensors": [blob] * int((info or {}).get("tp_size", 1)),
-                "load_format": None,
-                "flush_cache": True,
-                "weight_version": str(version),
-            }
-            for info in infos
-        ]
-        await self._post_all("/update_weights_from_tensor", payloads)
+        if problems:
+            self._mark_inconsistent(f"log-prob probe after the sync to version {self._version}: " + "; ".join(problems))
+            raise WeightSyncError(self._inconsistent)
 
     # ------------------------------------------------------------------ teardown
 
@@ -591,9 +737,10 @@ class SGLangEngine(RolloutEngine):
         self._loop.close()
 
     async def _close(self) -> None:
-        if self._group is not None:
-            from .distributed import destroy_weight_update_group
-
+        if self._reporter is not None:
+            self._reporter.cancel()
+            self._reporter = None
+        if self._sync.group is not None:
             try:
                 await asyncio.gather(
                     *(self._request("POST", u, "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0)
@@ -601,8 +748,8 @@ class SGLangEngine(RolloutEngine):
                 )
             except SGLangError as exc:
                 logger.warning("destroy_weights_update_group: %s", exc)
-            destroy_weight_update_group(self._group)
-            self._group = None
+            destroy_weight_update_group(self._sync.group)
+            self._sync.group = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -611,29 +758,22 @@ class SGLangEngine(RolloutEngine):
             self._weight_dir = None
 
 
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``: ForkingPickler + base64.
-
-    ForkingPickler applies torch's multiprocessing reductions: a CUDA tensor travels as an IPC handle (the
-    receiver maps the sender's memory, so keep the tensors alive until the call returns), a CPU tensor as a
-    shared-memory handle.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
-    return base64.b64encode(buf.getvalue()).decode("utf-8")
+class _RequestDeadline(SGLangError):
+    """The overall per-request deadline passed (the server was slow to answer or to send the body)."""
 
 
 class SGLangOfflineEngine(RolloutEngine):
     """``sglang.Engine`` in this process (no HTTP), e.g. colocated with the trainer on one node.
 
     ``SGLangOfflineEngine(model_path="openai/gpt-oss-20b", mem_fraction_static=0.5, ...)`` forwards keyword
-    arguments to ``sglang.Engine`` (its ``ServerArgs``); or pass ``engine=`` an existing one. Generation uses
-    ``Engine.async_generate``; weight sync uses ``Engine.update_weights_from_tensor`` (CUDA IPC). sglang is
-    imported lazily: without it this raises `ImportError`.
+    arguments to ``sglang.Engine`` (its ``ServerArgs``); or pass ``engine=`` an existing one.
+
+    SGLang's tokenizer manager binds its output loop to the first event loop that uses it
+    (``TokenizerManager.auto_create_handle_loop``), and ``Engine``'s synchronous methods run on the loop that
+    existed at construction (``Engine.loop``). A trainer that calls ``asyncio.run`` per batch would strand the
+    output loop on a closed loop after the first batch, so every call here runs on one private loop (a daemon
+    thread) for the engine's life, and weight updates call the tokenizer manager's coroutines directly there.
+    Every weight update's ``(success, message)`` is checked: a refusal raises `WeightSyncError`.
     """
 
     def __init__(self, engine=None, **server_args) -> None:
@@ -644,27 +784,102 @@ class SGLangOfflineEngine(RolloutEngine):
                 "SGLangOfflineEngine needs the `sglang` package (GPU only): pip install 'sglang[all]'. "
                 "Use SGLangEngine (HTTP) or EmbeddedEngine otherwise."
             ) from exc
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="SGLangOfflineEngine", daemon=True)
+        self._thread.start()
         self._engine = engine if engine is not None else sglang.Engine(**server_args)
         self._version: int | str | None = None
+        self._lora_name: str | None = None
+        self.lora_name = "policy"
+        self.verify = ("version",)
 
     @property
     def weight_version(self) -> int | str | None:
         return self._version
 
+    async def _on_loop(self, coro):
+        if self._engine is None:
+            coro.close()
+            raise RuntimeError("SGLangOfflineEngine is closed")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         ids = validate_input_ids(input_ids)
-        item = await self._engine.async_generate(
-            input_ids=ids,
-            sampling_params=sampling_params_payload(sampling),
-            return_logprob=True,
-            logprob_start_len=-1,
-        )
+        kwargs = dict(input_ids=ids, sampling_params=sampling_params_payload(sampling), return_logprob=True,
+                      logprob_start_len=-1)
+        if self._lora_name is not None:
+            kwargs["lora_path"] = self._lora_name
+        item = await self._on_loop(self._engine.async_generate(**kwargs))
         return parse_generate_item(item)
 
+    async def _call(self, what: str, coro) -> None:
+        result = await self._on_loop(coro)
+        success, message = (result[0], result[1]) if isinstance(result, tuple) else (
+            getattr(result, "success", None), getattr(result, "error_message", None) or getattr(result, "message", None)
+        )
+        if not success:
+            raise WeightSyncError(f"sglang.Engine {what} failed: {message}")
+
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """``update_weights_from_tensor`` through the tokenizer manager, inside a begin/end session when this
+        sglang has one (``Engine.begin_weight_update``, 0.5.23), with one payload per TP rank; every result is
+        checked and the served ``weight_version`` read back."""
+        from sglang.srt.managers import io_struct
+
         named = [(n, t.detach()) for n, t in named_tensors]
-        await asyncio.to_thread(self._engine.update_weights_from_tensor, named_tensors=named, flush_cache=True)
+        if not named:
+            raise ValueError("update_weights: no tensors")
+        tm = self._engine.tokenizer_manager
+        tp_size = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
+        session = hasattr(io_struct, "BeginWeightUpdateReqInput") and hasattr(tm, "begin_weight_update")
+        if session:
+            await self._call("begin_weight_update", tm.begin_weight_update(io_struct.BeginWeightUpdateReqInput(), None))
+        try:
+            req = io_struct.UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=serialize_per_rank(named, tp_size),
+                load_format=None,
+                flush_cache=True,
+                weight_version=str(version),
+            )
+            await self._call("update_weights_from_tensor", tm.update_weights_from_tensor(req, None))
+        finally:
+            if session:
+                await self._call("end_weight_update", tm.end_weight_update(io_struct.EndWeightUpdateReqInput(), None))
+        self._check_version(version)
         self._version = version
+
+    async def update_lora_adapter(self, adapter: LoRAAdapter, *, version: int) -> None:
+        from sglang.srt.managers import io_struct
+
+        tm = self._engine.tokenizer_manager
+        tp_size = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
+        name = f"{self.lora_name}-v{version}"
+        req = io_struct.LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, config_dict=adapter.config_dict,
+            serialized_named_tensors=serialize_per_rank(dict(adapter.named_tensors), tp_size),
+        )
+        await self._call("load_lora_adapter_from_tensors", tm.load_lora_adapter_from_tensors(req, None))
+        old, self._lora_name = self._lora_name, name
+        # tag the version (the adapter carries none): a coroutine from 0.5.23 on
+        # (``TokenizerControlMixin.update_weight_version``); 0.5.17 records it synchronously
+        # (``_update_weight_version_if_provided``, what its ``/update_weight_version`` route amounts to)
+        if hasattr(tm, "update_weight_version"):
+            await self._on_loop(tm.update_weight_version(io_struct.UpdateWeightVersionReqInput(
+                new_version=str(version), abort_all_requests=False)))
+        else:
+            tm._update_weight_version_if_provided(str(version))
+        if old is not None:
+            await self._call("unload_lora_adapter",
+                             tm.unload_lora_adapter(io_struct.UnloadLoRAAdapterReqInput(lora_name=old), None))
+        self._check_version(version)
+        self._version = version
+
+    def _check_version(self, version) -> None:
+        tm = self._engine.tokenizer_manager
+        served = tm.config_value("weight_version") if hasattr(tm, "config_value") else getattr(
+            getattr(tm, "server_args", None), "weight_version", None)
+        if served is not None and str(served) != str(version):
+            raise WeightSyncError(f"sglang.Engine reports weight_version {served!r} after the sync to {version!r}")
 
     async def health(self) -> bool:
         return self._engine is not None
@@ -673,3 +888,6 @@ class SGLangOfflineEngine(RolloutEngine):
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

@@ -1,0 +1,804 @@
+"""Rollout weight sync: how trained weights leave the policy and reach a rollout engine.
+
+Everything about weight sync lives here, behind one interface:
+
+- **What is sent.** `export_policy_weights` (full weights, PEFT adapters merged, FSDP state dicts gathered) and
+  `export_lora_adapter` (only the adapter: a rank-16 q/k/v/o adapter of gpt-oss-20b is ~16 MB against ~42 GB of
+  merged bf16 weights).
+- **How it travels.** `serialize_per_rank` (SGLang's ``MultiprocessingSerializer`` with SGLang's torch
+  reductions, one payload per TP rank), `plan_buckets` + `flatten_bucket` (SGLang's ``FlattenedTensorBucket``
+  layout for one NCCL broadcast per bucket), and the standalone NCCL/gloo group `init_weight_update_group`.
+- **Who receives it.** `RolloutEngine.update_weights(named_tensors, version=...)` (every engine) and
+  ``update_lora_adapter(adapter, version=...)`` (`SGLangEngine`, `SGLangOfflineEngine`); the SGLang HTTP protocol
+  (begin/end session, pause/continue, per-server checks and verification) is `SGLangHTTPWeightSync`.
+- **The trainer's entry point.** `push_policy_weights(engine, model, version=..., ...)`.
+
+SGLang behaviour this follows is cited by upstream file and function (sglang 0.5.17 and 0.5.23 wheels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import io
+import logging
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SYNC_MODES = ("disk", "distributed", "tensor")
+VERIFY_MODES = ("version", "checksum", "logprobs")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed or could not be verified; the message names the server(s) and the mismatch."""
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+@contextmanager
+def export_policy_weights(model, *, accelerator=None, is_fsdp: bool = False) -> Iterator[Callable[[], Iterator]]:
+    """Yield a function listing ``(name, tensor)`` of the policy as the base model names them (LoRA merged).
+
+    ``model`` is the unwrapped policy. With FSDP, ``accelerator.get_state_dict`` gathers the full state dict
+    (a collective: every rank must enter). PEFT models are merged for the export and unmerged afterwards, as
+    TRL's vLLM sync does (``trl.trainer.grpo_trainer.GRPOTrainer._move_model_to_vllm``).
+    """
+    from peft import PeftModel
+
+    if is_fsdp:
+        state_dict = accelerator.get_state_dict(model)
+        yield lambda: ((k, v) for k, v in state_dict.items())
+        return
+    if not isinstance(model, PeftModel):
+        yield lambda: ((k, v.detach()) for k, v in model.state_dict().items())
+        return
+    prefix = model.prefix  # "lora_"
+    with torch.no_grad():
+        model.merge_adapter()
+        try:
+
+            def named():
+                for name, tensor in model.state_dict().items():
+                    if prefix in name:  # adapter tensors: already merged into the base weights
+                        continue
+                    yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor.detach()
+
+            yield named
+        finally:
+            model.unmerge_adapter()
+
+
+@dataclass
+class LoRAAdapter:
+    """A PEFT adapter as SGLang loads it: ``config_dict`` (``adapter_config.json``) and PEFT-named tensors."""
+
+    config_dict: dict
+    named_tensors: list[tuple[str, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.named_tensors)
+
+
+def export_lora_adapter(model, adapter_name: str = "default") -> LoRAAdapter:
+    """The active adapter of a PEFT ``model``, named like ``adapter_model.safetensors`` (what SGLang reads).
+
+    SGLang serves LoRA on GPT-OSS for the attention projections, the experts, ``lm_head`` and the embeddings
+    (``GptOssForCausalLM._lora_pattern_moe`` in ``sglang/srt/models/gpt_oss.py``); launch the server with
+    ``--enable-lora --max-lora-rank R --lora-target-modules ...`` covering the adapter's modules.
+    """
+    from peft import PeftModel, get_peft_model_state_dict
+
+    if not isinstance(model, PeftModel):
+        raise WeightSyncError("LoRA weight sync needs a PEFT model (peft_config); use merged sync otherwise")
+    config = model.peft_config[adapter_name]
+    if getattr(config, "peft_type", None) is not None and str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
+        raise WeightSyncError(f"LoRA weight sync supports LoRA adapters only, got {config.peft_type}")
+    config_dict = config.to_dict()
+    for key, value in list(config_dict.items()):  # JSON: sets -> sorted lists, enums -> values
+        if isinstance(value, set):
+            config_dict[key] = sorted(value)
+        elif hasattr(value, "value"):
+            config_dict[key] = value.value
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    return LoRAAdapter(config_dict, [(k, v.detach()) for k, v in state.items()])
+
+
+# ---------------------------------------------------------------------------------------------------- transport
+
+
+def _sglang_attr(module: str, name: str):
+    """An attribute of an installed sglang (GPU installs), or None: the fallbacks below are the same algorithm."""
+    try:
+        mod = __import__(module, fromlist=[name])
+        return getattr(mod, name)
+    except Exception:  # noqa: BLE001 - sglang absent or not importable here (no GPU stack): use the fallback
+        return None
+
+
+_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6  # argument index of the device in torch's CUDA `rebuild_cuda_tensor` args
+
+
+def patch_torch_reductions() -> None:
+    """Identify CUDA devices by UUID in pickled tensors, as SGLang's sender and receiver both do.
+
+    torch's ``reduce_tensor`` records the sender's device *index*; a receiver whose ``CUDA_VISIBLE_DEVICES`` is
+    split differently maps the handle on the wrong GPU. SGLang patches the reductions to write the device UUID
+    and resolve it on the receiving side (``monkey_patch_torch_reductions`` in ``sglang/srt/utils/patch_torch.py``,
+    a workaround for pytorch/pytorch#149248). With sglang installed its function is used; otherwise the same
+    patch is applied here (idempotent, CUDA only; the receiving side accepts both ints and UUIDs).
+    """
+    patch = _sglang_attr("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions")
+    if patch is not None:
+        patch()
+        return
+    from torch.multiprocessing import reductions
+
+    if hasattr(reductions, "_reduce_tensor_original"):
+        return
+
+    def device_to_uuid(device: int) -> str:
+        return str(torch.cuda.get_device_properties(device).uuid)
+
+    def device_from_maybe_uuid(device):
+        if isinstance(device, int):
+            return device
+        for index in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(index).uuid) == device:
+                return index
+        raise RuntimeError(f"no visible CUDA device has uuid {device}")
+
+    def modify(args, fn):
+        i = _REDUCE_TENSOR_ARG_DEVICE_INDEX
+        return (*args[:i], fn(args[i]), *args[i + 1 :])
+
+    def reduce_tensor(*args, **kwargs):
+        rebuild, rebuild_args = reductions._reduce_tensor_original(*args, **kwargs)
+        if rebuild is reductions.rebuild_cuda_tensor or rebuild is reductions._rebuild_cuda_tensor_original:
+            rebuild_args = modify(rebuild_args, device_to_uuid)
+        return rebuild, rebuild_args
+
+    def rebuild_cuda_tensor(*args):
+        return reductions._rebuild_cuda_tensor_original(*modify(args, device_from_maybe_uuid))
+
+    reductions._reduce_tensor_original = reductions.reduce_tensor
+    reductions._rebuild_cuda_tensor_original = reductions.rebuild_cuda_tensor
+    reductions.reduce_tensor = reduce_tensor
+    reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
+    reductions.init_reductions()
+
+
+def serialize(obj) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` (``sglang/srt/utils/common.py``):
+    ``ForkingPickler`` (torch's tensor reductions: CUDA IPC handles for GPU tensors, shared memory for CPU
+    ones) and base64. Keep the tensors alive until the receiver answered."""
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
+
+    patch_torch_reductions()
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def serialize_per_rank(obj, tp_size: int) -> list[str]:
+    """One serialized copy per TP rank, as ``Engine._serialize_tensors_per_rank`` builds it
+    (``sglang/srt/entrypoints/engine.py``): each rank deserializes only ``payloads[tp_rank]``
+    (``TpModelWorker.deserialize_own_rank``), so every copy must carry its own CUDA-IPC reference."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    return [serialize(obj) for _ in range(tp_size)]
+
+
+@dataclass
+class BucketMetadata:
+    """One tensor of a flattened bucket (the fields of SGLang's ``FlattenedTensorMetadata``)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split ``named`` into buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own).
+
+    Within a bucket, tensors are ordered by decreasing element size: SGLang rebuilds each tensor as a ``view``
+    of a uint8 buffer at its byte offset (``FlattenedTensorBucket.reconstruct_tensors``; 0.5.23's
+    ``FlattenedTensorBucket.empty`` rejects an offset not divisible by the dtype size), so no tensor may start
+    at an offset that is not a multiple of its own element size.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets, current, size = [], [], 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, t))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return [sorted(b, key=lambda nt: -nt[1].element_size()) for b in buckets]
+
+
+def flatten_bucket(named: list[tuple[str, torch.Tensor]], device=None) -> tuple[torch.Tensor, list[BucketMetadata]]:
+    """Concatenate tensors as bytes in order: SGLang's ``FlattenedTensorBucket(named_tensors=...)`` layout
+    (``sglang/srt/weight_sync/tensor_bucket.py``, same in 0.5.17 and 0.5.23), which the receiver of a
+    ``load_format="flattened_bucket"`` update rebuilds from ``names``/``dtypes``/``shapes`` alone."""
+    if not named:
+        raise ValueError("cannot flatten an empty bucket")
+    parts, metadata, offset = [], [], 0
+    for name, t in named:
+        flat = t.detach().to(device).contiguous().flatten().view(torch.uint8)
+        if offset % t.element_size():
+            raise ValueError(f"{name}: byte offset {offset} is not a multiple of {t.dtype}'s size (use plan_buckets)")
+        metadata.append(BucketMetadata(name, t.shape, t.dtype, offset, offset + flat.numel(), flat.numel()))
+        parts.append(flat)
+        offset += flat.numel()
+    return torch.cat(parts), metadata
+
+
+def unflatten_bucket(flat: torch.Tensor, metadata: list[BucketMetadata]) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of `flatten_bucket` (``FlattenedTensorBucket.reconstruct_tensors``)."""
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (``""``: every interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def init_weight_update_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta = timedelta(minutes=10),
+):
+    """Join (rank 0: host) a standalone process group shared by the trainer and the engine ranks.
+
+    SGLang's ``/init_weights_update_group`` makes each engine rank join a *new* group (rank
+    ``rank_offset + tp_rank``) through a TCP rendezvous hosted by the trainer, independent of the trainer's own
+    default group (``init_custom_process_group`` in ``sglang/srt/utils/common.py``). `torch.distributed.new_group`
+    cannot do that (it splits the default group), so this follows the same helper: rendezvous on
+    ``tcp://address:port`` and build the group with `_new_process_group_helper`.
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    params = inspect.signature(_new_process_group_helper).parameters
+    options_kw = "backend_options" if "backend_options" in params else "pg_options"
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **{options_kw: None}
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_update_group(pg) -> None:
+    """Tear down a group made by `init_weight_update_group`."""
+    if pg is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(pg)
+
+
+# ---------------------------------------------------------------------------------------------------- SGLang
+
+
+def version_tuple(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts = []
+    for piece in str(version).split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+# ``/begin_weight_update`` and ``/end_weight_update`` appeared between 0.5.17 and 0.5.23; from then on
+# ``update_weights_from_tensor``/``_distributed`` answer "must run between begin_weight_update() and
+# end_weight_update()" without a session (``SchedulerWeightUpdaterManager.update_weights_from_distributed``
+# in ``sglang/srt/managers/scheduler_components/weight_updater.py``, 0.5.23). Servers that report an older
+# version, or answer 404 on ``/begin_weight_update``, are driven without the session.
+_SESSION_SINCE = (0, 5, 18)
+
+
+@dataclass
+class ServerState:
+    """What the client knows of one SGLang server (from ``GET /server_info``)."""
+
+    url: str
+    tp_size: int = 1
+    dp_size: int = 1
+    version: str | None = None
+    has_session: bool | None = None  # begin/end weight-update session (None: not known yet)
+    enable_lora: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_info(cls, url: str, info) -> ServerState:
+        info = info if isinstance(info, dict) else {}
+        version = info.get("version")
+        vt = version_tuple(version)
+        return cls(
+            url=url,
+            tp_size=int(info.get("tp_size") or 1),
+            dp_size=int(info.get("dp_size") or 1),
+            version=version,
+            has_session=None if vt is None else vt >= _SESSION_SINCE,
+            enable_lora=bool(info.get("enable_lora", False)),
+        )
+
+
+class SGLangHTTPWeightSync:
+    """The weight-sync protocol of SGLang's HTTP server, driven for every server of an `SGLangEngine`.
+
+    One sync: ``/pause_generation`` on every server (inside the ``try``: a failed pause still continues the
+    servers already paused), ``/begin_weight_update`` where the server has it, the load (disk, NCCL broadcast
+    or CUDA IPC tensors), ``/end_weight_update``, ``/continue_generation`` on every paused server (always), then
+    the verification: every server reports the new ``weight_version`` (``GET /model_info``), plus the
+    optional ``/weights_checker`` checksum or log-prob probe. Every answer's ``success`` is checked. When any
+    server fails, the step fails with a `WeightSyncError` naming each server's state, and the engine refuses
+    to generate until a later sync succeeds (the servers may hold different versions).
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.group = None
+        self._checksums: dict[str, dict] = {}
+        self._lora_names: dict[str, str] = {}  # url -> adapter name currently loaded
+
+    # -------------------------------------------------------------- helpers
+
+    async def server_states(self) -> list[ServerState]:
+        infos = await asyncio.gather(*(self.engine._request("GET", u, "/server_info") for u in self.engine.base_urls))
+        return [ServerState.from_info(u, i) for u, i in zip(self.engine.base_urls, infos)]
+
+    async def _post(self, url: str, path: str, payload: dict, *, retries: int | None = None, ok_404: bool = False):
+        """POST and check SGLang's ``success``; returns the answer (None for an accepted 404 when ``ok_404``)."""
+        answer = await self.engine._request("POST", url, path, payload, retries=retries, ok_statuses=(404,) if ok_404 else ())
+        if answer is _NOT_FOUND:
+            return None
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise WeightSyncError(f"{url}{path} refused: {answer.get('message') or answer.get('error_message')}")
+        return answer
+
+    async def _begin(self, state: ServerState) -> bool:
+        if state.has_session is False:
+            return False
+        answer = await self._post(state.url, "/begin_weight_update", {}, retries=0, ok_404=True)
+        state.has_session = answer is not None
+        return state.has_session
+
+    async def _end(self, state: ServerState) -> None:
+        await self._post(state.url, "/end_weight_update", {}, retries=0)
+
+    # -------------------------------------------------------------- entry points
+
+    async def update(self, named: list[tuple[str, torch.Tensor]], version, *, lora: LoRAAdapter | None = None):
+        engine = self.engine
+        states = await self.server_states()
+        for s in states:
+            if s.dp_size > 1 and engine.sync_mode != "disk":
+                raise WeightSyncError(
+                    f"{s.url} runs with dp_size={s.dp_size}; {engine.sync_mode} sync supports one TP group per server "
+                    "(SGLang asserts dp_size == 1 for it): launch one server per data-parallel replica"
+                )
+        paused: list[str] = []
+        failures: dict[str, str] = {}
+        loaded: set[str] = set()
+        try:
+            if engine.pause_mode is not None:
+                for s in states:
+                    await self._post(s.url, "/pause_generation", {"mode": engine.pause_mode})
+                    paused.append(s.url)
+            if lora is not None:
+                await self._load_lora(states, lora, version, loaded, failures)
+            elif engine.sync_mode == "disk":
+                await self._sync_disk(states, named, version, loaded, failures)
+            elif engine.sync_mode == "distributed":
+                await self._sync_distributed(states, named, version, loaded, failures)
+            else:
+                await self._sync_tensor(states, named, version, loaded, failures)
+        except WeightSyncError as exc:
+            failures.setdefault("(sync)", str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported with the per-server state below
+            failures.setdefault("(sync)", f"{type(exc).__name__}: {exc}")
+        finally:
+            for url in paused:
+                try:
+                    await self._post(url, "/continue_generation", {})
+                except Exception as exc:  # noqa: BLE001 - every paused server must be continued; report all
+                    failures[url] = f"{failures.get(url, '')} /continue_generation failed: {exc}".strip()
+        if failures:
+            detail = "; ".join(f"{u}: {m}" for u, m in failures.items())
+            states_text = ", ".join(f"{s.url} {'loaded' if s.url in loaded else 'not loaded'}" for s in states)
+            engine._mark_inconsistent(f"weight sync to version {version} failed ({detail}); servers: {states_text}")
+            raise WeightSyncError(engine._inconsistent)
+        if lora is not None:
+            engine._lora_name = self._lora_names[states[0].url]
+        await self.verify(states, version)
+
+    async def verify(self, states: list[ServerState], version) -> None:
+        """Every server must report ``weight_version == str(version)``; then the optional checks."""
+        engine = self.engine
+        infos = await asyncio.gather(*(engine._request("GET", s.url, "/model_info") for s in states))
+        wrong = {
+            s.url: (i or {}).get("weight_version") for s, i in zip(states, infos)
+            if str((i or {}).get("weight_version")) != str(version)
+        }
+        if wrong:
+            msg = ", ".join(f"{u} reports weight_version {v!r}" for u, v in wrong.items())
+            engine._mark_inconsistent(f"after the sync to version {version}: {msg} (expected {str(version)!r})")
+            raise WeightSyncError(engine._inconsistent)
+        if "checksum" in engine.verify and engine._lora_name is None:
+            await self._verify_checksums(states, version)
+
+    async def checksums(self, states: list[ServerState]) -> dict[str, dict]:
+        answers = await asyncio.gather(
+            *(self._post(s.url, "/weights_checker", {"action": "checksum"}) for s in states)
+        )
+        return {s.url: (a or {}) for s, a in zip(states, answers)}
+
+    async def _verify_checksums(self, states: list[ServerState], version) -> None:
+        """``/weights_checker`` ``checksum`` (SGLang's per-parameter hashes, ``sglang/srt/utils/weight_checker.py``):
+        the servers' overall checksum must have changed since the previous sync (a sync whose every name SGLang
+        skipped leaves it unchanged: ``GptOssForCausalLM.load_weights`` skips unknown names and still succeeds),
+        and servers with the same parallelism must agree."""
+        now = await self.checksums(states)
+        previous, self._checksums = self._checksums, now
+        problems = []
+        for url, answer in now.items():
+            before = previous.get(url)
+            if before and before.get("per_engine_checksum") == answer.get("per_engine_checksum"):
+                problems.append(f"{url}: no parameter changed (every tensor name skipped, or identical weights)")
+            elif before:
+                unchanged = _unchanged_params(before, answer)
+                if unchanged:
+                    logger.warning(
+                        "%s: %d parameters unchanged by the sync to version %s (first: %s); a name the server "
+                        "does not know is skipped silently by SGLang", url, len(unchanged), version, unchanged[:5],
+                    )
+        by_layout: dict[tuple, list[tuple[str, str]]] = {}
+        for s in states:
+            by_layout.setdefault((s.tp_size, s.dp_size), []).append((s.url, now[s.url].get("per_engine_checksum")))
+        for layout, members in by_layout.items():
+            if len({c for _, c in members}) > 1:
+                problems.append(f"servers with tp/dp {layout} disagree: " + ", ".join(f"{u}={c}" for u, c in members))
+        if problems:
+            self.engine._mark_inconsistent(f"checksum verification of version {version}: " + "; ".join(problems))
+            raise WeightSyncError(self.engine._inconsistent)
+
+    # -------------------------------------------------------------- modes
+
+    async def _sync_disk(self, states, named, version, loaded, failures) -> None:
+        from huggingface_hub import save_torch_state_dict
+
+        engine = self.engine
+        out_dir = engine._weights_dir()
+
+        def write() -> None:
+            for stale in list(out_dir.glob("*.safetensors")) + list(out_dir.glob("*.safetensors.index.json")):
+                stale.unlink()  # never let an old shard mix with the new ones
+            state = {name: t.to("cpu").contiguous() for name, t in named}
+            save_torch_state_dict(state, out_dir, max_shard_size=engine.max_shard_size)
+            if engine.model_config is not None:
+                engine.model_config.save_pretrained(out_dir)
+
+        await asyncio.to_thread(write)
+        payload = {"model_path": str(out_dir), "weight_version": str(version), "flush_cache": engine._flush_in_update}
+
+        async def one(s: ServerState) -> None:
+            try:
+                await self._post(s.url, "/update_weights_from_disk", payload)
+                loaded.add(s.url)
+            except Exception as exc:  # noqa: BLE001
+                failures[s.url] = str(exc)
+
+        await asyncio.gather(*(one(s) for s in states))
+
+    async def _sync_tensor(self, states, named, version, loaded, failures) -> None:
+        engine = self.engine
+        if torch.cuda.is_available():  # CUDA IPC: the servers map this process's GPU memory
+            device = torch.device("cuda", torch.cuda.current_device())
+            named = [(n, t.to(device)) for n, t in named]
+        buckets = plan_buckets(named, engine.bucket_bytes)
+
+        async def one(s: ServerState) -> None:
+            session = False
+            try:
+                session = await self._begin(s)
+                for k, bucket in enumerate(buckets):
+                    payload = {
+                        "serialized_named_tensors": serialize_per_rank(bucket, s.tp_size),
+                        "load_format": None,
+                        "flush_cache": engine._flush_in_update and k == len(buckets) - 1,
+                        "weight_version": str(version),
+                    }
+                    await self._post(s.url, "/update_weights_from_tensor", payload, retries=0)
+                loaded.add(s.url)
+            except Exception as exc:  # noqa: BLE001
+                failures[s.url] = str(exc)
+            finally:
+                if session:
+                    try:
+                        await self._end(s)
+                    except Exception as exc:  # noqa: BLE001
+                        failures[s.url] = f"{failures.get(s.url, '')} /end_weight_update: {exc}".strip()
+
+        await asyncio.gather(*(one(s) for s in states))
+
+    async def ensure_group(self, states: list[ServerState]) -> None:
+        if self.group is not None:
+            return
+        engine = self.engine
+        world_size = 1 + sum(s.tp_size for s in states)
+        port = engine.dist_master_port or free_port("")
+        offsets, offset = [], 1
+        for s in states:
+            offsets.append(offset)
+            offset += s.tp_size
+        join = asyncio.to_thread(
+            init_weight_update_group,
+            backend=engine.dist_backend,
+            master_address=engine.dist_master_address,
+            master_port=port,
+            world_size=world_size,
+            rank=0,
+            group_name=engine.group_name,
+            timeout=timedelta(seconds=engine.dist_timeout_s),
+        )
+        posts = [
+            self._post(
+                s.url,
+                "/init_weights_update_group",
+                {
+                    "master_address": engine.dist_master_address,
+                    "master_port": port,
+                    "rank_offset": off,
+                    "world_size": world_size,
+                    "group_name": engine.group_name,
+                    "backend": engine.dist_backend,
+                },
+                retries=0,
+            )
+            for s, off in zip(states, offsets)
+        ]
+        results = await asyncio.gather(join, *posts, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            if not isinstance(results[0], BaseException):
+                destroy_weight_update_group(results[0])
+            raise WeightSyncError(f"init_weights_update_group failed: {errors[0]}")
+        self.group = results[0]
+
+    async def _sync_distributed(self, states, named, version, loaded, failures) -> None:
+        """NCCL broadcast from this process (rank 0) to every server rank, one flattened bucket per call.
+
+        Every server must join every broadcast (a collective), so the session is opened on all servers before
+        the first broadcast: a server that refuses ``/begin_weight_update`` fails the step *before* anyone waits
+        in a collective (without a session 0.5.23 answers 400 and never joins, and the broadcast would hang).
+        """
+        import torch.distributed as dist
+
+        engine = self.engine
+        await self.ensure_group(states)
+        sessions = []
+        try:
+            for s in states:
+                if await self._begin(s):
+                    sessions.append(s)
+            device = torch.device("cuda", torch.cuda.current_device()) if engine.dist_backend == "nccl" else torch.device("cpu")
+            buckets = plan_buckets(named, engine.bucket_bytes)
+            for k, bucket in enumerate(buckets):
+                flat, meta = flatten_bucket(bucket, device=device)
+                payload = {
+                    "names": [m.name for m in meta],
+                    "dtypes": [str(m.dtype).removeprefix("torch.") for m in meta],
+                    "shapes": [list(m.shape) for m in meta],
+                    "group_name": engine.group_name,
+                    "flush_cache": engine._flush_in_update and k == len(buckets) - 1,
+                    "weight_version": str(version),
+                    "load_format": "flattened_bucket",
+                }
+
+                def broadcast(flat=flat) -> None:
+                    dist.broadcast(flat, src=0, group=self.group)
+
+                results = await asyncio.gather(
+                    asyncio.to_thread(broadcast),
+                    *(self._post(s.url, "/update_weights_from_distributed", payload, retries=0) for s in states),
+                    return_exceptions=True,
+                )
+                bad = {s.url: r for s, r in zip(states, results[1:]) if isinstance(r, BaseException)}
+                if isinstance(results[0], BaseException):
+                    bad["(broadcast)"] = results[0]
+                if bad:
+                    for url, exc in bad.items():
+                        failures[url] = f"bucket {k + 1}/{len(buckets)}: {exc}"
+                    return
+            loaded.update(s.url for s in states)
+        finally:
+            for s in sessions:
+                try:
+                    await self._end(s)
+                except Exception as exc:  # noqa: BLE001
+                    failures[s.url] = f"{failures.get(s.url, '')} /end_weight_update: {exc}".strip()
+
+    async def _load_lora(self, states, adapter: LoRAAdapter, version, loaded, failures) -> None:
+        """Load the adapter under a new name (``<prefix>-v<version>``), then unload the previous one.
+
+        Requests name the adapter with ``lora_path`` (``GenerateReqInput.lora_path``); the engine switches to the
+        new name once every server loaded it. ``disk`` mode writes ``adapter_model.safetensors`` +
+        ``adapter_config.json`` and calls ``/load_lora_adapter``; ``tensor`` mode sends the tensors per TP rank to
+        ``/load_lora_adapter_from_tensors`` (CUDA IPC: same node). SGLang has no NCCL path for adapters.
+        """
+        engine = self.engine
+        name = f"{engine.lora_name}-v{version}"
+        if engine.sync_mode == "distributed":
+            raise WeightSyncError("LoRA sync supports weight_sync_mode 'disk' or 'tensor' (SGLang loads adapters "
+                                  "from a path or from tensors, not over NCCL)")
+        for s in states:
+            if not s.enable_lora:
+                raise WeightSyncError(f"{s.url} was not launched with --enable-lora; LoRA sync needs it "
+                                      "(--enable-lora --max-lora-rank R --lora-target-modules ...)")
+        if engine.sync_mode == "disk":
+            out_dir = engine._weights_dir() / name
+            await asyncio.to_thread(_write_adapter, out_dir, adapter)
+            payload_for = lambda s: {"lora_name": name, "lora_path": str(out_dir)}  # noqa: E731
+            path = "/load_lora_adapter"
+        else:
+            tensors = dict(adapter.named_tensors)
+            if torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+                tensors = {k: v.to(device) for k, v in tensors.items()}
+            payload_for = lambda s: {  # noqa: E731
+                "lora_name": name,
+                "config_dict": adapter.config_dict,
+                "serialized_named_tensors": serialize_per_rank(tensors, s.tp_size),
+            }
+            path = "/load_lora_adapter_from_tensors"
+
+        async def one(s: ServerState) -> None:
+            try:
+                await self._post(s.url, path, payload_for(s), retries=0)
+                self._lora_names[s.url], old = name, self._lora_names.get(s.url)
+                # the adapter carries no version of its own: tag the server so /model_info and meta_info agree
+                await self._post(s.url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+                loaded.add(s.url)
+                if old and old != name:
+                    try:
+                        await self._post(s.url, "/unload_lora_adapter", {"lora_name": old})
+                    except Exception as exc:  # noqa: BLE001 - the new adapter serves; the old one only costs memory
+                        logger.warning("%s: could not unload adapter %s: %s", s.url, old, exc)
+            except Exception as exc:  # noqa: BLE001
+                failures[s.url] = str(exc)
+
+        await asyncio.gather(*(one(s) for s in states))
+
+
+class _NotFound:
+    pass
+
+
+_NOT_FOUND = _NotFound()
+
+
+def _unchanged_params(before: dict, after: dict) -> list[str]:
+    names = []
+    for rb, ra in zip(before.get("ranks") or [], after.get("ranks") or []):
+        cb, ca = rb.get("checksums") or {}, ra.get("checksums") or {}
+        names += [n for n in ca if cb.get(n) == ca[n]]
+    return sorted(set(names))
+
+
+def _write_adapter(out_dir: Path, adapter: LoRAAdapter) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    save_file({k: v.to("cpu").contiguous() for k, v in adapter.named_tensors}, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter.config_dict))
+
+
+# ---------------------------------------------------------------------------------------------------- trainer side
+
+
+def reference_logprobs(model, input_ids: list[int]) -> list[float]:
+    """Log-probs of ``input_ids[1:]`` under ``model`` at temperature 1 (the log-prob probe's reference)."""
+    ids = torch.tensor([input_ids], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+
+def push_policy_weights(
+    engine,
+    model,
+    *,
+    version: int,
+    accelerator=None,
+    is_fsdp: bool = False,
+    lora: bool = False,
+    is_main_process: bool = True,
+    probe_ids: list[int] | None = None,
+    run: Callable = None,
+) -> None:
+    """Send ``model`` (the unwrapped policy) to ``engine`` as ``version``: the trainer's one call per step.
+
+    ``lora=True`` pushes only the PEFT adapter (``engine.update_lora_adapter``); otherwise merged weights
+    (``engine.update_weights``). Only the main process talks to a remote engine (``is_main_process``), but
+    every process enters the export (FSDP gathers collectively). ``probe_ids``: when the engine verifies with
+    ``"logprobs"``, the policy's log-probs of these ids are the reference. ``run`` runs a coroutine to the end
+    from synchronous code.
+    """
+    if run is None:
+        from .rollout.agent_loop import run_sync as run
+    if lora:
+        adapter = export_lora_adapter(model)
+        if not is_main_process:
+            return
+        if not hasattr(engine, "update_lora_adapter"):
+            raise WeightSyncError(f"{type(engine).__name__} cannot load LoRA adapters; use merged weight sync")
+        run(engine.update_lora_adapter(adapter, version=version))
+    else:
+        with export_policy_weights(model, accelerator=accelerator, is_fsdp=is_fsdp) as named:
+            if not is_main_process:
+                return
+            run(engine.update_weights(list(named()), version=version))
+    if probe_ids and "logprobs" in getattr(engine, "verify", ()):
+        run(engine.verify_logprobs(probe_ids, reference_logprobs(model, probe_ids)))
+
+
+def load_state_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into ``model`` by ``state_dict`` name, all-or-nothing: every name and shape is checked
+    before anything is copied (`KeyError` for an unknown name, `ValueError` for a shape mismatch)."""
+    state = model.state_dict()
+    staged = []
+    for name, tensor in named_tensors:
+        if name not in state:
+            raise KeyError(f"update_weights: unknown parameter {name!r} (not in the engine model)")
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            raise ValueError(
+                f"update_weights: {name} has shape {tuple(tensor.shape)}, engine expects {tuple(state[name].shape)}"
+            )
+        staged.append((name, tensor))
+    with torch.no_grad():
+        for name, tensor in staged:
+            state[name].copy_(tensor.detach().to(device=state[name].device, dtype=state[name].dtype))
+
+
+def default_weight_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="sglang_weights_"))
