@@ -6,21 +6,22 @@ padded and packed batches, reach the kernel with the sinks and the sliding windo
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import hf_gptoss_rl
-from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION, KERNEL_REPO_ID, build_local_kernel
+from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION, CACHE_ENV_VAR, KERNEL_REPO_ID, build_local_kernel
 from hf_gptoss_rl.testing import tiny_gptoss_config
 
-pytest.importorskip("kernels")
-from transformers import GptOssForCausalLM  # noqa: E402
-from transformers import modeling_flash_attention_utils as fa_utils  # noqa: E402
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel  # noqa: E402
+from transformers import GptOssForCausalLM
+from transformers import modeling_flash_attention_utils as fa_utils
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel
 
 VOCAB = 128
 SLIDING_WINDOW = 8
@@ -96,31 +97,187 @@ def assert_same_grads(kernel_model, eager_model):
 
 
 def test_import_registers_the_kernel_id(model_dir):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
     assert ATTN_IMPLEMENTATION == KERNEL_REPO_ID == "hf-gptoss-rl/sink-flash-attn3"
     assert KERNEL_REPO_ID in GptOssPreTrainedModel._compatible_flash_implementations
-    mapping = dict(entry.split("=", 1) for entry in os.environ["LOCAL_KERNELS"].split(":"))
-    assert (
-        KERNEL_REPO_ID in mapping and (os.path.isdir(os.path.join(mapping[KERNEL_REPO_ID], "build", "torch-cpu")))
-    )
+    assert KERNEL_REPO_ID in AttentionInterface._global_mapping
+    assert ALL_MASK_ATTENTION_FUNCTIONS[KERNEL_REPO_ID] is ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
     # not silently swapped for kernels-community/vllm-flash-attn3
     model = load(model_dir, ATTN_IMPLEMENTATION)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
 
 
-def test_user_local_kernels_mapping_is_kept(monkeypatch, tmp_path):
-    monkeypatch.setenv("LOCAL_KERNELS", f"other/kernel=/x:{KERNEL_REPO_ID}={tmp_path}")
-    assert hf_gptoss_rl.attention.register_sink_flash_attention()
-    assert os.environ["LOCAL_KERNELS"] == f"other/kernel=/x:{KERNEL_REPO_ID}={tmp_path}"
+def test_register_is_idempotent_and_returns_what_it_registered():
+    from transformers.integrations import hub_kernels
+
+    loader = hub_kernels.load_and_register_attn_kernel
+    check = GptOssPreTrainedModel._check_and_adjust_attn_implementation
+    expected = {
+        "attn_implementation": (KERNEL_REPO_ID, "ulysses_sp"),
+        "experts_implementation": ("memory_efficient",),
+    }
+    assert hf_gptoss_rl.register() == expected
+    assert hf_gptoss_rl.register() == expected
+    assert GptOssPreTrainedModel._compatible_flash_implementations.count(KERNEL_REPO_ID) == 1
+    # the wrappers are installed once, not stacked
+    assert hub_kernels.load_and_register_attn_kernel is loader
+    assert GptOssPreTrainedModel._check_and_adjust_attn_implementation is check
+    assert not getattr(loader.__wrapped__, "_hf_gptoss_rl", False)
+    assert hf_gptoss_rl.attention.register_sink_flash_attention() is True
+
+
+def test_import_has_no_side_effects_and_the_id_needs_no_kernels_package(tmp_path):
+    """`import hf_gptoss_rl` is silent, writes nothing under the cache and changes no environment variable; the
+    kernel is imported when a model first selects the id, still without writing or setting anything, and without
+    the `kernels` package (blocked here, as on a machine without it)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    code = (
+        "import json, os, sys, warnings\n"
+        "sys.modules['kernels'] = None\n"
+        # what transformers and torch do to the environment on import is theirs, not this package's
+        "import torch, transformers\n"
+        "from transformers.models.gpt_oss import modeling_gpt_oss\n"
+        "before = dict(os.environ)\n"
+        "with warnings.catch_warnings():\n"
+        "    warnings.simplefilter('error')\n"
+        "    import hf_gptoss_rl\n"
+        "after_import = dict(os.environ)\n"
+        "assert 'hf_gptoss_rl._sink_flash_attn3' not in sys.modules, 'kernel imported eagerly'\n"
+        "from hf_gptoss_rl.testing import tiny_gptoss_config\n"
+        "torch.manual_seed(0)\n"
+        "model = transformers.GptOssForCausalLM(tiny_gptoss_config(vocab_size=32))\n"
+        "ids = torch.tensor([[1, 2, 3, 4, 5]])\n"
+        "expected = model(input_ids=ids).logits\n"
+        "model.set_attn_implementation('hf-gptoss-rl/sink-flash-attn3')\n"
+        "torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-5)\n"
+        "assert model.config._attn_implementation == 'hf-gptoss-rl/sink-flash-attn3'\n"
+        "assert 'hf_gptoss_rl._sink_flash_attn3' in sys.modules\n"
+        "changed = lambda a, b: sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))\n"
+        "print(json.dumps({'import': changed(before, after_import), 'use': changed(after_import, dict(os.environ))}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_KERNELS", "XDG_CACHE_HOME", CACHE_ENV_VAR)}
+    env.update(HOME=str(home))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"import": [], "use": []}
+    assert not (home / ".cache" / "hf_gptoss_rl").exists()
+
+
+def test_user_local_kernels_mapping_is_loaded_through_kernels(monkeypatch, tmp_path):
+    """A build the user maps in LOCAL_KERNELS wins over the packaged sources; register() leaves the mapping."""
+    pytest.importorskip("kernels")
+    root = build_local_kernel(tmp_path / "cache")
+    monkeypatch.setenv("LOCAL_KERNELS", f"other/kernel=/x:{KERNEL_REPO_ID}={root}")
+    hf_gptoss_rl.register()
+    assert os.environ["LOCAL_KERNELS"] == f"other/kernel=/x:{KERNEL_REPO_ID}={root}"
+    module = hf_gptoss_rl.attention.load_kernel()
+    assert module is not hf_gptoss_rl.attention.import_kernel_sources()
+    assert Path(module.__file__).resolve().is_relative_to(root.resolve())
+    monkeypatch.delenv("LOCAL_KERNELS")
+    assert hf_gptoss_rl.attention.load_kernel() is hf_gptoss_rl.attention.import_kernel_sources()
 
 
 def test_build_local_kernel_loads_through_kernels(tmp_path):
-    import kernels
+    kernels = pytest.importorskip("kernels")
 
     root = build_local_kernel(tmp_path)
     assert sorted(p.name for p in (root / "build").iterdir()) == ["torch-cpu", "torch-cuda"]
     module = kernels.get_local_kernel(root)
     assert callable(module.flash_attn_varlen_func) and callable(module.flash_attn_func)
     assert build_local_kernel(tmp_path) == root  # cached by source hash
+
+
+def test_the_id_resolves_when_transformers_rejects_the_kernels_package(model_dir, monkeypatch):
+    """transformers 5.23+ accept only kernels 0.18 for hub kernels; with any other `kernels` (or none) the id still
+    loads and runs the packaged kernel, with no Hub access."""
+    from transformers import modeling_utils
+    from transformers.integrations import hub_kernels
+
+    monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda *a, **k: False)
+    monkeypatch.setattr(modeling_utils, "is_kernels_available", lambda *a, **k: False)
+    monkeypatch.setattr(fa_utils, "_loaded_implementation", None)  # force transformers to resolve the id again
+    torch.manual_seed(7)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    kernel, eager = load(model_dir, ATTN_IMPLEMENTATION), load(model_dir, "eager")
+    assert kernel.config._attn_implementation == ATTN_IMPLEMENTATION
+    torch.testing.assert_close(kernel(input_ids=ids).logits, eager(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    assert fa_utils._flash_fn is hf_gptoss_rl.attention.import_kernel_sources().flash_attn_func
+
+
+def test_other_ids_go_to_transformers_unchanged():
+    from transformers.integrations import hub_kernels
+
+    # not a hub id: transformers' own loader answers None
+    assert hub_kernels.load_and_register_attn_kernel("sdpa") is None
+    assert hub_kernels.load_and_register_attn_kernel.__wrapped__("sdpa") is None
+
+
+# ---- no silent remaps ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf-gptoss-rl/sink-flash-attn",
+        "hf-gptoss-rl/sink-flash-attn2",
+        "hf_gptoss_rl/sink_flash_attn3",
+        "HF-GPTOSS-RL/sink-flash-attn3",
+        "sink-flash-attn3",
+        "someone/sink-flash-attn3",
+        "paged|hf-gptoss-rl/sink-flash-atn3",
+    ],
+)
+def test_misspelt_id_raises(model_dir, name):
+    with pytest.raises(ValueError, match="did you mean \"hf-gptoss-rl/sink-flash-attn3\""):
+        load(model_dir, name)
+
+
+def test_flash_attention_2_remap_warns(model_dir, monkeypatch):
+    """GPT-OSS only runs the flash kernels it lists; transformers replaces `flash_attention_2` (and any other flash
+    name) by one of them. With the project's kernel listed, the replacement is announced, never silent."""
+    from hf_gptoss_rl.attention import AttentionRemapWarning
+
+    # the project's kernel as the only listed one: transformers 5.17 takes the first entry, 5.18+ the first that
+    # runs on this device, so this makes the replacement the same (and offline) on every version
+    monkeypatch.setattr(GptOssPreTrainedModel, "_compatible_flash_implementations", [KERNEL_REPO_ID])
+    with pytest.warns(AttentionRemapWarning, match='"flash_attention_2" with "hf-gptoss-rl/sink-flash-attn3"'):
+        model = load(model_dir, "flash_attention_2")
+    assert model.config._attn_implementation == KERNEL_REPO_ID
+    with pytest.warns(AttentionRemapWarning, match='"kernels-community/flash-attn3" with "hf-gptoss-rl'):
+        model.set_attn_implementation("kernels-community/flash-attn3")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA transformers picks kernels-community/vllm-flash-attn3")
+def test_flash_attention_2_remap_warns_with_the_real_list(model_dir):
+    """transformers 5.18+ pick the first listed kernel that runs on the device: on CPU, the project's kernel."""
+    import transformers
+    from packaging.version import Version
+
+    from hf_gptoss_rl.attention import AttentionRemapWarning
+
+    if Version(transformers.__version__) < Version("5.18"):
+        pytest.skip("transformers 5.17 takes the list's first entry, kernels-community/vllm-flash-attn3 (Hub)")
+    with pytest.warns(AttentionRemapWarning, match="flash_attention_2"):
+        model = load(model_dir, "flash_attention_2")
+    assert model.config._attn_implementation == KERNEL_REPO_ID
+
+
+def test_without_registration_transformers_rewrites_the_id(model_dir, monkeypatch):
+    """The trap the README warns about, checked against the installed transformers: with GPT-OSS's own list (no
+    `import hf_gptoss_rl`), the id becomes kernels-community/vllm-flash-attn3, with only a log line."""
+    from transformers import PreTrainedModel, modeling_utils
+
+    model = load(model_dir, "eager")
+    upstream = [i for i in GptOssPreTrainedModel._compatible_flash_implementations if i != KERNEL_REPO_ID]
+    monkeypatch.setattr(GptOssPreTrainedModel, "_compatible_flash_implementations", upstream)
+    loaded = []
+    monkeypatch.setattr(modeling_utils, "lazy_import_flash_attention", lambda name, **kw: loaded.append(name))
+    # the unwrapped transformers check, as without the import
+    result = PreTrainedModel._check_and_adjust_attn_implementation(model, ATTN_IMPLEMENTATION)
+    assert result == loaded[-1] == "kernels-community/vllm-flash-attn3"
 
 
 @pytest.mark.parametrize("kernel_backend", BACKENDS, indirect=True)
@@ -215,22 +372,6 @@ def test_generate_matches_eager_greedy(model_dir, kernel_spy):
     assert len(calls) >= 12 * kernel.config.num_hidden_layers
 
 
-def test_import_without_kernels_warns_and_works():
-    """The GPU image has no `kernels`: importing hf_gptoss_rl must still work, with a warning."""
-    code = (
-        "import sys, warnings; sys.modules['kernels'] = None; warnings.simplefilter('always');\n"
-        "import hf_gptoss_rl\n"
-        "from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel as M\n"
-        "assert 'hf-gptoss-rl/sink-flash-attn3' in M._compatible_flash_implementations\n"
-        "print('imported')\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_KERNELS"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "imported" in result.stdout
-    assert "`kernels` package is missing" in result.stderr
-
-
 def test_torch_compile_fullgraph_through_transformers(model_dir):
     """The kernel's custom ops trace inside a transformers GPT-OSS forward and backward (bf16: transformers'
     fp32-input warning inside the flash wrapper is itself a graph break)."""
@@ -273,8 +414,11 @@ def test_installed_wheel_resolves_the_kernel_offline(tmp_path):
     code = (
         "import os, torch, hf_gptoss_rl\n"
         "assert hf_gptoss_rl.__file__.startswith(os.environ['SITE']), hf_gptoss_rl.__file__\n"
-        "assert os.environ['LOCAL_KERNELS'].startswith('hf-gptoss-rl/sink-flash-attn3=' + os.environ['CACHE'])\n"
+        "assert 'LOCAL_KERNELS' not in os.environ\n"
         "attn = hf_gptoss_rl.attention.load_kernel()\n"
+        "assert attn.__file__.startswith(os.environ['SITE']), attn.__file__\n"
+        "root = hf_gptoss_rl.attention.build_local_kernel()\n"
+        "assert str(root).startswith(os.environ['CACHE']), root\n"
         "q = torch.randn(1, 5, 2, 16)\n"
         "print(tuple(attn.flash_attn_func(q, q, q, causal=True, s_aux=torch.zeros(2)).shape))\n"
     )
