@@ -8,6 +8,8 @@ from trl import GRPOConfig
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 WEIGHT_SYNC_MODES = ("disk", "distributed", "tensor")
+WEIGHT_SYNC_VERIFY = ("version", "checksum", "logprobs")
+WEIGHT_SYNC_PAUSE_MODES = ("retract", "abort", "in_place", "none")
 REASONING_EFFORTS = ("low", "medium", "high")
 LOGPROBS_IMPLEMENTATIONS = ("auto", "chunked", "trl")
 
@@ -31,6 +33,44 @@ class AgenticGRPOConfig(GRPOConfig):
         weight_sync_dir (`str`, *optional*):
             Folder the `"disk"` sync writes to (defaults to `<output_dir>/rollout_weights`). Must be visible to the
             SGLang server.
+        weight_sync_lora (`bool`, defaults to `False`):
+            With a PEFT policy, push only the LoRA adapter after each step (`/load_lora_adapter` with `"disk"`,
+            `/load_lora_adapter_from_tensors` with `"tensor"`; requests then name it in `lora_path`) instead of the
+            merged weights. The servers must run with `--enable-lora` and a `--max-lora-rank` /
+            `--lora-target-modules` covering the adapter. `False`: merged weights (full fine-tuning, or any server).
+        weight_sync_verify (`list[str]`, defaults to `["version"]`):
+            Checks after every sync; a failure stops training with an error naming the server: `"version"` (every
+            server reports the new `weight_version`; always on), `"checksum"` (SGLang's `/weights_checker`: the
+            weights changed, and servers with the same parallelism agree), `"logprobs"` (the servers' log-probs of a
+            short probe sequence match the trainer's within `weight_sync_probe_atol`).
+        weight_sync_probe_atol (`float`, defaults to `0.05`):
+            Largest mean absolute log-prob difference the `"logprobs"` check accepts (bf16 engines differ by ~1e-2).
+        weight_sync_pause_mode (`str`, defaults to `"retract"`):
+            `/pause_generation` mode around a sync: `"retract"` (running requests are recomputed with the new
+            weights), `"abort"`, `"in_place"` (running requests finish on their old KV cache; the radix cache is not
+            flushed) or `"none"`.
+        weight_sync_master_address (`str`, defaults to `"127.0.0.1"`):
+            `"distributed"` sync: the address of the trainer's main process that the SGLang servers connect to for
+            the NCCL rendezvous. The default only works when the servers run on the same machine.
+        weight_sync_master_port (`int`, *optional*):
+            Port of that rendezvous (a free port by default).
+        weight_sync_bucket_mb (`int`, defaults to `1024`):
+            Most megabytes per NCCL broadcast (`"distributed"`) or per `/update_weights_from_tensor` call (`"tensor"`).
+        sglang_api_key (`str`, *optional*):
+            Bearer token for servers launched with `--api-key` (or `--admin-api-key` for the weight-update routes).
+            When unset, the trainer reads the `SGLANG_API_KEY` environment variable; prefer it: a key set here is
+            saved and logged with the other training arguments.
+        sglang_timeout_s (`float`, defaults to `600.0`):
+            Overall deadline of one request to a server: connecting, waiting and reading the whole answer (a long
+            generation must fit in it).
+        sglang_retry_deadline_s (`float`, defaults to `120.0`):
+            How long a failed request (connection refused, timeout, 5xx, malformed answer) keeps being retried, with
+            exponential backoff, before its trajectory is aborted. Long enough to span a server restart.
+        sglang_ready_timeout_s (`float`, defaults to `600.0`):
+            How long the trainer waits at start-up for every server to answer `GET /health` (loading gpt-oss-120b
+            takes minutes); past it, the trainer fails with each unreachable URL and the last error.
+        sglang_log_every_s (`float`, defaults to `30.0`):
+            Period of the log lines while waiting for servers and while rollout requests are in flight.
         max_turns (`int`, *optional*):
             Most assistant turns per trajectory (each tool call starts a new turn). Defaults to
             `max_tool_calling_iterations + 1` when TRL's `max_tool_calling_iterations` is set (N tool rounds, then one
@@ -101,6 +141,38 @@ class AgenticGRPOConfig(GRPOConfig):
     weight_sync_dir: str | None = field(
         default=None, metadata={"help": "Folder for 'disk' weight sync (default <output_dir>/rollout_weights)."}
     )
+    weight_sync_lora: bool = field(
+        default=False, metadata={"help": "Push only the PEFT adapter to SGLang (servers need --enable-lora)."}
+    )
+    weight_sync_verify: list[str] = field(
+        default_factory=lambda: ["version"], metadata={"help": "Checks after each sync: version, checksum, logprobs."}
+    )
+    weight_sync_probe_atol: float = field(
+        default=0.05, metadata={"help": "Largest mean |log-prob difference| of the 'logprobs' check."}
+    )
+    weight_sync_pause_mode: str = field(
+        default="retract", metadata={"help": "Pause mode around syncs: retract, abort, in_place or none."}
+    )
+    weight_sync_master_address: str = field(
+        default="127.0.0.1", metadata={"help": "'distributed' sync: trainer address the servers connect to."}
+    )
+    weight_sync_master_port: int | None = field(
+        default=None, metadata={"help": "'distributed' sync: rendezvous port (a free one by default)."}
+    )
+    weight_sync_bucket_mb: int = field(default=1024, metadata={"help": "Most MB per broadcast / tensor call."})
+    sglang_api_key: str | None = field(
+        default=None, metadata={"help": "Bearer token of the SGLang servers (default: $SGLANG_API_KEY)."}
+    )
+    sglang_timeout_s: float = field(default=600.0, metadata={"help": "Overall deadline of one SGLang request."})
+    sglang_retry_deadline_s: float = field(
+        default=120.0, metadata={"help": "How long failed SGLang requests are retried (spans a restart)."}
+    )
+    sglang_ready_timeout_s: float = field(
+        default=600.0, metadata={"help": "Start-up wait for every SGLang server to answer /health."}
+    )
+    sglang_log_every_s: float = field(
+        default=30.0, metadata={"help": "Period of log lines while waiting for SGLang servers / requests."}
+    )
     max_turns: int | None = field(
         default=None,
         metadata={"help": "Most assistant turns per trajectory (default: max_tool_calling_iterations + 1, else 8)."},
@@ -136,6 +208,28 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError("sglang_urls is set but rollout_backend='embedded'; set rollout_backend='sglang'.")
         if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync_mode must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync_mode!r}.")
+        if isinstance(self.weight_sync_verify, str):  # the CLI may pass "version,checksum"
+            self.weight_sync_verify = [v.strip() for v in self.weight_sync_verify.split(",") if v.strip()]
+        unknown = set(self.weight_sync_verify) - set(WEIGHT_SYNC_VERIFY)
+        if unknown:
+            raise ValueError(f"weight_sync_verify: unknown checks {sorted(unknown)}; choose from {WEIGHT_SYNC_VERIFY}.")
+        if "version" not in self.weight_sync_verify:
+            self.weight_sync_verify = ["version", *self.weight_sync_verify]  # documented as always on
+        if self.weight_sync_pause_mode not in WEIGHT_SYNC_PAUSE_MODES:
+            raise ValueError(
+                f"weight_sync_pause_mode must be one of {WEIGHT_SYNC_PAUSE_MODES}, got {self.weight_sync_pause_mode!r}."
+            )
+        if self.weight_sync_lora and self.weight_sync_mode == "distributed":
+            raise ValueError(
+                "weight_sync_lora needs weight_sync_mode 'disk' or 'tensor': SGLang loads adapters from a path or from "
+                "tensors, not over NCCL."
+            )
+        for name in ("weight_sync_probe_atol", "weight_sync_bucket_mb", "sglang_timeout_s", "sglang_ready_timeout_s",
+                     "sglang_log_every_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+        if self.sglang_retry_deadline_s < 0:
+            raise ValueError(f"sglang_retry_deadline_s must be >= 0, got {self.sglang_retry_deadline_s}.")
         self._resolve_max_turns()
         if self.tool_timeout_s <= 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}.")
