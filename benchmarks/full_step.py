@@ -65,13 +65,8 @@ from pathlib import Path
 
 import torch
 
-from hf_gptoss_rl.testing import (
-    build_random_gptoss,
-    environment,
-    flash_attention_4_available,
-    set_project_attention,
-)
-
+# `hf_gptoss_rl` is imported where it is used: the sweep's parent process stays light (torch only); every
+# (variant, S) run is its own worker process.
 REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = {
@@ -280,7 +275,7 @@ def worker(spec: dict) -> dict:
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
     from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
-    from hf_gptoss_rl.testing import gptoss_20b_config, tiny_gptoss_config
+    from hf_gptoss_rl.testing import build_random_gptoss, gptoss_20b_config, set_project_attention, tiny_gptoss_config
     from peft import LoraConfig, get_peft_model
 
     if spec["model"] == "20b":
@@ -364,7 +359,7 @@ def worker(spec: dict) -> dict:
 
 def profile_step(fn, device, top: int = 25) -> dict:
     """Where one (already warmed-up) GRPO step spends its time: `torch.profiler` over one call, operator level
-    (aten ops, the kernel's custom ops, autograd nodes' ops), ranked by self device time (CPU time on a CPU run).
+    (aten ops, the kernel's custom ops, autograd nodes' ops), ranked by self GPU time (CPU time on a CPU run).
     Self time counts each kernel once, under the op that launched it, so the rows add up to the busy time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -388,7 +383,7 @@ def profile_step(fn, device, top: int = 25) -> dict:
     busy_us = sum(self_us(e) for e in ops)
     ops.sort(key=self_us, reverse=True)
     return {
-        "clock": "device" if cuda else "cpu",
+        "clock": "GPU" if cuda else "CPU",
         "profiled_wall_s": wall,
         "busy_ms": busy_us / 1e3,
         "top": [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "share": self_us(e) / busy_us}
@@ -407,6 +402,8 @@ def availability(name: str, device: torch.device) -> str | None:
     attn = VARIANTS[name]["attn"]
     if attn == "flex_attention" and device.type != "cuda":
         return "skipped: flex_attention refuses sinks on CPU"
+    from hf_gptoss_rl.testing import flash_attention_4_available
+
     if attn == "flash_attention_4" and not flash_attention_4_available():
         return "skipped: flash_attention_4 not importable here (flash-attn CuTe / nvidia-cutlass-dsl missing)"
     if VARIANTS[name].get("liger"):
@@ -471,6 +468,9 @@ def cell_peak(m: dict | None) -> str:
     return f"{m['peak_gib']:.1f}"
 
 
+_CLOCKS = {"device": "GPU", "cpu": "CPU"}  # the names older reports stored
+
+
 def write_report(out: Path, results: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -524,7 +524,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
             f"### Where the GRPO step's time goes: {VARIANTS[r['variant']]['label']}, S={r['seq_len']:,}",
             "",
             f"One profiled step (`--profile`; {prof['profiled_wall_s']:.2f} s wall under the profiler), "
-            f"{prof['clock']} busy time {prof['busy_ms']:.0f} ms; ops by self {prof['clock']} time:",
+            f"{_CLOCKS.get(prof['clock'], prof['clock'])} busy time {prof['busy_ms']:.0f} ms; ops by self "
+            f"{_CLOCKS.get(prof['clock'], prof['clock'])} time:",
             "",
             "| op | calls | self ms | share |",
             "|---|---|---|---|",
@@ -660,6 +661,8 @@ def main(argv=None) -> list[dict]:
         status = f"{g['seconds']:.2f} s" if "seconds" in g else ("OOM" if g.get("oom") else r.get("error", "?"))
         print(f"[full_step] {spec['variant']} S={spec['seq_len']}: GRPO step {status} (wall {r['wall_s']:.0f} s)",
               flush=True)
+
+    from hf_gptoss_rl.testing import environment
 
     meta = {
         "env": environment(),

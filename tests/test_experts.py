@@ -156,7 +156,7 @@ def test_experts_against_fp64_reference_with_sentinels(dtype, chunk_rows, max_ex
     module.experts_chunk_rows = chunk_rows
     g = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, 32, generator=g).to(dtype).requires_grad_()
-    # experts 1 and 3 get no token; a few slots carry the EP sentinel `num_experts`
+    # experts 1 and 3 get no token; a few slots hold the EP sentinel `num_experts`
     choices = torch.tensor([0, 2, 4])
     index = torch.stack([choices[torch.randperm(3, generator=g)] for _ in range(tokens)])
     index[[0, 4, 9], [1, 0, 2]] = num_experts

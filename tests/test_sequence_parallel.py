@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism == one process (logits, loss, every parameter gradient incl. sinks), gloo on CPU.
 
-One spawn per world size (2 and 4 ranks) runs every scenario (tests/sp_worker.py); the references are computed
+One spawn per world size (2 and 4 ranks) runs every scenario (tests/sequence_parallel_worker.py); the references are computed
 here, single-process, from the same weights. Model: tiny GPT-OSS, fp32, eager, sliding_window 8 < S, random
 non-zero sinks, 4 query / 2 KV heads (fewer KV heads than ranks at P = 4). Scenarios: one long sequence (S=37,
 padding to a multiple of P), three packed sequences (position_ids restarting; reference: each run alone), a
@@ -9,16 +9,15 @@ left/right-padded batch of 2 through `sequence_parallel_logprobs` (GRPO path), a
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned ranks import the worker by this name
-import sequence_parallel_worker as sp_worker  # noqa: E402
+# pytest puts tests/ on sys.path (no __init__.py here), and spawned ranks inherit the parent's sys.path, so they
+# import the worker by this same module name.
+import sequence_parallel_worker as sp_worker
 
 pytestmark = pytest.mark.multiprocess
 
