@@ -1070,15 +1070,15 @@ def test_contract_queue_is_not_run_time(backend_factory):
 
     async def main():
         try:
-            return await asyncio.gather(*[backend.run_code("import time\ntime.sleep(0.4)\nprint('ran')",
-                                                           timeout_s=1.0, memory_mb=256, max_output_bytes=100)
-                                          for _ in range(4)])
+            return await asyncio.gather(*[backend.run_code("import time\ntime.sleep(0.6)\nprint('ran')",
+                                                           timeout_s=2.0, memory_mb=256, max_output_bytes=100)
+                                          for _ in range(5)])
         finally:
             await backend.aclose()
 
     results = asyncio.run(main())
-    assert [r.stdout for r in results] == ["ran\n"] * 4 and not any(r.timed_out for r in results), results
-    assert max(r.queued_s for r in results) > 1.0
+    assert [r.stdout for r in results] == ["ran\n"] * 5 and not any(r.timed_out for r in results), results
+    assert max(r.queued_s for r in results) > 2.0  # the last one waited longer than its own timeout
 
 
 def test_contract_queue_bound(backend_factory):

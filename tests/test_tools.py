@@ -2,6 +2,7 @@
 
 import asyncio
 import sys
+import time
 
 import pytest
 
@@ -203,26 +204,28 @@ def test_call_with_timeout_bounds_the_programs_run_time_only():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only")
 def test_agent_loop_tool_timeout_ignores_the_sandbox_queue():
-    """Four concurrent code_interpreter calls share one sandbox slot; each runs 0.5 s under the loop's 1.2 s
-    tool_timeout_s. The last one waits ~1.5 s for its slot and must still succeed: only its own run counts."""
+    """Five concurrent code_interpreter calls share one sandbox slot; each runs 0.4 s under the loop's 1.5 s
+    tool_timeout_s. The last one waits over 1.6 s for its slot and must still succeed: only its own run counts."""
     from types import SimpleNamespace
 
     from trl_ext.rollout.agent_loop import AgentLoop
     from trl_ext.rollout.types import SamplingParams
 
     tool = CodeInterpreterTool(LocalSandbox(max_processes=4, max_concurrency=1), timeout_s=10, memory_mb=256)
-    loop = AgentLoop(None, [tool], sampling=SamplingParams(max_new_tokens=8), tool_timeout_s=1.2)
+    loop = AgentLoop(None, [tool], sampling=SamplingParams(max_new_tokens=8), tool_timeout_s=1.5)
     call_ = SimpleNamespace(name="code_interpreter", recipient="functions.code_interpreter",
-                            parsed_arguments=lambda: {"code": "import time\ntime.sleep(0.5)\nprint('ran')"})
+                            parsed_arguments=lambda: {"code": "import time\ntime.sleep(0.4)\nprint('ran')"})
 
     async def main():
-        return await asyncio.gather(*[loop._run_tool(call_) for _ in range(4)])
+        return await asyncio.gather(*[loop._run_tool(call_) for _ in range(5)])
 
-    assert asyncio.run(main()) == [("ran\n", None)] * 4
+    t = time.monotonic()
+    assert asyncio.run(main()) == [("ran\n", None)] * 5
+    assert time.monotonic() - t > 2.0  # so the last call waited longer than tool_timeout_s
     hung = SimpleNamespace(name="code_interpreter", recipient="functions.code_interpreter",
                            parsed_arguments=lambda: {"code": "while True: pass"})
     result, error = asyncio.run(loop._run_tool(hung))
-    assert error is None and result == "[execution timed out after 1.2 s]"  # the program's run, bounded by the loop
+    assert error is None and result == "[execution timed out after 1.5 s]"  # the program's run, bounded by the loop
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only")
