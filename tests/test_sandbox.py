@@ -8,7 +8,6 @@ only when this kernel lacks the feature it checks, and says which.
 
 import ast
 import asyncio
-import ctypes
 import errno
 import fcntl
 import json
@@ -355,12 +354,12 @@ def test_reading_and_writing_outside_its_directory_fail(sandbox, tmp_path):
     assert_contained(r, workdir_of(r))
 
 
-WHO_AM_I = "import os\nprint(os.getresuid(), os.getresgid(), os.getgroups())\n"
+WHO_AM_I = "import os\nprint([*os.getresuid(), *os.getresgid(), *os.getgroups()])\n"
 
 
 def _ids(result: SandboxResult) -> list[int]:
-    uids, gids, groups = ast.literal_eval("[" + result.stdout.splitlines()[0].replace(") (", "), (").replace(") [", "), [") + "]")
-    return [*uids, *gids, *groups]
+    """Real, effective and saved uids and gids, then the supplementary groups, as the program saw them."""
+    return ast.literal_eval(result.stdout.splitlines()[0])
 
 
 @pytest.mark.skipif(not ROOT, reason="the uid-0 case needs a root caller (CI runs as root)")
@@ -793,7 +792,8 @@ def test_new_namespaces_and_kernel_interfaces_are_refused(sandbox):
         "    ret = libc.syscall(nr, *args)\n"
         "    out[name] = 'ALLOWED' if ret >= 0 else ctypes.get_errno()\n"
         "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
-        "out['subprocess'] = subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True, text=True).stdout\n"
+        "out['subprocess'] = subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True,\n"
+        "                                   text=True).stdout\n"
         "print(out)"
     )
     if os.uname().machine != "x86_64":

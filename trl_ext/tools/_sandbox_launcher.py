@@ -109,7 +109,8 @@ def build_filesystem(cfg, code):
     for blocker, paths in mnt.get("expose", []):
         _expose(blocker, paths)
     _readonly_tree("/")
-    uid, gid = cfg["uid"] if cfg["uid"] is not None else os.getuid(), cfg["gid"] if cfg["gid"] is not None else os.getgid()
+    uid = cfg["uid"] if cfg["uid"] is not None else os.getuid()
+    gid = cfg["gid"] if cfg["gid"] is not None else os.getgid()
     _mount("tmpfs", cfg["workdir"], "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={mnt['size']},nr_inodes={mnt['inodes']},mode=0700,uid={uid},gid={gid}")
     main = os.path.join(cfg["workdir"], "main.py")

@@ -21,7 +21,8 @@ applied on this machine is reported in ``SandboxResult.isolation``):
   ``RLIMIT_CORE=0``; a memory cgroup limits the whole tree when cgroups are writable (its OOM kills are counted, so a
   memory kill is told apart from a timeout and from a signal the program sent itself).
 * **processes** - a pids cgroup (``pids.max``) when cgroups are writable; ``RLIMIT_NPROC`` otherwise.
-* **network** - own network namespace (no interfaces but a down loopback) and Landlock's TCP bind/connect denial.
+* **network** - own network namespace (no interfaces but a down loopback) and Landlock's TCP bind/connect denial;
+  without either (reported as ``python-guard``) a Python-level socket guard, which ctypes can bypass.
 * **privileges** - ``no_new_privs``, no capabilities (empty bounding set).
 * **kernel surface** - seccomp refuses ``socket(AF_UNIX)`` (pathname sockets such as a docker socket are outside
   Landlock's reach), ``io_uring``, new namespaces, ``bpf``, ``perf_event_open``, ``userfaultfd`` and keyrings.
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import errno
 import fcntl
 import functools
 import itertools
@@ -312,7 +312,9 @@ def remove_tree(path: str) -> str | None:
         os.rmdir(path)
     except Exception as e:  # noqa: BLE001 - cleanup reports, it never raises into a tool result
         problems.append(f"{path}: {type(e).__name__}: {e}")
-    return "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "") if problems else None
+    if not problems:
+        return None
+    return "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
 
 
 class _Cgroups:

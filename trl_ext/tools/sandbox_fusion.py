@@ -52,7 +52,7 @@ class SandboxFusionBackend(SandboxBackend):
     ):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL, got {url!r}")
-        if max_concurrency < 1 or max_retries < 0 or backoff_s < 0 or not request_timeout_s > 0 or not queue_timeout_s > 0:
+        if max_concurrency < 1 or max_retries < 0 or backoff_s < 0 or not (request_timeout_s > 0 and queue_timeout_s > 0):
             raise ValueError("max_concurrency must be >= 1, max_retries and backoff_s >= 0, request_timeout_s and "
                              "queue_timeout_s > 0")
         url = url.rstrip("/")
