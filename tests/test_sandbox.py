@@ -623,6 +623,19 @@ def test_host_files_without_namespaces(no_namespace_sandbox, tmp_path):
     _tamper(no_namespace_sandbox, folder, target)
 
 
+def test_only_a_few_devices_and_its_own_processes_are_visible():
+    """Even with Landlock off: /dev holds only null, zero, random and urandom (no GPU, /dev/shm, fuse or ptys; a
+    read-only mount alone would not stop writes to a device), and /proc shows the sandbox's pid namespace only."""
+    sb = LocalSandbox(isolate_filesystem=False, max_processes=MAX_PROCS)
+    r = run(sb, "import os\nprint(sorted(os.listdir('/dev')))\n"
+                "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+                "open('/dev/null', 'w').write('x')\nprint(len(open('/dev/urandom', 'rb').read(8)))")
+    assert r.exit_code == 0 and r.isolation["proc"] == "own pid namespace", r
+    devices, pids, random_bytes = r.stdout.splitlines()
+    assert devices == str(["null", "random", "urandom", "zero"]) and random_bytes == "8"
+    assert ast.literal_eval(pids) == [1, 2]  # init and the program: no host process
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Cleanup: never raises into the result, never leaves a working directory behind
 # ---------------------------------------------------------------------------------------------------------------------
@@ -861,7 +874,7 @@ def test_this_machine_supports_the_security_layers():
     assert support["landlock_abi"] >= 4, support  # TCP rules need ABI 4
     r = run(LocalSandbox(require_isolation=True), "print(1)")
     assert r.error is None and r.isolation["seccomp"] and r.isolation["netns"] and r.isolation["pidns"], r
-    assert r.isolation["mntns"] and r.isolation["disk_quota"], r
+    assert r.isolation["mntns"] and r.isolation["disk_quota"] and r.isolation["proc"] == "own pid namespace", r
     if ROOT:  # a root caller can create cgroups here: the memory-kill and process-limit tests depend on them
         assert r.isolation["memory_limit"] == "cgroup+rlimit-as" and r.isolation["process_limit"] == "pids-cgroup", r
 

@@ -61,7 +61,7 @@ def _write(path, text):
         f.write(text)
 
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
@@ -101,13 +101,49 @@ def _expose(blocker, paths):
             os.close(fd)
 
 
+DEVICES = ("null", "zero", "random", "urandom")
+
+
+def _minimal_dev():
+    """Replace /dev by a tmpfs holding only null, zero, random and urandom, bind-mounted from the host: GPUs,
+    /dev/shm, /dev/fuse, ptys and every other device node are out of reach even where Landlock is missing (a
+    read-only mount does not stop writes to a device)."""
+    fds = {}
+    for name in DEVICES:
+        try:
+            fds[name] = os.open(f"/dev/{name}", os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            pass
+    try:
+        _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID, "size=64k,nr_inodes=64,mode=0755")
+        for name, fd in fds.items():
+            os.close(os.open(f"/dev/{name}", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
+            _mount(f"/proc/self/fd/{fd}", f"/dev/{name}", None, MS_BIND)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def mount_own_proc(report):
+    """In init (pid 1 of the new pid namespace): a procfs of that namespace over /proc, so even without Landlock the
+    program sees only its own processes, not the host's command lines. Not fatal: Landlock hides /proc anyway, and
+    some containers forbid a second procfs."""
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+        report["proc"] = "own pid namespace"
+    except OSError as e:
+        report["proc"] = f"host's (could not mount a new one: {e})"
+
+
 def build_filesystem(cfg, code):
-    """In the fresh mount namespace: stop propagation to the host, expose the interpreter where needed, make every
-    mount read-only, then mount the size-limited, writable tmpfs working directory holding ``main.py``."""
+    """In the fresh mount namespace: stop propagation to the host, expose the interpreter where needed, keep only a
+    few devices, make every mount read-only, then mount the size-limited, writable tmpfs working directory holding
+    ``main.py``."""
     mnt = cfg["mount"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     for blocker, paths in mnt.get("expose", []):
         _expose(blocker, paths)
+    _minimal_dev()
     _readonly_tree("/")
     uid = cfg["uid"] if cfg["uid"] is not None else os.getuid()
     gid = cfg["gid"] if cfg["gid"] is not None else os.getgid()
@@ -532,6 +568,8 @@ def run_init(cfg, status_fd, report):
     """Init: start the user process, reap children, report its status; on exit or SIGTERM kill all descendants
     (inside a pid namespace the kernel would do it when init exits; without one, the subreaper loop does)."""
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if report.get("mntns") and report.get("pidns"):
+        mount_own_proc(report)
     signal.signal(signal.SIGTERM, _raise_stop)
     user_pid = os.fork()
     if user_pid == 0:
