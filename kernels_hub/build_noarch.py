@@ -27,7 +27,7 @@ from pathlib import Path
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+except ModuleNotFoundError:  # Python 3.10: tomli, which pyproject.toml declares for python_version < "3.11"
     import tomli as tomllib  # type: ignore[no-redef]
 
 # kernel-builder's compatibility shim for clients that import build/<variant>/<python_name>/__init__.py.

@@ -132,3 +132,23 @@ def test_model_card_front_matter():
     assert "kernels" in card.data.tags
     assert 'attn_implementation="hf-gptoss-rl/sink-flash-attn3"' in card.text
     assert "get_kernel(" in card.text
+
+
+def test_python_310_reads_build_toml_with_the_declared_tomli(monkeypatch):
+    """Without `tomllib` (Python 3.10) build_noarch.py reads build.toml with `tomli`, which the project declares
+    for exactly those Pythons."""
+    from packaging.requirements import Requirement
+
+    toml = load_build_noarch().tomllib  # tomllib, or tomli on Python 3.10
+    with open(KERNEL_DIR.parents[1] / "pyproject.toml", "rb") as f:
+        deps = [Requirement(d) for d in toml.load(f)["project"]["dependencies"]]
+    (tomli,) = [r for r in deps if r.name == "tomli"]
+    assert tomli.marker.evaluate({"python_version": "3.10"}) and not tomli.marker.evaluate({"python_version": "3.11"})
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "tomli", toml)  # stands in for the tomli package (same API)
+    spec = importlib.util.spec_from_file_location("_build_noarch_py310", KERNEL_DIR.parent / "build_noarch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.tomllib is toml
+    assert module.read_build_toml(KERNEL_DIR)["repo_id"] == REPO_ID
