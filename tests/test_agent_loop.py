@@ -260,6 +260,36 @@ def test_run_batch_is_concurrent_and_ordered():
     assert [t.final_text for t in loop.run_batch_sync(prompts[:1])] == ["0"]
 
 
+def test_run_batch_shows_progress(capsys):
+    prompts = [render_prompt([{"role": "user", "content": f"q{i}"}], tools=TOOLS) for i in range(3)]
+
+    class PerPrompt(ScriptedEngine):
+        def next_entry(self, input_ids):
+            return CALL_MODEL_FORM if CALL not in input_ids else FINAL
+
+    loop = AgentLoop(PerPrompt([]), TOOLS, sampling=SamplingParams(max_new_tokens=128), progress=True)
+    trajs = asyncio.run(loop.run_batch(prompts))
+    assert [t.num_turns for t in trajs] == [2, 2, 2]
+    err = capsys.readouterr().err
+    assert "rollouts" in err and "3/3" in err and "turns=2.00" in err and "tool_calls=1.00" in err
+    quiet = AgentLoop(PerPrompt([]), TOOLS, sampling=SamplingParams(max_new_tokens=128))  # off by default
+    asyncio.run(quiet.run_batch(prompts))
+    assert capsys.readouterr().err == ""
+
+
+def test_plain_turn_format_is_one_turn_without_tools():
+    """Models that do not speak harmony: one generate call; a stop token is a final answer, the budget a cut."""
+    stop = 7
+    engine = ScriptedEngine([[5, 6, stop], [5, 6, 8, 9]])
+    loop = AgentLoop(engine, sampling=SamplingParams(max_new_tokens=3, stop_token_ids=(stop,)), turn_format="plain")
+    first, second = (asyncio.run(loop.run([1, 2])) for _ in range(2))
+    assert (first.completion_ids, first.finish_reason, first.num_turns) == ([5, 6, stop], "final", 1)
+    assert (second.completion_ids, second.finish_reason) == ([5, 6, 8], "length")
+    assert first.completion_mask == [1, 1, 1] and first.errors == [] and first.final_text is None
+    with pytest.raises(ValueError, match="turn_format='plain' takes no tools"):
+        AgentLoop(engine, TOOLS, sampling=SamplingParams(max_new_tokens=3), turn_format="plain")
+
+
 @pytest.mark.parametrize("backend", ["embedded", "sglang-http"])
 def test_rollout_logprobs_match_the_trainer_forward(backend):
     """Prompt + completion scored by the model in one forward reproduce the rollout log-probs where mask == 1,

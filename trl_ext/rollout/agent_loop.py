@@ -205,6 +205,7 @@ class AgentLoop:
             return list(await asyncio.gather(*(one(p) for p in prompts)))
         finally:
             if bar is not None:
+                bar.refresh()  # the final counts, even when the batch finished within tqdm's refresh interval
                 bar.close()
 
     @staticmethod
