@@ -503,6 +503,9 @@ class LocalSandbox(SandboxBackend):
                                         or sandbox_uid <= 0):
             raise ValueError(f"sandbox_uid must be None (a fresh uid per run) or a uid > 0, got {sandbox_uid!r}: "
                              "programs never run as uid 0")
+        if sandbox_uid is not None and os.geteuid() != 0:
+            raise ValueError(f"sandbox_uid={sandbox_uid} needs a root caller: a non-root caller's programs run as its "
+                             "own uid inside a user namespace")
         self.python = python or sys.executable
         if not os.access(self.python, os.X_OK):
             raise ValueError(f"python={self.python!r} is not an executable file")
