@@ -572,6 +572,31 @@ print("ALLOWED", allowed)
 """
 
 
+@pytest.fixture
+def open_tmp():
+    """A folder every uid can traverse (pytest's tmp_path sits in a 0700 folder: the sandbox uid could not even
+    reach the targets there, and the tests would prove nothing)."""
+    folder = Path(tempfile.mkdtemp(prefix="hf_gptoss_rl_test_"))
+    os.chmod(folder, 0o755)
+    yield folder
+    remove_tree(str(folder))
+
+
+def _as_uid(uid: int, action) -> bool:
+    """Whether ``action()`` succeeds in a child process running as ``uid`` (outside any sandbox)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            action()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
 def _tamper_targets(tmp_path: Path, owner: int | None) -> tuple[Path, Path]:
     folder = tmp_path / "host"
     folder.mkdir()
@@ -581,7 +606,6 @@ def _tamper_targets(tmp_path: Path, owner: int | None) -> tuple[Path, Path]:
     os.setxattr(target, "user.keep", b"1")
     os.chmod(target, 0o644)
     os.chmod(folder, 0o755)
-    os.chmod(tmp_path, 0o755)
     if owner is not None:  # the program's own uid owns them: only the read-only mount can refuse now
         for p in (folder, folder / "sub", target):
             os.chown(p, owner, owner)
@@ -601,25 +625,29 @@ def _tamper(sb: LocalSandbox, folder: Path, target: Path) -> SandboxResult:
 
 @pytest.mark.skipif(not ROOT, reason="handing a host file to the sandbox uid needs root (CI runs as root)")
 @pytest.mark.parametrize("landlock", [True, False], ids=["landlock", "mounts-only"])
-def test_host_metadata_cannot_be_changed_even_when_owned(tmp_path, landlock):
+def test_host_metadata_cannot_be_changed_even_when_owned(open_tmp, landlock):
     """chmod, chown, utime, xattrs, links, renames, creation and deletion outside the working directory all fail,
     even on files the program's own uid owns and with Landlock off: the mount namespace is read-only."""
-    folder, target = _tamper_targets(tmp_path, OWNED_UID)
+    folder, target = _tamper_targets(open_tmp, OWNED_UID)
+    # control: outside the sandbox, that uid can change them
+    assert _as_uid(OWNED_UID, lambda: (os.chmod(target, 0o600), os.utime(target, (0, 0))))
+    os.chmod(target, 0o644)
+    os.utime(target)
     sb = LocalSandbox(sandbox_uid=OWNED_UID, isolate_filesystem=landlock, max_processes=MAX_PROCS)
     r = _tamper(sb, folder, target)
     assert r.isolation["mntns"] and r.isolation["privileges"] == f"uid {OWNED_UID}"
 
 
 @pytest.mark.skipif(not ROOT, reason="root-owned host files are the uid-0 case (CI runs as root)")
-def test_root_owned_host_files_cannot_be_changed(sandbox, tmp_path):
+def test_root_owned_host_files_cannot_be_changed(sandbox, open_tmp):
     """The reported defect: a root-owned file's mode, times and xattrs changed by the program. Not any more."""
-    folder, target = _tamper_targets(tmp_path, None)
+    folder, target = _tamper_targets(open_tmp, None)
     _tamper(sandbox, folder, target)
 
 
-def test_host_files_without_namespaces(no_namespace_sandbox, tmp_path):
+def test_host_files_without_namespaces(no_namespace_sandbox, open_tmp):
     """Root without namespaces: the fresh uid owns nothing on the host, so the uid alone refuses every change."""
-    folder, target = _tamper_targets(tmp_path, None)
+    folder, target = _tamper_targets(open_tmp, None)
     _tamper(no_namespace_sandbox, folder, target)
 
 
@@ -1111,8 +1139,8 @@ def test_contract_queue_bound(backend_factory):
 
 
 @pytest.mark.skipif(not ROOT, reason="root-owned host files are the uid-0 case (CI runs as root)")
-def test_contract_host_files(backend_factory, tmp_path):
-    folder, target = _tamper_targets(tmp_path, None)
+def test_contract_host_files(backend_factory, open_tmp):
+    folder, target = _tamper_targets(open_tmp, None)
     code = f"import sys\nsys.argv = ['x', {str(target)!r}, {str(folder)!r}]\n" + TAMPER
     before = {p: _host_state(p) for p in (folder, target)}
     r = _once(backend_factory(), code)
