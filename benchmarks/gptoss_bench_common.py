@@ -12,9 +12,8 @@ from hf_gptoss_rl.testing import (  # noqa: F401
     environment,
     flash_attention_4_available,
     fmt,
-    load_kernel_sources,
     register_sink_dropping_attention,
     set_project_attention,
     setup_project_attention,
 )
-from hf_gptoss_rl.testing import load_kernel_sources as _import_kernel_sources  # noqa: F401
+from hf_gptoss_rl.attention import import_kernel_sources as _import_kernel_sources  # noqa: F401

@@ -8,8 +8,8 @@ training step = forward + backward of the mean token NLL. Peers, side by side:
 - ``sp``     (P=1,2,4,8): ``enable_sequence_parallel`` + ``sequence_parallel_logprobs`` (backbone on S/P tokens per
   GPU, LM head chunked over tokens). P=1 isolates what the chunked head alone buys.
 
-Inner attention: the project's sink kernel when ``kernels`` can load it, else ``flex_attention`` (what transformers
-runs for GPT-OSS on GPUs); ``--attn`` forces one.
+Inner attention: the project's sink kernel on GPUs (eager on CPU); ``--attn`` forces another (``flex_attention``,
+``eager``).
 
 For each P the sequence length doubles (from the largest S the previous P fitted) until a run fails (OOM, or
 the per-run timeout). Every (P, S) runs in its own ``torchrun`` job, so an OOM on one rank cannot hang the others.
@@ -44,18 +44,14 @@ RESULT_TAG = "SP_BENCH_RESULT "
 
 
 def _pick_attention(requested: str) -> str:
+    """`auto`: the project's sink kernel on GPUs, eager on CPU (the CPU run only checks the pipeline)."""
     if requested != "auto":
         return requested
-    try:
-        from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION, kernels_usable
-
-        if kernels_usable():
-            return ATTN_IMPLEMENTATION
-    except ImportError:
-        pass
     import torch
 
-    return "flex_attention" if torch.cuda.is_available() else "eager"
+    from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
+
+    return ATTN_IMPLEMENTATION if torch.cuda.is_available() else "eager"
 
 
 def worker(args) -> None:

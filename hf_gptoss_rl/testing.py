@@ -6,20 +6,17 @@
   20B-shaped bf16 model is ready in seconds on a GPU), with sink logits drawn from a chosen spread.
 - `register_sink_dropping_attention()`: `"eager_without_sinks"`, GPT-OSS eager attention with the sink column
   removed: what a training stack that silently drops the sinks computes, to reproduce the rollout/training mismatch.
-- `setup_project_attention()` / `set_project_attention()`: the project's sink kernel as an attention implementation,
-  through the `kernels` hub loader when it is usable, otherwise the packaged kernel sources registered through
-  transformers' `AttentionInterface` (`"sink_kernel_direct"`), so benchmarks run without `kernels`.
+- `setup_project_attention()` / `set_project_attention()`: the project's sink kernel as an attention implementation:
+  the id users select, or its `flash_attn_func` registered directly through transformers' `AttentionInterface`
+  (`"sink_kernel_direct"`, which keeps fp32 activations in fp32).
 - `environment()`: versions and device, for the header of a benchmark report.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import platform
-import sys
-from types import ModuleType
 
 import torch
 from transformers import GptOssConfig
@@ -170,33 +167,6 @@ def register_sink_dropping_attention() -> str:
     return SINK_DROPPING_ATTENTION
 
 
-_KERNEL_MODULE = "sink_flash_attn3"
-
-
-def load_kernel_sources() -> ModuleType:
-    """The packaged kernel sources (`sink_flash_attn3`, the same files the hub build is made from), imported as a
-    plain package without `kernels` (`flash_attn_func`, `flash_attn_varlen_func`)."""
-    module = sys.modules.get(_KERNEL_MODULE)
-    if module is not None:
-        return module
-    from .attention import KERNEL_DIR
-
-    package_dir = KERNEL_DIR / "torch-ext" / _KERNEL_MODULE
-    spec = importlib.util.spec_from_file_location(
-        _KERNEL_MODULE, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError(f"no kernel sources at {package_dir}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_KERNEL_MODULE] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[_KERNEL_MODULE]
-        raise
-    return module
-
-
 def direct_sink_kernel_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -209,13 +179,15 @@ def direct_sink_kernel_attention(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The project's kernel (`flash_attn_func`) called as transformers' flash path calls it, without `kernels`.
+    """The project's kernel (`flash_attn_func`) called as transformers' flash path calls it, dtype unchanged.
 
     Inputs `[B, H, S, D]` (transformers' layout). Supports unpadded batches and right-padded ones (2D mask whose
     ones form a prefix of each row: each row runs on its valid prefix; padded positions output 0). Left padding
-    and KV-cache decoding are refused (use the hub id through `kernels` for those).
+    and KV-cache decoding are refused (use the id `"hf-gptoss-rl/sink-flash-attn3"` for those).
     """
-    kernel = load_kernel_sources()
+    from .attention import import_kernel_sources
+
+    kernel = import_kernel_sources()
     if dropout:
         raise ValueError("sink_kernel_direct: dropout is not supported")
     if query.shape[2] != key.shape[2]:
@@ -246,27 +218,25 @@ def direct_sink_kernel_attention(
 def setup_project_attention(prefer: str = "auto") -> tuple[str, str]:
     """The attn_implementation name that runs the project's kernel here, and how it was obtained.
 
-    prefer: `"hub"` (require `kernels`), `"direct"` (always the AttentionInterface registration) or `"auto"`.
+    prefer: `"hub"` or `"auto"`: the id users select, `"hf-gptoss-rl/sink-flash-attn3"` (transformers' flash-attention
+    wrapper around the kernel, which casts fp32 activations to bf16); `"direct"`: the kernel's `flash_attn_func`
+    registered through `AttentionInterface` as `"sink_kernel_direct"` (keeps fp32; right padding only).
     """
     from . import attention as project_attention
 
     if prefer not in ("auto", "hub", "direct"):
         raise ValueError(f"prefer must be auto | hub | direct, got {prefer!r}")
-    if prefer != "direct" and project_attention.kernels_usable():
-        if project_attention.register_sink_flash_attention():
-            return project_attention.ATTN_IMPLEMENTATION, "kernels hub path (LOCAL_KERNELS build of kernels_hub/)"
-        if prefer == "hub":
-            raise RuntimeError("the kernels hub build of the project's kernel could not be prepared")
-    elif prefer == "hub":
-        raise RuntimeError("`kernels` is missing or outside the range this transformers accepts")
+    if prefer != "direct":
+        project_attention.register()
+        return project_attention.ATTN_IMPLEMENTATION, "attn_implementation id (transformers' flash-attention wrapper)"
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    load_kernel_sources()  # fail here, not inside the first forward
+    project_attention.import_kernel_sources()  # fail here, not inside the first forward
     AttentionInterface.register(DIRECT_KERNEL_ATTENTION, direct_sink_kernel_attention)
     # flash-style mask: None when nothing is padded, else the 2D padding mask
     ALL_MASK_ATTENTION_FUNCTIONS.register(DIRECT_KERNEL_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
-    return DIRECT_KERNEL_ATTENTION, "kernel sources imported directly, registered via AttentionInterface"
+    return DIRECT_KERNEL_ATTENTION, "kernel sources registered via AttentionInterface"
 
 
 def set_project_attention(model, prefer: str = "auto") -> tuple[str, str]:
