@@ -62,6 +62,16 @@ def no_namespace_sandbox():
     return LocalSandbox(python=SYSTEM_PYTHON, max_processes=MAX_PROCS, use_namespaces=False, use_cgroups=False)
 
 
+@pytest.fixture
+def open_tmp():
+    """A folder every uid can traverse (pytest's tmp_path sits in a 0700 folder: the sandbox uid could not even
+    reach the targets there, and the tests would prove nothing)."""
+    folder = Path(tempfile.mkdtemp(prefix="hf_gptoss_rl_test_"))
+    os.chmod(folder, 0o755)
+    yield folder
+    remove_tree(str(folder))
+
+
 def run(sandbox, code, **overrides) -> SandboxResult:
     return asyncio.run(sandbox.run_code(code, **{**LIMITS, **overrides}))
 
@@ -301,9 +311,9 @@ def test_network_connect_fails(sandbox):
         server.close()
 
 
-def test_unix_sockets_fail(sandbox, tmp_path):
+def test_unix_sockets_fail(sandbox, open_tmp):
     """Landlock does not cover connect() on pathname unix sockets (think /var/run/docker.sock): seccomp does."""
-    path = str(tmp_path / "service.sock")
+    path = str(open_tmp / "service.sock")
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     server.listen(1)
@@ -328,15 +338,15 @@ def test_unix_sockets_fail(sandbox, tmp_path):
         abstract.close()
 
 
-def test_reading_and_writing_outside_its_directory_fail(sandbox, tmp_path):
-    secret = tmp_path / "secret.txt"
+def test_reading_and_writing_outside_its_directory_fail(sandbox, open_tmp):
+    secret = open_tmp / "secret.txt"
     secret.write_text("TOP SECRET")
     secret.chmod(0o644)
     code = PRINT_CWD + (
         "out = []\n"
         f"for path in [{str(secret)!r}, '/etc/passwd', '/etc/hostname', {os.path.abspath(__file__)!r}]:\n"
         "    try:\n        out.append(open(path).read()[:10])\n    except OSError as e:\n        out.append(type(e).__name__)\n"
-        f"for path in [{str(tmp_path / 'written.txt')!r}, '/tmp/escaped.txt']:\n"
+        f"for path in [{str(open_tmp / 'written.txt')!r}, '/tmp/escaped.txt']:\n"
         "    try:\n        open(path, 'w').write('x'); out.append('WROTE')\n    except OSError as e:\n"
         "        out.append(type(e).__name__)\n"
         "open('inside.txt', 'w').write('ok')\nout.append(open('inside.txt').read())\n"
@@ -350,7 +360,7 @@ def test_reading_and_writing_outside_its_directory_fail(sandbox, tmp_path):
     assert "TOP SECRET" not in r.stdout and "WROTE" not in r.stdout, r.stdout
     # PermissionError from Landlock or the uid; OSError(EROFS) where the read-only mount refuses first
     assert "'ok'" in r.stdout and r.stdout.count("PermissionError") + r.stdout.count("OSError") == 7, r.stdout
-    assert not (tmp_path / "written.txt").exists() and not os.path.exists("/tmp/escaped.txt")
+    assert not (open_tmp / "written.txt").exists() and not os.path.exists("/tmp/escaped.txt")
     assert_contained(r, workdir_of(r))
 
 
@@ -570,16 +580,6 @@ for name, attempt in attempts.items():
         pass
 print("ALLOWED", allowed)
 """
-
-
-@pytest.fixture
-def open_tmp():
-    """A folder every uid can traverse (pytest's tmp_path sits in a 0700 folder: the sandbox uid could not even
-    reach the targets there, and the tests would prove nothing)."""
-    folder = Path(tempfile.mkdtemp(prefix="hf_gptoss_rl_test_"))
-    os.chmod(folder, 0o755)
-    yield folder
-    remove_tree(str(folder))
 
 
 def _as_uid(uid: int, action) -> bool:
