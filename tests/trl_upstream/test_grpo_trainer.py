@@ -165,7 +165,10 @@ def test_init_minimal(cls, tiny_models, tmp_path):
     # arguments added here select the CPU.
     policy, reward = tiny_models
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
-    cls(model=policy, reward_funcs=reward, args=args, train_dataset=_dataset())
+    trainer = cls(model=policy, reward_funcs=reward, args=args, train_dataset=_dataset())
+    # both load the model's own tokenizer from its path (AutoProcessor), with TRL's left padding
+    assert trainer.processing_class.chat_template == CHATML and len(trainer.processing_class) == len(_tiny_tokenizer())
+    assert trainer.processing_class.padding_side == "left"
 
 
 @pytest.mark.parametrize("kind", ["standard", "conversational"])
