@@ -776,6 +776,27 @@ def test_remove_tree_handles_what_rmtree_does_not(fast_tmp):
     assert remove_tree(str(tmp_path / "no" / "such")) is None
 
 
+def test_leftovers_of_dead_processes_are_swept(fast_tmp):
+    """A trainer killed mid-run leaves its working directories behind: the next process's first LocalSandbox removes
+    those of dead pids (old enough), never those of live ones."""
+    from trl_ext.tools.sandbox import sweep_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = fast_tmp / f"hf_gptoss_rl_sandbox_{dead.pid}_abc"
+    (stale / "deep" / "er").mkdir(parents=True)
+    (stale / "main.py").write_text("print(1)")
+    live = fast_tmp / f"hf_gptoss_rl_sandbox_{os.getpid()}_abc"
+    live.mkdir()
+    young = fast_tmp / f"hf_gptoss_rl_sandbox_{dead.pid}_young"
+    young.mkdir()
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    os.utime(live, (old, old))
+    assert sweep_stale(str(fast_tmp)) == [str(stale)]
+    assert not stale.exists() and live.exists() and young.exists()
+
+
 def test_cleanup_failure_is_reported_not_raised(sandbox, monkeypatch):
     """Whatever goes wrong while removing the working directory stays out of the tool result."""
     import trl_ext.tools.sandbox as mod

@@ -3,7 +3,7 @@ Python callables as tools. See ``docs/tools.md`` for the sandbox's exact isolati
 
 from .base import FunctionTool, Tool, ToolError
 from .code_interpreter import CodeInterpreterTool
-from .sandbox import LocalSandbox, SandboxBackend, SandboxResult, remove_tree, usable_cpus
+from .sandbox import LocalSandbox, SandboxBackend, SandboxResult, remove_tree, sweep_stale, usable_cpus
 from .sandbox_fusion import SandboxFusionBackend
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "SandboxFusionBackend",
     "SandboxResult",
     "remove_tree",
+    "sweep_stale",
     "usable_cpus",
 ]

@@ -54,7 +54,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SandboxResult", "SandboxBackend", "LocalSandbox", "usable_cpus", "remove_tree"]
+__all__ = ["SandboxResult", "SandboxBackend", "LocalSandbox", "usable_cpus", "remove_tree", "sweep_stale"]
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +317,47 @@ def remove_tree(path: str) -> str | None:
     return "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
 
 
+_WORKDIR_PREFIX = "hf_gptoss_rl_sandbox_"
+_swept = False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale(tmpdir: str | None = None, *, min_age_s: float = 3600.0) -> list[str]:
+    """Remove what sandboxes of processes that died without cleaning up (a killed trainer) left behind: working
+    directories ``hf_gptoss_rl_sandbox_<pid>_*`` in the temporary folder whose ``<pid>`` no longer runs and that are
+    older than ``min_age_s`` (a process of another pid namespace sharing the folder may look dead from here), and
+    empty per-run cgroup folders of such pids. Never raises; returns what was removed."""
+    removed = []
+    tmpdir = tmpdir or tempfile.gettempdir()
+    try:
+        entries = os.listdir(tmpdir)
+    except OSError:
+        entries = []
+    now = time.time()
+    for name in entries:
+        owner = name[len(_WORKDIR_PREFIX):].split("_", 1)[0]
+        if not (name.startswith(_WORKDIR_PREFIX) and owner.isdigit()) or _pid_alive(int(owner)):
+            continue
+        path = os.path.join(tmpdir, name)
+        try:
+            if now - os.lstat(path).st_mtime < min_age_s:
+                continue
+        except OSError:
+            continue
+        if remove_tree(path) is None:
+            removed.append(path)
+    return removed
+
+
 class _Cgroups:
     """Per-run pids (+ memory) cgroups under this process's own cgroup (v1 hierarchies or a delegated v2 tree)."""
 
@@ -347,6 +388,25 @@ class _Cgroups:
             if "pids" in enabled:
                 self.v2 = True
                 self._try_parent("unified", mine / name)
+
+    def sweep_stale(self) -> list[str]:
+        """rmdir the empty cgroup folders that sandboxes of dead processes left next to ours (a group that still
+        holds a process is left alone)."""
+        removed = []
+        for folder in self.parents.values():
+            for stale in Path(folder).parent.glob(_WORKDIR_PREFIX + "*"):
+                owner = stale.name[len(_WORKDIR_PREFIX):]
+                if not owner.isdigit() or _pid_alive(int(owner)):
+                    continue
+                try:
+                    for run in stale.iterdir():
+                        if run.is_dir():
+                            run.rmdir()
+                    stale.rmdir()
+                    removed.append(str(stale))
+                except OSError:
+                    pass
+        return removed
 
     def _try_parent(self, controller: str, folder: Path) -> None:
         try:
@@ -521,6 +581,11 @@ class LocalSandbox(SandboxBackend):
         self.queue_timeout_s = float(queue_timeout_s)
         self._semaphore, self._loop = None, None
         self._cgroups = _Cgroups() if use_cgroups else None
+        global _swept
+        if not _swept:  # once per process: leftovers of trainers that were killed mid-run
+            _swept = True
+            for path in sweep_stale() + (self._cgroups.sweep_stale() if self._cgroups else []):
+                logger.info("removed a sandbox leftover of a dead process: %s", path)
         self.use_namespaces = use_namespaces
         self._root = os.geteuid() == 0
         self._fixed_uid = sandbox_uid
@@ -626,7 +691,7 @@ class LocalSandbox(SandboxBackend):
 
     async def _run(self, code: str, timeout_s: float, memory_mb: int, max_output_bytes: int) -> SandboxResult:
         start = time.monotonic()
-        workdir = tempfile.mkdtemp(prefix="hf_gptoss_rl_sandbox_")
+        workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}_")
         run_id = uuid.uuid4().hex[:12]
         cgroups: dict[str, str] = {}
         status_r = status_w = -1
