@@ -267,7 +267,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "developer_instructions": args.developer_instructions,
         }
         template_kwargs = dict(args.chat_template_kwargs or {})
-        unsupported = sorted(set(template_kwargs) - {"reasoning_effort", "conversation_start_date", "developer_instructions"})
+        harmony_keys = {"reasoning_effort", "conversation_start_date", "developer_instructions"}
+        unsupported = sorted(set(template_kwargs) - harmony_keys)
         if unsupported:
             raise ValueError(
                 f"chat_template_kwargs {unsupported} are not supported for GPT-OSS: prompts are rendered in harmony "
@@ -452,13 +453,35 @@ class AgenticGRPOTrainer(GRPOTrainer):
             )
         from .rollout import SGLangEngine
 
-        return SGLangEngine(
+        policy = self.accelerator.unwrap_model(self.model)
+        if args.weight_sync_lora and not is_peft_model(policy):
+            raise ValueError("weight_sync_lora=True pushes a PEFT adapter: pass peft_config (or a PeftModel)")
+        if "logprobs" in args.weight_sync_verify and self.is_fsdp_enabled:
+            raise ValueError(
+                "weight_sync_verify 'logprobs' scores the probe with the unwrapped policy on the main process, which "
+                "FSDP shards; use 'version' and 'checksum' with FSDP"
+            )
+        engine = SGLangEngine(
             args.sglang_urls,
             sync_mode=args.weight_sync_mode,
             max_concurrency=args.rollout_concurrency,
+            timeout_s=args.sglang_timeout_s,
+            retry_deadline_s=args.sglang_retry_deadline_s,
+            ready_timeout_s=args.sglang_ready_timeout_s,
+            log_every_s=args.sglang_log_every_s,
+            api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None,
             weight_dir=args.weight_sync_dir or os.path.join(args.output_dir, "rollout_weights"),
-            model_config=self.accelerator.unwrap_model(self.model).config,
+            model_config=policy.get_base_model().config if is_peft_model(policy) else policy.config,
+            dist_master_address=args.weight_sync_master_address,
+            dist_master_port=args.weight_sync_master_port,
+            bucket_bytes=args.weight_sync_bucket_mb << 20,
+            pause_mode=None if args.weight_sync_pause_mode == "none" else args.weight_sync_pause_mode,
+            verify=args.weight_sync_verify,
+            logprob_probe_atol=args.weight_sync_probe_atol,
         )
+        # Fail here, with each unreachable URL and its last error, rather than abort every trajectory of step 1.
+        engine.check_servers()
+        return engine
 
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
@@ -484,7 +507,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from hf_gptoss_rl.harmony import render_prompt
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        return render_prompt(messages, tools=[t.spec() for t in self.agent_tools] or None, **self._harmony_render_kwargs)
+        tools = [t.spec() for t in self.agent_tools] or None
+        return render_prompt(messages, tools=tools, **self._harmony_render_kwargs)
 
     def _rollout(self, prompts: list) -> dict[str, list]:
         prompt_ids = [self._render_prompt(p) for p in prompts]
@@ -598,7 +622,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if not args.vllm_importance_sampling_correction:
             return
         is_mode = args.vllm_importance_sampling_mode
-        bounds = {"clip_min": args.vllm_importance_sampling_clip_min, "clip_max": args.vllm_importance_sampling_clip_max}
+        bounds = {
+            "clip_min": args.vllm_importance_sampling_clip_min,
+            "clip_max": args.vllm_importance_sampling_clip_max,
+        }
         ratio = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode, **bounds)  # [B, T] or [B, 1]
         weights = ratio.expand_as(train_logps)
         self.last_importance_weights = weights
@@ -634,43 +661,59 @@ class AgenticGRPOTrainer(GRPOTrainer):
     @contextmanager
     def _merged_weights(self) -> Iterator[Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
         """Yield a function listing `(name, tensor)` of the policy as the base model names them (LoRA merged)."""
-        model = self.accelerator.unwrap_model(self.model)
-        if self.is_fsdp_enabled:
-            state_dict = self.accelerator.get_state_dict(self.model)  # collective: every rank takes part
-            yield lambda: ((k, v) for k, v in state_dict.items())
-            return
-        if not is_peft_model(model):
-            yield lambda: ((k, v.detach()) for k, v in model.state_dict().items())
-            return
-        # PEFT: merge the adapters into the base weights for the export, then unmerge (TRL's vLLM sync does the same)
-        prefix = model.prefix  # "lora_"
-        with torch.no_grad():
-            model.merge_adapter()
-            try:
+        from .weight_sync import export_policy_weights
 
-                def named():
-                    for name, tensor in model.state_dict().items():
-                        if prefix in name:  # adapter tensors: already merged into the base weights
-                            continue
-                        yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor.detach()
-
-                yield named
-            finally:
-                model.unmerge_adapter()
+        model = self.model if self.is_fsdp_enabled else self.accelerator.unwrap_model(self.model)
+        with export_policy_weights(model, accelerator=self.accelerator, is_fsdp=self.is_fsdp_enabled) as named:
+            yield named
 
     def _push_weights(self, engine, version: int) -> None:
-        from .rollout import run_sync
+        from .weight_sync import push_policy_weights
 
-        with self._merged_weights() as named:
-            if self.args.rollout_backend == "sglang" and not self.accelerator.is_main_process:
-                return  # one process talks to the SGLang servers
-            run_sync(engine.update_weights(list(named()), version=version))
+        remote = self.args.rollout_backend == "sglang"
+        probe = None
+        if remote and "logprobs" in self.args.weight_sync_verify:
+            probe = self._tokenizer.encode(_WEIGHT_SYNC_PROBE_TEXT, add_special_tokens=False)[:48]
+        push_policy_weights(
+            engine,
+            self.model if self.is_fsdp_enabled else self.accelerator.unwrap_model(self.model),
+            version=version,
+            accelerator=self.accelerator,
+            is_fsdp=self.is_fsdp_enabled,
+            lora=remote and self.args.weight_sync_lora,
+            is_main_process=self.accelerator.is_main_process or not remote,  # one process talks to the servers
+            probe_ids=probe,
+        )
 
     def sync_rollout_weights(self) -> None:
-        """Send the current policy to the rollout engine, versioned by the global step."""
-        self._push_weights(self.rollout_engine, version=self.state.global_step)
-        if self.args.rollout_backend == "sglang":
-            self.accelerator.wait_for_everyone()
+        """Send the current policy to the rollout engine, versioned by the global step.
+
+        With SGLang the main process syncs; its outcome is broadcast so that every process raises when it failed
+        (instead of the other ranks waiting at a barrier until the collective timeout).
+        """
+        error = None
+        try:
+            self._push_weights(self.rollout_engine, version=self.state.global_step)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+            error = exc
+        if self.args.rollout_backend == "sglang" and self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+            broadcast_object_list(outcome, from_process=0)
+            if error is None and outcome[0] is not None:
+                from .weight_sync import WeightSyncError
+
+                raise WeightSyncError(f"rollout weight sync failed on the main process: {outcome[0]}")
+        if error is not None:
+            raise error
+
+
+# A fixed, ordinary sentence: the "logprobs" sync check scores it on every server and in the trainer.
+_WEIGHT_SYNC_PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers that changed "
+    "physics: on the photoelectric effect, Brownian motion, special relativity and mass-energy equivalence."
+)
 
 
 def _model_type(model, args) -> str | None:
