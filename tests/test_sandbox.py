@@ -509,6 +509,9 @@ def test_reusable_across_event_loops(sandbox):
 def test_require_isolation_refuses_to_run_unisolated():
     r = run(LocalSandbox(isolate_filesystem=False, require_isolation=True), "print('ran')")
     assert r.error and "filesystem" in r.error and "ran" not in r.stdout and r.exit_code is None
+    if ROOT and _system_python_usable():  # no mount namespace, so no disk quota
+        unquoted = run(LocalSandbox(python=SYSTEM_PYTHON, use_namespaces=False, require_isolation=True), "print('ran')")
+        assert unquoted.error and "disk quota" in unquoted.error and "ran" not in unquoted.stdout
     strict = run(LocalSandbox(require_isolation=True), "print('ran')")
     if strict.error is None:
         assert strict.stdout == "ran\n" and strict.isolation["landlock"] and strict.isolation["process_limit"]

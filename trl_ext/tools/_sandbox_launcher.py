@@ -369,7 +369,8 @@ def user_process(cfg, status_fd, report):
             missing = [name for name, ok in (("network", report["network"] != "python-guard"),
                                              ("filesystem", report["landlock"] is not None),
                                              ("unix socket", report.get("seccomp") is not None),
-                                             ("process limit", report["process_limit"] is not None)) if not ok]
+                                             ("process limit", report["process_limit"] is not None),
+                                             ("disk quota", report.get("disk_quota") is not None)) if not ok]
             if missing:
                 raise OSError(f"require_isolation: no {', '.join(missing)} isolation in place")
         os.write(status_fd, (json.dumps({"stage": "setup", **report}) + "\n").encode())

@@ -514,7 +514,7 @@ class LocalSandbox(SandboxBackend):
         queue_timeout_s: longest wait for a slot; past it the call returns ``SandboxResult.error`` without running.
         isolate_filesystem: apply Landlock (default True).
         require_isolation: refuse to run (``SandboxResult.error``) unless network, filesystem (Landlock), unix-socket
-            (seccomp) and process-count isolation are all in place; by default the program runs with what the
+            (seccomp), process-count isolation and the disk quota are all in place; by default the program runs with what the
             platform allows, and ``SandboxResult.isolation`` says what that was. Host-file protection and a non-root
             uid are never optional: without them the constructor raises.
         extra_readable_paths: more paths the program may read (data files, a model of a library, ...).
