@@ -191,3 +191,109 @@ def test_offline_sglang_engine_needs_sglang():
             SGLangOfflineEngine(model_path="unused")
     else:  # pragma: no cover - GPU machines with sglang
         pytest.skip("sglang installed: the offline engine is exercised on GPU only")
+
+
+class _StubTokenizerManager:
+    """What `SGLangOfflineEngine` uses of ``sglang.Engine.tokenizer_manager``, with SGLang's loop binding: the
+    first coroutine binds the manager's output loop (``auto_create_handle_loop``); a later call from another loop
+    would never get its answer, which is raised here instead of hanging."""
+
+    def __init__(self, refuse: bool = False):
+        self.loop = None
+        self.refuse = refuse
+        self.calls: list[str] = []
+        self.version = "default"
+        self.payload_counts: list[int] = []
+
+    def _bind(self, what: str):
+        loop = asyncio.get_running_loop()
+        if self.loop is None:
+            self.loop = loop
+        if loop is not self.loop:
+            raise RuntimeError("the tokenizer manager's output loop runs on another event loop: this call would hang")
+        self.calls.append(what)
+
+    async def generate_item(self, **kwargs):
+        self._bind("generate")
+        ids = [5, 6]
+        return {"output_ids": ids, "meta_info": {"finish_reason": {"type": "length"}, "weight_version": self.version,
+                                                  "output_token_logprobs": [[-0.1, t, None] for t in ids]}}
+
+    async def begin_weight_update(self, obj, request):
+        self._bind("begin")
+        return True, "Success"
+
+    async def end_weight_update(self, obj, request):
+        self._bind("end")
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, obj, request):
+        self._bind("update")
+        self.payload_counts.append(len(obj.serialized_named_tensors))
+        if self.refuse:
+            return False, "Failed to update parameter online: shape mismatch"
+        self.version = obj.weight_version
+        return True, "Success"
+
+    def config_value(self, name):
+        assert name == "weight_version"
+        return self.version
+
+
+def _stub_sglang(monkeypatch):
+    import sys
+    import types
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class UpdateWeightsFromTensorReqInput:
+        serialized_named_tensors: list
+        load_format: str | None = None
+        flush_cache: bool = True
+        weight_version: str | None = None
+
+    @dataclass
+    class BeginWeightUpdateReqInput:
+        selector: str = "all"
+
+    @dataclass
+    class EndWeightUpdateReqInput:
+        rid: str | None = field(default=None)
+
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    for cls in (UpdateWeightsFromTensorReqInput, BeginWeightUpdateReqInput, EndWeightUpdateReqInput):
+        setattr(io_struct, cls.__name__, cls)
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    sys.modules["sglang.srt.managers"].io_struct = io_struct
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse):
+    from types import SimpleNamespace
+
+    from trl_ext.weight_sync import WeightSyncError
+
+    _stub_sglang(monkeypatch)
+    tm = _StubTokenizerManager(refuse=refuse)
+    stub = SimpleNamespace(
+        tokenizer_manager=tm, server_args=SimpleNamespace(tp_size=2), shutdown=lambda: None,
+        async_generate=lambda **kw: tm.generate_item(**kw),
+    )
+    engine = SGLangOfflineEngine(engine=stub)
+    sampling = SamplingParams(max_new_tokens=2, stop_token_ids=())
+    first = asyncio.run(engine.generate([1, 2], sampling))  # one asyncio.run per batch, as the trainer does
+    second = asyncio.run(engine.generate([1, 2], sampling))
+    assert first.output_ids == second.output_ids == [5, 6]
+    named = [("w", torch.zeros(2))]
+    if refuse:
+        with pytest.raises(WeightSyncError, match="shape mismatch"):
+            asyncio.run(engine.update_weights(named, version=1))
+        assert engine.weight_version is None  # the served weights did not change: neither does the version
+    else:
+        asyncio.run(engine.update_weights(named, version=1))
+        assert engine.weight_version == 1 and tm.version == "1"
+    assert tm.calls[2:] == ["begin", "update", "end"]  # the session is closed even when the update failed
+    assert tm.payload_counts == [2]  # one payload per TP rank
+    asyncio.run(engine.close())
