@@ -733,3 +733,100 @@ def test_weight_sync_distributed_gloo(model, tmp_path):
     assert after.output_ids == greedy_reference(target, prompt) != before.output_ids
     assert after.weight_version == 3 and back.weight_version == 4
     assert back.output_ids == before.output_ids
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+
+
+def _tiny_policy() -> GptOssForCausalLM:
+    torch.manual_seed(0)
+    config = tiny_gptoss_config(num_hidden_layers=2, hidden_size=32, intermediate_size=32, head_dim=8)
+    config._attn_implementation = "eager"
+    return GptOssForCausalLM(config)
+
+
+def _trainer_kwargs(tmp_path, model, urls, **overrides):
+    from datasets import Dataset
+
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from trl_ext import AgenticGRPOConfig
+
+    args = dict(
+        output_dir=str(tmp_path), max_steps=1, learning_rate=1e-2, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=12, max_turns=1, beta=0.0, loss_type="dapo", logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, bf16=False, seed=0, rollout_concurrency=4, disable_tqdm=True,
+        rollout_backend="sglang", sglang_urls=urls, sglang_ready_timeout_s=30,
+    )
+    args.update(overrides)
+    rows = [{"prompt": [{"role": "user", "content": f"Say hi ({i})"}]} for i in range(4)]
+    return dict(
+        model=model,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=AgenticGRPOConfig(**args),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=load_gptoss_tokenizer(),
+    )
+
+
+def _serve(model, **kwargs) -> FakeSGLangServer:
+    import copy
+
+    return FakeSGLangServer(EmbeddedEngine(copy.deepcopy(model).float().eval(), seed=0), **kwargs).start()
+
+
+def test_trainer_fails_at_start_when_no_server_answers(tmp_path):
+    from trl_ext import AgenticGRPOTrainer
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(SGLangUnavailableError, match=f"{dead}: ConnectError"):
+        AgenticGRPOTrainer(**_trainer_kwargs(tmp_path, _tiny_policy(), [dead], sglang_ready_timeout_s=0.5))
+    assert time.monotonic() - start < 30
+
+
+def test_trainer_syncs_the_lora_adapter_and_verifies_it(tmp_path):
+    """LoRA: only the adapter travels (lora_path per request); the probe checks the served log-probs."""
+    from peft import LoraConfig
+
+    from trl_ext import AgenticGRPOTrainer
+
+    model = _tiny_policy()
+    servers = [_serve(model, enable_lora=True) for _ in range(2)]
+    kwargs = _trainer_kwargs(tmp_path, model, [s.url for s in servers], weight_sync_lora=True,
+                             weight_sync_mode="tensor", weight_sync_verify=["version", "logprobs"],
+                             weight_sync_probe_atol=1e-3)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    try:
+        trainer = AgenticGRPOTrainer(**kwargs, peft_config=lora)
+        trainer.train()
+        assert trainer.rollout_engine.weight_version == 1
+        for srv in servers:
+            assert list(srv._adapters) == ["policy-v1"] and srv.served_version == "1"
+            assert srv.request_counts["/load_lora_adapter_from_tensors"] == 1
+            assert srv.request_counts.get("/update_weights_from_tensor", 0) == 0
+            probes = [b for _, p, b in srv.requests if p == "/generate" and b.get("logprob_start_len") == 0]
+            assert len(probes) == 1 and probes[0]["lora_path"] == "policy-v1"
+        merged = trainer.model.merge_and_unload().state_dict()
+        served = servers[0].engine.model.state_dict()
+        for name, tensor in merged.items():
+            torch.testing.assert_close(served[name], tensor, rtol=1e-5, atol=1e-6)
+    finally:
+        for srv in servers:
+            srv.stop()
+            srv.engine.shutdown()
+
+
+def test_trainer_step_fails_loudly_when_a_server_refuses_the_sync(tmp_path):
+    from trl_ext import AgenticGRPOTrainer
+
+    model = _tiny_policy()
+    srv = _serve(model)
+    srv.inject(Fault("refuse", path="/update_weights_from_disk"))
+    try:
+        trainer = AgenticGRPOTrainer(**_trainer_kwargs(tmp_path, model, [srv.url]))
+        with pytest.raises(WeightSyncError, match=rf"{srv.url}: .*injected refusal"):
+            trainer.train()
+        assert srv.request_counts["/pause_generation"] == 1 == srv.request_counts["/continue_generation"]
+    finally:
+        srv.stop()
+        srv.engine.shutdown()
