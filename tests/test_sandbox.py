@@ -1029,13 +1029,6 @@ def test_fusion_reusable_across_event_loops(fusion_server):
         assert asyncio.run(backend.run_code(f"print({i})", **LIMITS)).stdout == f"{i}\n"
 
 
-def test_fusion_timeout_and_truncation(fusion_server):
-    r = _run_fusion(_fusion(fusion_server), "import time\ntime.sleep(5)", timeout_s=1)
-    assert r.timed_out and r.error is None
-    r = _run_fusion(_fusion(fusion_server), "print('x' * 5000)", max_output_bytes=1000)
-    assert r.truncated and len(r.stdout) == 1000
-
-
 def test_fusion_retries_5xx_and_sandbox_errors(fusion_server):
     fusion_server.faults[:] = ["500", "sandbox_error", "garbage"]
     r = _run_fusion(_fusion(fusion_server, max_retries=3), "print('ok')")
@@ -1127,7 +1120,7 @@ def test_contract_exit_status_timeout_and_self_kill(backend_factory):
 
 def test_contract_output_cap(backend_factory):
     r = _once(backend_factory(), "print('x' * 50000)", max_output_bytes=1000)
-    assert r.truncated and len(r.stdout) <= 1000 and r.error is None
+    assert r.truncated and r.stdout == "x" * 1000 and r.error is None
 
 
 def test_contract_queue_is_not_run_time(backend_factory):
@@ -1135,15 +1128,15 @@ def test_contract_queue_is_not_run_time(backend_factory):
 
     async def main():
         try:
-            return await asyncio.gather(*[backend.run_code("import time\ntime.sleep(0.6)\nprint('ran')",
-                                                           timeout_s=2.0, memory_mb=256, max_output_bytes=100)
-                                          for _ in range(5)])
+            return await asyncio.gather(*[backend.run_code("import time\ntime.sleep(0.5)\nprint('ran')",
+                                                           timeout_s=1.5, memory_mb=256, max_output_bytes=100)
+                                          for _ in range(4)])
         finally:
             await backend.aclose()
 
     results = asyncio.run(main())
-    assert [r.stdout for r in results] == ["ran\n"] * 5 and not any(r.timed_out for r in results), results
-    assert max(r.queued_s for r in results) > 2.0  # the last one waited longer than its own timeout
+    assert [r.stdout for r in results] == ["ran\n"] * 4 and not any(r.timed_out for r in results), results
+    assert max(r.queued_s for r in results) > 1.5  # the last one waited longer than its own timeout
 
 
 def test_contract_queue_bound(backend_factory):
