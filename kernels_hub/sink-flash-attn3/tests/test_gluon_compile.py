@@ -75,7 +75,7 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
             signature[name] = "constexpr"
         elif name in descs:
             signature[name] = descs[name]
-        elif name in ("Lse2", "Delta", "Sinks", "Lse"):
+        elif name in ("Lse2", "Delta", "Sinks", "Lse", "DSinkPart"):
             signature[name] = "*fp32"
         elif name in ("DK", "DV", "DQ", "Out"):
             signature[name] = "*bf16"
@@ -91,7 +91,8 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
 
 
 @pytest.mark.parametrize("kernel, options", [
-    ("gluon_dkdv", {}), ("gluon_dkdv", dict(STAGES=3)), ("gluon_dq", {}), ("gluon_dq", dict(STAGES=3)),
+    ("gluon_dkdv", {}), ("gluon_dkdv", dict(STAGES=3)), ("gluon_dq", dict(HAS_SINK=True)),
+    ("gluon_dq", dict(HAS_SINK=False, STAGES=3)),
     ("gluon_fwd", dict(HAS_SINK=True)), ("gluon_fwd", dict(HAS_SINK=False, STAGES=3)),
 ])
 def test_gluon_kernels_compile_for_sm90(tk, gk, kernel, options):

@@ -45,7 +45,7 @@ from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
 
-__all__ = ["dkdv", "dq", "fwd"]
+__all__ = ["backward", "fwd"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -204,11 +204,14 @@ def _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step, num_n, row0, col, BL
         _tma_load(v_desc, [row0 + step * BLOCK_N, col], bars.index(buf), v_smem.index(buf))
 
 
-@gluon.jit(do_not_specialize=["stride_rows"])
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, stride_dqt,
-               stride_dqh, stride_rows, qk_scale, sm_scale, win_left, win_right, GROUP: gl.constexpr,
-               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               num_warps: gl.constexpr):
+@gluon.jit(do_not_specialize=["stride_rows", "stride_part"])
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, Sinks, DSinkPart, cu_seqlens_q, cu_seqlens_k,
+               stride_dqt, stride_dqh, stride_rows, stride_part, qk_scale, sm_scale, win_left, win_right,
+               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, HAS_SINK: gl.constexpr, num_warps: gl.constexpr):
+    """dQ of one (query head, query block), looping over the visible key blocks.  With a sink, also this block's share
+    of dsink_h = -sum_i exp(s_h - LSE_i) D_i, with D_i = sum_j P_ij dP_ij taken from the fp32 tiles (D from the bf16
+    output, as dS uses it, carries the output's rounding), into its own slot of ``DSinkPart``."""
     off_h = gl.program_id(0)
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -260,6 +263,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
     ds_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, a_layout)  # register operand of the dQ MMA in flight
+    pdp = gl.zeros([BLOCK_M], gl.float32, row_layout)  # sum_j P_ij dP_ij
     mbarrier.wait(q_bar, 0)
     for step in range(num_n):
         start_n = lo + step * BLOCK_N
@@ -279,6 +283,8 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
                        & (offs_n[None, :] < len_k))
             p = gl.where(visible, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        if HAS_SINK:
+            pdp += gl.sum(p * dp, axis=1)
         ds = p * (dp - delta[:, None])
         ds_op = gl.convert_layout(ds.to(dtype), a_layout)
         dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
@@ -289,6 +295,10 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, cu_seqlens_q, c
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+    if HAS_SINK:  # rows past len_q: lse2 = +inf, P = 0
+        sink2 = gl.load(Sinks + off_h).to(gl.float32) * _LOG2E
+        part = gl.sum(gl.where(row_ok, gl.exp2(sink2 - lse2) * pdp, 0.0), axis=0)
+        gl.store(DSinkPart + off_h * stride_part + off_b * gl.num_programs(1) + pid_m, -part)
     dq = dq * sm_scale
     out_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -537,30 +547,40 @@ def _launch_options(config: dict) -> tuple[int, int, dict]:
     return cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg
 
 
-def dkdv(q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, qk_scale, sm_scale,
-         win_left, win_right, config):
-    """dK, dV into ``dk``, ``dv`` (see ``triton_kernels.sink_attention_backward`` for the contract; ``lse2`` and
-    ``delta`` are the per-row vectors ``[H, stride_rows]`` laid out by ``_bands.row_vector_start``)."""
+def backward(q, k, v, dout, lse2, delta, sinks, dsink_partials, dq_out, dk, dv, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k, qk_scale, sm_scale, win_left, win_right, dkdv_config, dq_config):
+    """dK, dV into ``dk``, ``dv`` (``_dkdv_kernel``), then dQ into ``dq_out`` (``_dq_kernel``); see
+    ``triton_kernels.sink_attention_backward`` for the contract.  ``lse2`` and ``delta`` are the per-row vectors
+    ``[H, stride_rows]`` laid out by ``_bands.row_vector_start``.  The two kernels share their Q / K / V / dO
+    descriptors when their tiles agree (the host cost of a launch is mostly its arguments).  With ``sinks``, the dQ
+    kernel writes dsink's partial sums into ``dsink_partials [H, num_seqs * num_query_blocks]`` (zeroed)."""
     _, H_q, D = q.shape
-    bm, bn, cfg = _launch_options(config)
-    grid = (k.shape[1], triton.cdiv(int(max_seqlen_k), bn), cu_seqlens_q.numel() - 1)
-    _dkdv_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _row_vector(lse2, bm),
-        _row_vector(delta, bm), dk, dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left, win_right, GROUP=H_q // k.shape[1], HEAD_DIM=D,
-        BLOCK_M=bm, BLOCK_N=bn, **cfg)
+    H_kv = k.shape[1]
+    num_seqs = cu_seqlens_q.numel() - 1
+    bm, bn, cfg = _launch_options(dkdv_config)
+    descs = {}
 
+    def desc(t, rows):
+        key = (id(t), rows)
+        if key not in descs:
+            descs[key] = _descriptor(t, rows)
+        return descs[key]
 
-def dq(q, k, v, dout, lse2, delta, dq_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, sm_scale,
-       win_left, win_right, config):
-    """dQ into ``dq_out``."""
-    _, H_q, D = q.shape
-    bm, bn, cfg = _launch_options(config)
-    grid = (H_q, triton.cdiv(int(max_seqlen_q), bm), cu_seqlens_q.numel() - 1)
-    _dq_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), lse2, delta, dq_out,
-        cu_seqlens_q, cu_seqlens_k, dq_out.stride(0), dq_out.stride(1), lse2.stride(0), qk_scale, sm_scale, win_left,
-        win_right, GROUP=H_q // k.shape[1], HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
+    if int(max_seqlen_k) > 0:
+        _dkdv_kernel[(H_kv, triton.cdiv(int(max_seqlen_k), bn), num_seqs)](
+            desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm), _row_vector(lse2, bm), _row_vector(delta, bm), dk,
+            dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse2.stride(0),
+            qk_scale, sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
+    else:
+        dk.zero_()
+        dv.zero_()
+    bm, bn, cfg = _launch_options(dq_config)
+    has_sink = sinks is not None
+    _dq_kernel[(H_q, triton.cdiv(int(max_seqlen_q), bm), num_seqs)](
+        desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm), lse2, delta, dq_out, sinks if has_sink else lse2,
+        dsink_partials if has_sink else lse2, cu_seqlens_q, cu_seqlens_k, dq_out.stride(0), dq_out.stride(1),
+        lse2.stride(0), dsink_partials.stride(0) if has_sink else 0, qk_scale, sm_scale, win_left, win_right,
+        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
 
 
 def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right, config):

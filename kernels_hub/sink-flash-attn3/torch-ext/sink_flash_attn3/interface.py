@@ -109,12 +109,22 @@ def _backward_impl(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, m
         causal, window_left, window_right)
 
 
+def _tokens_major(t: torch.Tensor) -> torch.Tensor:
+    """``[batch, seqlen, heads, head_dim]`` or ``[tokens, heads, head_dim]`` -> dense ``[tokens, heads, head_dim]``."""
+    if t.dim() == 4:
+        t = t.reshape(-1, t.shape[2], t.shape[3])
+    return t if t.is_contiguous() else t.contiguous()
+
+
 class _SinkAttention(torch.autograd.Function):
-    """The eager path: the same backend calls as the custom ops below, without their dispatch overhead."""
+    """The eager path: the same backend calls as the custom ops below, without their dispatch overhead; the
+    [batch, seqlen] -> tokens reshapes happen inside, so autograd records one node per call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params):
-        out, lse = _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params)
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
+        out, lse = _forward(_tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k,
+                            *params)
+        out = out.view(q.shape)
         ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
         ctx.params = params
         ctx.mark_non_differentiable(lse)
@@ -123,17 +133,21 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv, dsink = _backward_impl(dout.contiguous(), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k,
-                                           *ctx.params)
+        dq, dk, dv, dsink = _backward_impl(_tokens_major(dout), _tokens_major(q), _tokens_major(k), _tokens_major(v),
+                                           _tokens_major(out), lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params)
         if dsink is not None and dsink.dtype != sinks.dtype:
             dsink = dsink.to(sinks.dtype)  # the sink gradient in the sink's own dtype
-        return (dq, dk, dv, dsink) + (None,) * (2 + len(ctx.params))
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink, None, None, None
 
 
-def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params):
+def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
+    """``out`` (q's shape) and ``lse [heads, tokens]`` for q, k, v of ``[batch, seqlen, heads, head_dim]`` or
+    ``[tokens, heads, head_dim]``."""
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params)
-    return _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params)
+        out, lse = _fwd_op(_tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k,
+                           *params)
+        return out.view(q.shape), lse
+    return _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -421,16 +435,11 @@ def flash_attn_func(
     # A fixed-length batch is the varlen problem with equal lengths: flatten the batch into the token axis.
     cu_seqlens_q = _cu_seqlens(batch, seqlen_q, q.device)
     cu_seqlens_k = cu_seqlens_q if seqlen_k == seqlen_q else _cu_seqlens(batch, seqlen_k, q.device)
-    out, lse = _attention(
-        q.reshape(batch * seqlen_q, num_heads, head_dim).contiguous(),
-        k.reshape(batch * seqlen_k, *k.shape[2:]).contiguous(),
-        v.reshape(batch * seqlen_k, *v.shape[2:]).contiguous(),
-        s_aux, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, scale, bool(causal), window_left, window_right,
-        _select_backend(q, backend),
-    )  # fmt: skip
-    out = out.view(batch, seqlen_q, num_heads, head_dim)
-    lse = lse.view(num_heads, batch, seqlen_q).transpose(0, 1)  # [B, H, S] like FlashAttention's softmax_lse
-    return (out, lse) if return_softmax_lse else out
+    params = (seqlen_q, seqlen_k, scale, bool(causal), window_left, window_right, _select_backend(q, backend))
+    out, lse = _attention(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, params)
+    if not return_softmax_lse:
+        return out
+    return out, lse.view(num_heads, batch, seqlen_q).transpose(0, 1)  # [B, H, S] like FlashAttention's softmax_lse
 
 
 def flash_attn_varlen_func(
@@ -470,8 +479,7 @@ def flash_attn_varlen_func(
         return_attn_probs, varlen=True,
     )  # fmt: skip
     scale = _softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = _attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), s_aux, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q),
-        _as_int(max_seqlen_k), scale, bool(causal), window_left, window_right, _select_backend(q, backend),
-    )  # fmt: skip
+    params = (_as_int(max_seqlen_q), _as_int(max_seqlen_k), scale, bool(causal), window_left, window_right,
+              _select_backend(q, backend))
+    out, lse = _attention(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, params)
     return (out, lse) if return_softmax_lse else out

@@ -371,14 +371,11 @@ def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_se
 # ----------------------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["stride_rows", "stride_lse_h", "stride_part"])
-def _bwd_preprocess(Out, DO, Lse, Sinks, Delta, Lse2, DSinkPart, cu_seqlens_q, stride_rows, stride_ot, stride_oh,
-                    stride_dot, stride_doh, stride_lse_h, stride_part, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                    HAS_SINK: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_rows", "stride_lse_h"])
+def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, cu_seqlens_q, stride_rows, stride_ot, stride_oh, stride_dot, stride_doh,
+                    stride_lse_h, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0), written
-    at the sequence's aligned offset (`row_vector_start`); with a sink, this block's share of dsink_h,
-    -sum_i exp(s_h - LSE_i) D_i, into its own slot of ``DSinkPart [H, num_seqs * num_blocks]`` (summed afterwards in
-    a fixed order: no atomics)."""
+    at the sequence's aligned offset (`row_vector_start`)."""
     pid = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -398,10 +395,6 @@ def _bwd_preprocess(Out, DO, Lse, Sinks, Delta, Lse2, DSinkPart, cu_seqlens_q, s
     at = off_h * stride_rows + _row_vector_start(q_start, off_b) + offs
     tl.store(Delta + at, delta, mask=ok)
     tl.store(Lse2 + at, lse2, mask=ok)
-    if HAS_SINK:  # rows past len_q: lse2 = +inf, delta = 0 -> no contribution
-        sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
-        part = tl.sum(tl.math.exp2(sink2 - lse2) * delta, axis=0)
-        tl.store(DSinkPart + off_h * stride_part + off_b * tl.num_programs(0) + pid, -part)
 
 
 @triton.jit
@@ -506,9 +499,10 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, Q_desc, DO_desc, cu_se
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, desc_row, desc_col, stride_kt,
+def _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, desc_row, desc_col, stride_kt,
                   stride_vt, offs_n0, offs_d, row_pos, lo, hi, len_k, win_left, win_right, qk_scale,
-                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                  HAS_SINK: tl.constexpr):
     k_ptrs = k_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
     v_ptrs = v_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
     for start_n in range(lo, hi, BLOCK_N):
@@ -531,19 +525,24 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, desc_r
                        & (offs_n[None, :] < len_k))
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_SINK:
+            pdp += tl.sum(p * dp, 1)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kt
         v_ptrs += BLOCK_N * stride_vt
-    return dq
+    return dq, pdp
 
 
-@triton.jit(do_not_specialize=["stride_rows"])
-def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+@triton.jit(do_not_specialize=["stride_rows", "stride_part"])
+def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, Sinks, DSinkPart, cu_seqlens_q, cu_seqlens_k,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                      stride_dqt, stride_dqh, stride_rows, qk_scale, sm_scale, win_left, win_right,
+                      stride_dqt, stride_dqh, stride_rows, stride_part, qk_scale, sm_scale, win_left, win_right,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr):
+    """dQ of one (query head, query block).  With a sink, also this block's share of dsink_h =
+    -sum_i exp(s_h - LSE_i) D_i with D_i = sum_j P_ij dP_ij from the fp32 tiles (D from the 16-bit output, as dS uses
+    it, carries the output's rounding) into its own slot of ``DSinkPart`` (summed afterwards in a fixed order)."""
     off_h = tl.program_id(0)
     pid_m = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -574,15 +573,20 @@ def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, cu_seqlens_q
     row_pos = offs_m + shift
     lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
                                                  BLOCK_M, BLOCK_N)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                       stride_kt, stride_vt, offs_n0, offs_d, row_pos,
-                       lo, full_lo, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                       stride_kt, stride_vt, offs_n0, offs_d, row_pos,
-                       full_lo, full_hi, len_k, win_left, win_right, qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                       stride_kt, stride_vt, offs_n0, offs_d, row_pos,
-                       full_hi, hi, len_k, win_left, win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA)
+    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
+                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo, full_lo, len_k, win_left, win_right,
+                            qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
+    dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
+                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_lo, full_hi, len_k, win_left, win_right,
+                            qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA, HAS_SINK)
+    dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
+                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_hi, hi, len_k, win_left, win_right,
+                            qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
+    if HAS_SINK:  # rows past len_q: lse2 = +inf, P = 0
+        sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
+        part = tl.sum(tl.where(row_ok, tl.math.exp2(sink2 - lse2) * pdp, 0.0), axis=0)
+        tl.store(DSinkPart + off_h * stride_part + off_b * tl.num_programs(1) + pid_m, -part)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m)[:, None].to(tl.int64) * stride_dqt + off_h * stride_dqh + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -650,9 +654,8 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     precision = _dot_precision(q.dtype)
     group = H_q // H_kv
     plan = _plan(q, k, v, left < _UNBOUNDED, int(max_seqlen_q), int(max_seqlen_k))
-    gluon = plan.dkdv == "gluon_dkdv" and _tma_ok(dout)
-    if plan.dkdv == "gluon_dkdv" and not gluon:  # dout not TMA-compatible: the Triton kernels for this call
-        plan = plan._replace(dkdv="dkdv", dq="dq")
+    dout_tma = plan.tma and _tma_ok(dout)
+    gluon = plan.dkdv == "gluon_dkdv" and dout_tma  # (a dout that TMA cannot read: the Triton kernels this call)
 
     # Per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (row_vector_start),
     # and dsink's partial sums, one per (head, preprocessing program).  D's unused slots must be finite where the
@@ -661,25 +664,27 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     delta = (torch.zeros if gluon else torch.empty)((H_q, stride_rows), device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
     pre_block = 64 if q.device.type == "cuda" else 16
-    pre_grid = (max(triton.cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)
-    partials = (torch.empty((H_q, pre_grid[0] * num_seqs), device=q.device, dtype=torch.float32)
-                if sinks is not None else delta)
-    _bwd_preprocess[pre_grid](
-        out, dout, lse, sinks if sinks is not None else lse, delta, lse2, partials, cu_seqlens_q, stride_rows,
-        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), lse.stride(0), partials.stride(0),
-        HEAD_DIM=D, BLOCK=pre_block, HAS_SINK=sinks is not None)
-    dsink = partials.sum(dim=1) if sinks is not None else None  # fixed-order reduction of the partial sums
+    _bwd_preprocess[(max(triton.cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)](
+        out, dout, lse, delta, lse2, cu_seqlens_q, stride_rows, out.stride(0), out.stride(1), dout.stride(0),
+        dout.stride(1), lse.stride(0), HEAD_DIM=D, BLOCK=pre_block)
+    # dsink's partial sums, one per (head, dQ program; programs past a sequence's end leave their zero): the dQ
+    # kernel writes them, summed below in a fixed order
+    dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
+    partials = (torch.zeros((H_q, num_seqs * triton.cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"])), device=q.device,
+                            dtype=torch.float32) if sinks is not None else None)
+    if gluon:
+        _run_gluon("backward", q, k, v, dout, lse2, delta, sinks, partials, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q, max_seqlen_k, qk_scale, float(softmax_scale), left, right,
+                   CONFIGS[("gluon_dkdv", D)], dq_cfg)
+        return dq, dk, dv, partials.sum(dim=1) if sinks is not None else None
 
     side = _side_stream(q.device) if plan.concurrent else None
     if side is not None:  # the dQ kernel below starts on the side stream once delta/lse2 are written
         side.wait_stream(torch.cuda.current_stream(q.device))
-    bwd_tma = plan.tma and q.element_size() == 2 and _tma_ok(dout)  # fp32 tiles overflow the dK/dV shared memory
+    bwd_tma = dout_tma and q.element_size() == 2  # fp32 tiles overflow the dK/dV kernel's shared memory
     if T_k == 0 or int(max_seqlen_k) == 0:
         dk.zero_()
         dv.zero_()
-    elif gluon:
-        _run_gluon("dkdv", q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, qk_scale,
-                   float(softmax_scale), left, right, CONFIGS[("gluon_dkdv", D)])
     else:
         cfg = _config("dkdv", D, q.device)
         block_n = cfg.pop("BLOCK_N")
@@ -692,20 +697,18 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
             float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n, DOT_PRECISION=precision,
             USE_TMA=bwd_tma, **cfg)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if gluon:
-            _run_gluon("dq", q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale,
-                       float(softmax_scale), left, right, CONFIGS[("gluon_dq", D)])
-        else:
-            cfg = _config("dq", D, q.device)
-            block_m = cfg.pop("BLOCK_M")
-            grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
-            k_desc, v_desc = _descriptors_if(bwd_tma, cfg["BLOCK_N"], k, v)
-            _sink_attn_bwd_dq[grid](
-                q, k, v, k_desc, v_desc, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-                dout.stride(1), dq.stride(0), dq.stride(1), stride_rows, qk_scale, float(softmax_scale), left, right,
-                GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision, USE_TMA=bwd_tma, **cfg)
+        cfg = dict(dq_cfg)
+        block_m = cfg.pop("BLOCK_M")
+        grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
+        k_desc, v_desc = _descriptors_if(bwd_tma, cfg["BLOCK_N"], k, v)
+        _sink_attn_bwd_dq[grid](
+            q, k, v, k_desc, v_desc, dout, lse2, delta, dq, sinks if sinks is not None else lse2,
+            partials if sinks is not None else lse2, cu_seqlens_q, cu_seqlens_k, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0),
+            dq.stride(1), stride_rows, partials.stride(0) if sinks is not None else 0, qk_scale,
+            float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision,
+            USE_TMA=bwd_tma, HAS_SINK=sinks is not None, **cfg)
     if side is not None:
         # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
         torch.cuda.current_stream(q.device).wait_stream(side)
-    return dq, dk, dv, dsink
+    return dq, dk, dv, partials.sum(dim=1) if sinks is not None else None
