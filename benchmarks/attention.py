@@ -306,6 +306,8 @@ def accuracy_case(kernel, fa4, S, window, sink_scale):
 def register_hub_kernel() -> tuple[str, str]:
     """Registers this repo's kernel under its hub id the way users get it (``kernels`` loading a local build of
     ``kernels_hub/``, transformers' hub-kernel path); returns (attn_implementation, how)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location("_bench_project_attention", ROOT / "hf_gptoss_rl" / "attention.py")
     project = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(project)
