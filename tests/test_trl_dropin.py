@@ -15,10 +15,9 @@ from trl import GRPOConfig
 from hf_gptoss_rl.harmony import CALL, load_gptoss_tokenizer
 from hf_gptoss_rl.testing import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_ext.rollout import AgentLoop, GenerationOutput, RolloutEngine, SamplingParams
+from trl_ext.rollout import GenerationOutput, RolloutEngine, SamplingParams
 from trl_ext.rollout.sglang import sampling_params_payload
 from trl_ext.rollout.types import sampling_params_from_config
-from trl_ext.tools import FunctionTool
 from trl_ext.trainer import _EpochSeededRepeatSampler
 
 CPU = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
@@ -183,7 +182,8 @@ def test_environment_factory_and_tools_guidance(tmp_path, tokenizer):
 
 def test_dataset_without_prompt_column(tmp_path, tokenizer):
     bad = Dataset.from_dict({"question": ["a", "b"], "answer": ["1", "2"]})
-    with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' column \(its columns: \['question', 'answer'\]\)"):
+    expected = r"train_dataset has no 'prompt' column \(its columns: \['question', 'answer'\]\)"
+    with pytest.raises(ValueError, match=expected):
         trainer(tmp_path, tokenizer, train_dataset=bad)
     with pytest.raises(ValueError, match=r"eval_dataset\['b'\] has no 'prompt' column"):
         trainer(tmp_path, tokenizer, eval_dataset={"a": dataset(), "b": bad})
@@ -217,12 +217,14 @@ def test_chat_template_kwargs_for_harmony(tmp_path, tokenizer):
     t = trainer(tmp_path, tokenizer, args=config(tmp_path, chat_template_kwargs={"reasoning_effort": "low"}))
     text = tokenizer.decode(t._render_prompt("What is 2 + 3?"))
     assert "Reasoning: low" in text
-    dated = trainer(tmp_path, tokenizer, args=config(tmp_path, chat_template_kwargs={"conversation_start_date": "2026-01-02"}))
+    dated_args = config(tmp_path, chat_template_kwargs={"conversation_start_date": "2026-01-02"})
+    dated = trainer(tmp_path, tokenizer, args=dated_args)
     assert "Current date: 2026-01-02" in tokenizer.decode(dated._render_prompt("hi"))
     with pytest.raises(ValueError, match=r"chat_template_kwargs \['model_identity'\] are not supported for GPT-OSS"):
         trainer(tmp_path, tokenizer, args=config(tmp_path, chat_template_kwargs={"model_identity": "x"}))
     with pytest.raises(ValueError, match="disagrees with reasoning_effort='high'"):
-        trainer(tmp_path, tokenizer, args=config(tmp_path, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}))
+        args = config(tmp_path, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
+        trainer(tmp_path, tokenizer, args=args)
 
 
 def test_chat_template_kwargs_for_other_models(tmp_path):

@@ -269,6 +269,8 @@ class AgenticGRPOConfig(GRPOConfig):
                 "batches concurrent trajectories (rollout_concurrency); for large runs use rollout_backend='sglang'. "
                 "Set use_transformers_continuous_batching=False."
             )
+        if self.max_completion_length is None:
+            raise ValueError("max_completion_length must be set: it is the token budget of a whole trajectory.")
         from .rollout.types import sampling_params_from_config
 
         sampling_params_from_config(self)  # checks min_p, repetition_penalty and generation_kwargs (clear errors)

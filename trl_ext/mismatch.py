@@ -69,7 +69,8 @@ def importance_sampling_ratio(
     if mode.endswith("truncate") and clip_min is None and clip_max is None:
         raise ValueError(f"{mode} needs clip_min or clip_max")
     valid = _valid_mask(rollout_logps, mask)
-    d = torch.where(valid, train_logps.float() - rollout_logps.float(), torch.zeros_like(train_logps, dtype=torch.float32))
+    zero = torch.zeros_like(train_logps, dtype=torch.float32)
+    d = torch.where(valid, train_logps.float() - rollout_logps.float(), zero)
     if mode == "sequence_geometric_mask":
         n = valid.sum(-1, keepdim=True).clamp(min=1)
         ratio = torch.exp(d.sum(-1, keepdim=True) / n)

@@ -88,9 +88,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         model: a model id/path (loaded by TRL with `args.model_init_kwargs`) or a `PreTrainedModel`. GPT-OSS
             (`model_type="gpt_oss"`) gets harmony rollouts with tool calls; any other causal LM gets single-turn
             rollouts rendered with its chat template (`chat_template_kwargs`), without tools.
-        reward_funcs: TRL reward functions / reward models (optional only with TRL's other reward sources: none here,
-            so TRL's `ValueError` is raised without them). Besides TRL's `prompts`, `completions`, `completion_ids`
-            and the dataset columns, each receives the per-trajectory lists `final_text` (the final-channel answer,
+        reward_funcs: TRL reward functions / reward models. Optional in the signature as in TRL, but needed: TRL's
+            other reward source (an environment's `get_reward`) is not supported, so TRL's `ValueError` is raised
+            without them. Besides TRL's `prompts`, `completions`, `completion_ids` and the dataset columns, each receives the per-trajectory lists `final_text` (the final-channel answer,
             `""` when none), `num_turns`, `num_tool_calls`, `tool_errors` (failed calls), `format_errors` (unparseable
             turns, engine errors) and `finish_reason`.
         args: an [`AgenticGRPOConfig`]; a plain `trl.GRPOConfig` is upgraded to one (its values, and the agentic
