@@ -27,7 +27,10 @@ Scenarios of TRL's file left out, and why (not differences in behaviour):
 - `use_transformers_continuous_batching`: TRL's transformers generation path, refused with guidance;
 - Liger kernels, bitsandbytes, GPU-only tests, and tests that need the Hub (datasets or models by id).
 
-No scenario kept here is known to pass with `GRPOTrainer` and fail with `AgenticGRPOTrainer`.
+One scenario passes with `GRPOTrainer` and not with `AgenticGRPOTrainer`, for a documented reason (marked
+`xfail(strict=True)`, so it is noticed when fixed): with LoRA, TRL checks that the frozen base weights are bit-equal
+after training; the agentic trainer's weight sync merges the adapter into the live model and unmerges it after the
+export, which leaves float32 rounding (~1e-8) in those weights.
 """
 
 from __future__ import annotations
