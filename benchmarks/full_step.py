@@ -478,7 +478,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         "",
         f"Measured on {meta['env']['device']} (torch {meta['env']['torch']}, transformers "
         f"{meta['env']['transformers']}, peft {meta['env']['peft']}, triton {meta['env']['triton']}, kernels "
-        f"{meta['env']['kernels']}). Command: `{meta['command']}`.",
+        f"{meta['env']['kernels']}{', commit ' + meta['env']['commit'] if meta['env'].get('commit') else ''}). "
+        f"Command: `{meta['command']}`.",
         f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
         f"gradient checkpointing; one sequence, loss over the last 7/8 of it; {meta['warmup']} warm-up + "
         f"{meta['repeats']} timed repeat(s) (median); PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']!r}.",

@@ -275,7 +275,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         "# Rollout/training mismatch by training attention (`benchmarks/mismatch_study.py`)",
         "",
         f"Measured on {meta['env']['device']} (torch {meta['env']['torch']}, transformers "
-        f"{meta['env']['transformers']}), dtype {meta['dtype']}, project kernel via {meta['project_attention_how']}.",
+        f"{meta['env']['transformers']}{', commit ' + meta['env']['commit'] if meta['env'].get('commit') else ''}), "
+        f"dtype {meta['dtype']}, project kernel via {meta['project_attention_how']}.",
         f"Command: `{meta['command']}`. Prompts: {meta['prompts_how']}. Rollouts: EmbeddedEngine, eager attention, "
         f"temperature {meta['temperature']}, up to {meta['max_new_tokens']} new tokens; random weights "
         f"(sinks ~ N({meta['sink_mean']}, {meta['sink_std']}²), logit std ~{meta['logit_std']}). "

@@ -28,7 +28,6 @@ import copy
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,15 +35,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _git_commit() -> str | None:
-    """The repository commit the numbers were measured at (None outside a git checkout)."""
-    try:
-        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout.strip() or None
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -334,7 +324,7 @@ def main():
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
-        "commit": _git_commit(),
+        "commit": testing.git_commit(),
         "default_chunk_rows": experts_mod.DEFAULT_CHUNK_ROWS,
     }
     print(meta, flush=True)

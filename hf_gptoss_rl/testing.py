@@ -9,7 +9,7 @@
 - `setup_project_attention()` / `set_project_attention()`: the project's sink kernel as an attention implementation:
   the id users select, or its `flash_attn_func` registered directly through transformers' `AttentionInterface`
   (`"sink_kernel_direct"`, which keeps fp32 activations in fp32).
-- `environment()`: versions and device, for the header of a benchmark report.
+- `environment()`: versions, device and source commit, for the header of a benchmark report.
 """
 
 from __future__ import annotations
@@ -332,8 +332,25 @@ def build_random_gptoss(
     return model
 
 
+def git_commit() -> str | None:
+    """The short commit of the source checkout this package runs from (None for an installed wheel or without git)."""
+    import subprocess
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[1]
+    if not (checkout / ".git").exists():
+        return None
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None
+
+
 def environment() -> dict:
-    """Versions and device, for the report header."""
+    """Versions, device and source commit, for the report header."""
     import transformers
 
     info = {
@@ -348,6 +365,7 @@ def environment() -> dict:
         except Exception:
             info[name] = None
     info["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
+    info["commit"] = git_commit()
     return info
 
 
