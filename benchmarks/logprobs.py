@@ -132,7 +132,8 @@ def write_report(out_dir: Path, results, corr, meta):
         "# Log-probs of GPT-OSS's LM head: full logits vs chunked vs chunked + fused Triton kernels",
         "",
         (f"Measured by `benchmarks/logprobs.py` on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}), "
-         f"{meta['date']}. Command: `{meta['command']}`."),
+         f"{meta['date']}{', commit ' + meta['commit'] if meta.get('commit') else ''}. "
+         f"Command: `{meta['command']}`."),
         "",
         (f"Head `[{VOCAB:,}, {HIDDEN}]` bf16 (frozen), hidden states `[S, {HIDDEN}]` bf16, temperature "
          f"{meta['temperature']}. Each variant returns float32 log-probs of the given tokens and entropies; `train` "
@@ -209,9 +210,11 @@ def main():
             results[s][name] = r
             print(s, name, r, flush=True)
         del hidden, targets, g_lp, g_h
+    from hf_gptoss_rl.testing import git_commit
+
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "temperature": args.temperature,
-            "command": "python benchmarks/logprobs.py " + " ".join(sys.argv[1:])}
+            "command": "python benchmarks/logprobs.py " + " ".join(sys.argv[1:]), "commit": git_commit()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logprobs.json").write_text(json.dumps({"results": results, "correctness": corr, "meta": meta}, indent=1))
