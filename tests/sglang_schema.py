@@ -5,7 +5,8 @@ The sglang package needs a GPU stack to import, so this parses two files of an u
 - ``sglang/srt/entrypoints/http_server.py``: the routes (``@app.post("/x")``, ``@app.get``, ``@app.api_route``)
   and, for each, the request class of its ``obj`` parameter (``obj: Annotated[Cls, Body()]`` or ``obj: Cls``);
 - ``sglang/srt/managers/io_struct.py``: the fields of those classes (``msgspec.Struct`` subclasses of
-  ``BaseReq`` and ``@dataclass`` classes such as ``GenerateReqInput``), with whether each has a default.
+  ``BaseReq`` and ``@dataclass`` classes such as ``GenerateReqInput``), with whether each has a default;
+- ``sglang/srt/utils/common.py``: the globals ``SafeUnpickler`` lets a tensor payload reference.
 
 `RouteSchemas.validate(method, path, body)` then returns the problems of one request body: a route SGLang lacks,
 a key the request class does not declare, a required field that is missing, or a value of the wrong JSON type.
@@ -30,6 +31,18 @@ class RouteSchemas:
     version: str
     routes: dict[tuple[str, str], str | None] = field(default_factory=dict)  # (method, path) -> request class
     classes: dict[str, dict[str, FieldSpec]] = field(default_factory=dict)
+    # `SafeUnpickler` of sglang/srt/utils/common.py: an exact allow-list (0.5.23) or module prefixes (0.5.17)
+    unpickle_globals: set[tuple[str, str]] | None = None
+    unpickle_prefixes: set[str] | None = None
+    unpickle_denied: set[tuple[str, str]] = field(default_factory=set)
+
+    def unpickle_allowed(self, module: str, name: str) -> bool:
+        """Whether SGLang's ``SafeUnpickler.find_class`` lets ``module.name`` through."""
+        if (module, name) in self.unpickle_denied:
+            return False
+        if self.unpickle_globals is not None:
+            return (module, name) in self.unpickle_globals
+        return any((module + ".").startswith(p) for p in self.unpickle_prefixes or ())
 
     def has_route(self, method: str, path: str) -> bool:
         return (method, path) in self.routes
@@ -168,19 +181,35 @@ def _routes(tree: ast.Module) -> dict[tuple[str, str], str | None]:
     return routes
 
 
+def _unpickler_rules(tree: ast.Module) -> dict:
+    rules: dict = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "SafeUnpickler":
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+                    key = {"ALLOWED_GLOBALS": "unpickle_globals", "ALLOWED_MODULE_PREFIXES": "unpickle_prefixes",
+                           "DENY_CLASSES": "unpickle_denied"}.get(stmt.targets[0].id)
+                    if key:
+                        rules[key] = set(ast.literal_eval(stmt.value))
+    if "unpickle_globals" not in rules and "unpickle_prefixes" not in rules:
+        raise RuntimeError("SafeUnpickler allow-list not found in sglang/srt/utils/common.py")
+    return rules
+
+
 def load_schemas(package_root: str | Path, version: str = "unknown") -> RouteSchemas:
     """Parse an unpacked ``sglang`` package directory (the one holding ``srt/``)."""
     root = Path(package_root)
     http = ast.parse((root / "srt/entrypoints/http_server.py").read_text())
     io_struct = ast.parse((root / "srt/managers/io_struct.py").read_text())
-    return RouteSchemas(version=version, routes=_routes(http), classes=_class_fields(io_struct))
+    common = ast.parse((root / "srt/utils/common.py").read_text())
+    return RouteSchemas(version=version, routes=_routes(http), classes=_class_fields(io_struct), **_unpickler_rules(common))
 
 
-_FILES = ("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py")
+_FILES = ("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py", "sglang/srt/utils/common.py")
 
 
 def fetch_schemas(version: str, cache_dir: str | Path, timeout_s: float = 300.0) -> RouteSchemas:
-    """Download the ``sglang==version`` wheel (``pip download --no-deps``, once per cache dir), unpack the two
+    """Download the ``sglang==version`` wheel (``pip download --no-deps``, once per cache dir), unpack the
     files read here, and parse them. Raises `RuntimeError` when the wheel cannot be had (offline CI)."""
     import subprocess
     import sys

@@ -413,6 +413,56 @@ def test_one_payload_per_tp_rank():
         serialize_per_rank(named, 0)
 
 
+def _load_recording_globals(payload: str, stand_ins: dict):
+    """Unpickle ``payload`` recording every global it references; ``stand_ins`` replace some of them."""
+    import base64
+    import io
+    import pickle
+
+    seen = []
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.append((module, name))
+            if (module, name) in stand_ins:
+                return stand_ins[(module, name)]
+            return super().find_class(module, name)
+
+    return Unpickler(io.BytesIO(base64.b64decode(payload))).load(), seen
+
+
+def test_cuda_payloads_carry_the_device_uuid_and_only_globals_sglang_unpickles(monkeypatch, sglang_schemas):
+    """What SGLang's patched sender writes for a CUDA tensor, built without sglang: torch's IPC reduction, the device
+    UUID in place of its index, and SGLang's ``_rebuild_cuda_tensor_modified`` as the rebuild function. CUDA is
+    simulated (torch's reduction is replaced by one returning CUDA-shaped rebuild args)."""
+    from types import SimpleNamespace
+
+    from torch.multiprocessing import reductions
+
+    original = reductions.reduce_tensor
+
+    def fake_cuda_reduce(tensor):
+        if tensor.dtype == torch.float16:  # stands for "a CUDA tensor"
+            return reductions.rebuild_cuda_tensor, (torch.Tensor, (2,), (1,), 0, torch.UntypedStorage, torch.float16,
+                                                    3, b"handle", 4, 0, b"ref", 0, b"event", False)
+        return original(tensor)
+
+    monkeypatch.setattr(reductions, "reduce_tensor", fake_cuda_reduce)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-uuid-of-{i}"))
+    payloads = serialize_per_rank([("cuda_w", torch.zeros(2, dtype=torch.float16)), ("cpu_w", torch.ones(3))], 2)
+    rebuilt = {}
+    stand_in = {("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): lambda *a: rebuilt.setdefault("args", a)}
+    (cuda_item, cpu_item), seen = _load_recording_globals(payloads[1], stand_in)
+    assert cuda_item[0] == "cuda_w" and rebuilt["args"][6] == "GPU-uuid-of-3"  # the device travels as its UUID
+    assert cpu_item[0] == "cpu_w" and torch.equal(cpu_item[1], torch.ones(3))
+    assert ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified") in seen
+    if not sglang_schemas:
+        pytest.skip("sglang wheels not available (offline): SafeUnpickler's allow-list not checked")
+    for version, schema in sglang_schemas.items():
+        blocked = [g for g in seen if not schema.unpickle_allowed(*g)]
+        assert not blocked, f"sglang {version}'s SafeUnpickler blocks {blocked}"
+
+
 @pytest.mark.parametrize("version", SGLANG_VERSIONS)
 @pytest.mark.parametrize("sync_mode", ["disk", "tensor"])
 def test_weight_sync_changes_outputs(make_server, model, sync_mode, version, tmp_path):

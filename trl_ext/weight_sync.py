@@ -127,70 +127,93 @@ def _sglang_attr(module: str, name: str):
         return None
 
 
-_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6  # argument index of the device in torch's CUDA `rebuild_cuda_tensor` args
+_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6  # index of the device in the args of torch's `rebuild_cuda_tensor`
 
 
-def patch_torch_reductions() -> None:
-    """Identify CUDA devices by UUID in pickled tensors, as SGLang's sender and receiver both do.
+class _Global:
+    """A reference to ``module.name`` written into a pickle without importing it here (see `serialize`)."""
 
-    torch's ``reduce_tensor`` records the sender's device *index*; a receiver whose ``CUDA_VISIBLE_DEVICES`` is
-    split differently maps the handle on the wrong GPU. SGLang patches the reductions to write the device UUID
-    and resolve it on the receiving side (``monkey_patch_torch_reductions`` in ``sglang/srt/utils/patch_torch.py``,
-    a workaround for pytorch/pytorch#149248). With sglang installed its function is used; otherwise the same
-    patch is applied here (idempotent, CUDA only; the receiving side accepts both ints and UUIDs).
-    """
-    patch = _sglang_attr("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions")
-    if patch is not None:
-        patch()
-        return
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args):  # pickle requires the reduce function to be callable; it is never called here
+        raise RuntimeError(f"{self.module}.{self.name} is only a reference for the receiving process")
+
+
+# SGLang's receiver-side rebuild: maps a device UUID back to a local device index
+# (``_rebuild_cuda_tensor_modified`` in ``sglang/srt/utils/patch_torch.py``), allowed by SGLang's
+# ``SafeUnpickler`` (``sglang/srt/utils/common.py``: an exact allow-list in 0.5.23, a module-prefix one in 0.5.17).
+_SGLANG_REBUILD_CUDA_TENSOR = _Global("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")
+
+
+def _reduce_tensor_with_uuid(tensor):
+    """torch's tensor reduction, with a CUDA tensor's device written as its UUID and rebuilt by SGLang's
+    ``_rebuild_cuda_tensor_modified`` (what SGLang's patched ``reduce_tensor`` produces)."""
     from torch.multiprocessing import reductions
 
-    if hasattr(reductions, "_reduce_tensor_original"):
-        return
-
-    def device_to_uuid(device: int) -> str:
-        return str(torch.cuda.get_device_properties(device).uuid)
-
-    def device_from_maybe_uuid(device):
-        if isinstance(device, int):
-            return device
-        for index in range(torch.cuda.device_count()):
-            if str(torch.cuda.get_device_properties(index).uuid) == device:
-                return index
-        raise RuntimeError(f"no visible CUDA device has uuid {device}")
-
-    def modify(args, fn):
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
         i = _REDUCE_TENSOR_ARG_DEVICE_INDEX
-        return (*args[:i], fn(args[i]), *args[i + 1 :])
+        uuid = str(torch.cuda.get_device_properties(args[i]).uuid)
+        return _SGLANG_REBUILD_CUDA_TENSOR, (*args[:i], uuid, *args[i + 1 :])
+    return rebuild, args
 
-    def reduce_tensor(*args, **kwargs):
-        rebuild, rebuild_args = reductions._reduce_tensor_original(*args, **kwargs)
-        if rebuild is reductions.rebuild_cuda_tensor or rebuild is reductions._rebuild_cuda_tensor_original:
-            rebuild_args = modify(rebuild_args, device_to_uuid)
-        return rebuild, rebuild_args
 
-    def rebuild_cuda_tensor(*args):
-        return reductions._rebuild_cuda_tensor_original(*modify(args, device_from_maybe_uuid))
+def _sglang_pickler():
+    import copyreg
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
 
-    reductions._reduce_tensor_original = reductions.reduce_tensor
-    reductions._rebuild_cuda_tensor_original = reductions.rebuild_cuda_tensor
-    reductions.reduce_tensor = reduce_tensor
-    reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
-    reductions.init_reductions()
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+    class Pickler(pickle._Pickler):  # the pure-Python pickler: its `dispatch` can write `_Global` references
+        dispatch = dict(pickle._Pickler.dispatch)
+
+        def __init__(self, file) -> None:
+            super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
+            table = dict(copyreg.dispatch_table)
+            table.update(ForkingPickler._extra_reducers)
+            for cls in list(table):
+                if isinstance(cls, type) and issubclass(cls, torch.Tensor):
+                    table[cls] = _reduce_tensor_with_uuid
+            self.dispatch_table = table
+
+        def save_sglang_global(self, obj: _Global) -> None:
+            if self.proto >= 4:
+                self.save(obj.module)
+                self.save(obj.name)
+                self.write(pickle.STACK_GLOBAL)
+            else:
+                self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            self.memoize(obj)
+
+        dispatch[_Global] = save_sglang_global
+
+    return Pickler
 
 
 def serialize(obj) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` (``sglang/srt/utils/common.py``):
-    ``ForkingPickler`` (torch's tensor reductions: CUDA IPC handles for GPU tensors, shared memory for CPU
-    ones) and base64. Keep the tensors alive until the receiver answered."""
+    """``MultiprocessingSerializer.serialize(obj, output_str=True)`` as SGLang's own sender runs it
+    (``sglang/srt/utils/common.py``, after ``monkey_patch_torch_reductions`` from ``sglang/srt/utils/patch_torch.py``):
+    a ``ForkingPickler`` dump (torch's reductions: CUDA tensors travel as CUDA IPC handles, CPU ones as shared
+    memory) in base64. Keep the tensors alive until the receiver answered.
+
+    CUDA devices are identified by UUID, not index: torch records the sender's device *index*, which names another
+    GPU in a receiver whose ``CUDA_VISIBLE_DEVICES`` differs (pytorch/pytorch#149248); SGLang's patch writes the
+    UUID and resolves it on the receiving side. With sglang importable its functions are used. Otherwise (the usual
+    case: SGLang pins its own dependencies, so the trainer runs in another environment) the same payload is built
+    here: torch's reduction with the UUID in place of the index and a reference to SGLang's rebuild function,
+    which the servers' ``SafeUnpickler`` allows.
+    """
     import base64
-    from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
-
-    patch_torch_reductions()
+    sgl_serializer = _sglang_attr("sglang.srt.utils.common", "MultiprocessingSerializer")
+    sgl_patch = _sglang_attr("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions")
+    if sgl_serializer is not None and sgl_patch is not None:
+        sgl_patch()
+        return sgl_serializer.serialize(obj, output_str=True)
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
+    _sglang_pickler()(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
 
