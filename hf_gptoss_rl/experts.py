@@ -6,8 +6,8 @@ or ``model.set_experts_implementation("memory_efficient")``.
 
 It computes exactly GPT-OSS's experts (``GptOssExperts``): per-expert biases, the interleaved gate/up
 projection, ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``
-and the router's top-k softmax weights, with ``alpha``/``limit`` read from the module (5.22+: from
-``config.swiglu_alpha/swiglu_limit``; 5.17 hard-codes 1.702 / 7.0).
+and the router's top-k softmax weights, with ``alpha``/``limit`` read from the module (recent transformers set
+them from ``config.swiglu_alpha/swiglu_limit``, older releases hard-code 1.702 / 7.0).
 
 How it saves memory (S = tokens × top_k token-expert pairs):
 
