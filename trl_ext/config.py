@@ -57,7 +57,8 @@ class AgenticGRPOConfig(GRPOConfig):
         weight_sync_bucket_mb (`int`, defaults to `1024`):
             Most megabytes per NCCL broadcast (`"distributed"`) or per `/update_weights_from_tensor` call (`"tensor"`).
         sglang_api_key (`str`, *optional*):
-            Bearer token for servers launched with `--api-key` (or `--admin-api-key` for the weight-update routes).
+            Bearer token for servers launched with `--api-key` (one key: with `--admin-api-key` as well, SGLang wants
+            the admin key on the weight-update routes and the other one elsewhere).
             When unset, the trainer reads the `SGLANG_API_KEY` environment variable; prefer it: a key set here is
             saved and logged with the other training arguments.
         sglang_timeout_s (`float`, defaults to `600.0`):

@@ -440,8 +440,12 @@ class SGLangEngine(RolloutEngine):
 
     def check_servers(self, timeout_s: float | None = None) -> None:
         """Block until every server answers ``GET /health`` with 200, or raise `SGLangUnavailableError` naming
-        each URL that did not and its last error. For trainer start-up: fail before training, not during it."""
+        each URL that did not and its last error; then read ``GET /server_info`` from each (SGLang exempts
+        ``/health`` from ``--api-key``, not ``/server_info``: a wrong key fails here). For trainer start-up: fail
+        before training, not during it."""
         self.run(self._ensure_ready(timeout_s))
+        states = self.run(self._sync.server_states())
+        logger.info("SGLang servers: %s", ", ".join(f"{s.url} (sglang {s.version}, tp {s.tp_size})" for s in states))
 
     async def wait_until_ready(self, timeout_s: float | None = None) -> None:
         """Poll ``GET /health`` on every server until all answer 200; `SGLangUnavailableError` at the deadline."""
