@@ -1,8 +1,8 @@
 """Sink-aware Ulysses sequence parallelism on 1/2/4/8 GPUs: the longest GPT-OSS-20B training sequence, and step time.
 
 Setup (the whole-model step of ``benchmarks/full_step.py``'s plain step, so the P=1 ``stock`` row is what stock
-transformers fits on one GPU): a GPT-OSS-20B-shaped model with random bf16 weights, LoRA r=16 on q/k/v/o, gradient checkpointing, one sequence of S tokens, one
-training step = forward + backward of the mean token NLL. Peers, side by side:
+transformers fits on one GPU): a GPT-OSS-20B-shaped model with random bf16 weights, LoRA r=16 on q/k/v/o, gradient
+checkpointing, one sequence of S tokens, one training step = forward + backward of the mean token NLL. Peers, side by side:
 
 - ``stock``  (P=1 only): ``model(input_ids, labels=input_ids)``, full-vocabulary logits, no SP;
 - ``sp``     (P=1,2,4,8): ``enable_sequence_parallel`` + ``sequence_parallel_logprobs`` (backbone on S/P tokens per

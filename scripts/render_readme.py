@@ -84,7 +84,8 @@ def attention_rows(data: dict) -> list[str]:
         if flex is not None:
             peers.append(f"flex + sinks {_ms(flex['fwd_bwd_ms'])} ({_x(ours['fwd_bwd_ms'], flex['fwd_bwd_ms'])})")
         if fa4 is not None:
-            peers.append(f"FA4 + `learnable_sink` {_ms(fa4['fwd_bwd_ms'])} ({_x(ours['fwd_bwd_ms'], fa4['fwd_bwd_ms'])})")
+            ratio = _x(ours["fwd_bwd_ms"], fa4["fwd_bwd_ms"])
+            peers.append(f"FA4 + `learnable_sink` {_ms(fa4['fwd_bwd_ms'])} ({ratio})")
         out.append(
             f"| attention fwd+bwd, S=16k {label}, GPT-OSS heads, bf16 ([attention](docs/benchmarks/attention.md)) "
             f"| {_ms(ours['fwd_bwd_ms'])}, {ours['peak_gib']:.2f} GiB | {'; '.join(peers) or '—'} |"
@@ -154,7 +155,8 @@ def logprobs_rows(data: dict) -> list[str]:
     at32 = _need(_need(data, "results", where), "32768", where + " results")
     fused, full, torch_ops = (_need(at32, k, where) for k in ("chunked_fused", "full_logits", "chunked_torch"))
     return [
-        "| log-probs + entropies of the 201k-vocabulary head, S=32k, fwd+bwd ([log-probs](docs/benchmarks/logprobs.md)) "
+        "| log-probs + entropies of the 201k-vocabulary head, S=32k, fwd+bwd "
+        "([log-probs](docs/benchmarks/logprobs.md)) "
         f"| {_ms(fused['train_ms'])}, {fused['train_peak']:.1f} GiB (fused chunk kernels) "
         f"| full logits {_ms(full['train_ms'])}, {full['train_peak']:.1f} GiB; chunked PyTorch ops "
         f"{_ms(torch_ops['train_ms'])} |"
@@ -221,7 +223,8 @@ def main(argv=None) -> int:
     updated = replace_block(current, render(args.benchmarks))
     if args.check:
         if updated != current:
-            print(f"{args.readme}: the benchmark table is out of date: run python scripts/render_readme.py", file=sys.stderr)
+            message = f"{args.readme}: the benchmark table is out of date: run python scripts/render_readme.py"
+            print(message, file=sys.stderr)
             return 1
         return 0
     args.readme.write_text(updated)

