@@ -502,6 +502,22 @@ def test_weight_sync_changes_outputs(make_server, model, sync_mode, version, tmp
         assert "config.json" in files and "model.safetensors.index.json" in files  # sharded at 200 kB
 
 
+def test_session_support_is_probed_when_the_version_is_unknown(make_server, model):
+    """A server that does not report its version: ``/begin_weight_update`` is tried, and a 404 (0.5.17) means
+    no session."""
+    server = make_server("0.5.17")
+    server._server_info = lambda body: {"tp_size": 1, "dp_size": 1}
+
+    async def main():
+        c = client(server.url, sync_mode="tensor")
+        await c.update_weights(perturbed_state(model).items(), version=1)
+        await c.close()
+
+    asyncio.run(main())
+    assert server.request_counts["/begin_weight_update"] == 1 and "/end_weight_update" not in server.request_counts
+    assert server.served_version == "1"
+
+
 def test_sglang_0_5_23_requires_a_session():
     """The fake server's semantics, as in SGLang 0.5.23's weight updater: no session, no update."""
     engine = EmbeddedEngine(make_model(0))
@@ -572,7 +588,8 @@ def test_failed_pause_on_one_server_continues_the_others(make_server, model):
 
     asyncio.run(main())
     assert a.request_counts["/pause_generation"] == 1 == a.request_counts["/continue_generation"]
-    assert a._running.is_set()  # not left paused
+    assert b.request_counts["/continue_generation"] == 1  # the failed pause may have half-happened: continued too
+    assert a._running.is_set() and b._running.is_set()  # nothing left paused
     assert a.served_version == "0" and b.served_version == "0"
 
 

@@ -442,8 +442,8 @@ class SGLangHTTPWeightSync:
         try:
             if engine.pause_mode is not None:
                 for s in states:
+                    paused.append(s.url)  # before the call: a pause that failed half-way is continued too
                     await self._post(s.url, "/pause_generation", {"mode": engine.pause_mode})
-                    paused.append(s.url)
             if lora is not None:
                 await self._load_lora(states, lora, version, loaded, failures)
             elif engine.sync_mode == "disk":

@@ -833,6 +833,9 @@ class SGLangOfflineEngine(RolloutEngine):
         named = [(n, t.detach()) for n, t in named_tensors]
         if not named:
             raise ValueError("update_weights: no tensors")
+        if torch.cuda.is_available():  # CUDA IPC handles, as SGLang's own callers send (not host shared memory)
+            device = torch.device("cuda", torch.cuda.current_device())
+            named = [(n, t.to(device)) for n, t in named]
         tm = self._engine.tokenizer_manager
         tp_size = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
         session = hasattr(io_struct, "BeginWeightUpdateReqInput") and hasattr(tm, "begin_weight_update")
