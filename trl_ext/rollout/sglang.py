@@ -546,7 +546,9 @@ class SGLangEngine(RolloutEngine):
             self._reporter = asyncio.get_running_loop().create_task(self._report())
 
     async def _report(self) -> None:
-        """A progress line every ``log_every_s`` while requests are in flight."""
+        """A progress line every ``log_every_s`` while requests are in flight (INFO; WARNING when no request
+        finished during the period, so a stalled batch shows up under the default logging level)."""
+        last_done = self.stats["done"]
         while True:
             await asyncio.sleep(self.log_every_s)
             inflight = sum(self._inflight.values())
@@ -555,10 +557,13 @@ class SGLangEngine(RolloutEngine):
                 return
             s = self.stats
             cached = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
-            logger.info(
-                "SGLang rollouts: %d done, %d in flight (%s), %d retries, %d aborted, %.0f%% of prompt tokens cached",
+            stalled = s["done"] == last_done
+            last_done = s["done"]
+            logger.log(
+                logging.WARNING if stalled else logging.INFO,
+                "SGLang rollouts: %d done, %d in flight (%s), %d retries, %d aborted, %.0f%% of prompt tokens cached%s",
                 s["done"], inflight, ", ".join(f"{u}: {n}" for u, n in self._inflight.items()), s["retries"],
-                s["aborts"], 100 * cached,
+                s["aborts"], 100 * cached, f"; none finished in the last {self.log_every_s:g} s" if stalled else "",
             )
 
     async def _generate(self, ids: list[int], sampling: SamplingParams, affinity: dict) -> GenerationOutput:
