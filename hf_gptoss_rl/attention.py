@@ -7,14 +7,17 @@
    (``PreTrainedModel._check_and_adjust_attn_implementation``, 5.17 and later) replaces any requested
    ``attn_implementation`` that contains "flash" and is not in that list with an entry of the list
    (``kernels-community/vllm-flash-attn3`` on CUDA and CPU, which has no sink gradient), and only logs it. Being
-   listed also marks the kernel as trusted, so no ``allow_all_kernels`` is needed.
+   listed also marks the kernel as trusted, so no ``allow_all_kernels`` is needed. Since 5.18 transformers picks
+   the first entry that runs on the current device (``FLASH_ATTN_KERNEL_DEVICES``), which on CPU is this kernel:
+   hence the guard of point 4.
 2. It registers the id in ``AttentionInterface`` (transformers' ``flash_attention_forward`` wrapper, which unpads
    padded batches, splits packed ones, passes the sliding window and the sinks as ``s_aux``) and in
    ``AttentionMaskInterface`` (the flash-style 2D padding mask), as transformers' own hub-kernel loader
    (``integrations/hub_kernels.py::load_and_register_attn_kernel``) would.
 3. It resolves the id without the Hub and without ``kernels``: transformers treats any ``org/name`` string as a
    Hub kernel and loads it through ``load_and_register_attn_kernel``, which needs the one ``kernels`` release
-   the installed transformers accepts (0.16 for 5.17, 0.17 for 5.18-5.22, 0.18 for 5.23 and later). For this id
+   the installed transformers accepts (0.16.x for 5.17, 0.17.x for 5.18-5.22, 0.18.2 or later 0.18.x for 5.23
+   and 5.24; ``KERNELS_MIN_VERSION`` / ``KERNELS_MAX_VERSION`` in ``utils/import_utils.py``). For this id
    only, that function is wrapped to import the kernel sources shipped inside this package, on first use. Every
    other id goes to transformers unchanged. If you map the id yourself in ``LOCAL_KERNELS``, that build is
    loaded through ``kernels.get_kernel`` instead.
