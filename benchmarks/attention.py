@@ -367,9 +367,13 @@ def layer_step(impl: str, S: int, sliding: bool, seed=0):
     return step, forward
 
 
-def time_layers(layer_impls, shapes, flex_seqlens):
+def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
     rows = []
+    start = time.time()
     for S, sliding in shapes:
+        if time.time() - start > budget_s:
+            print(f"[layer] time budget spent: S={S} sliding={sliding} and later rows left out", flush=True)
+            break
         row = dict(case=f"{seq_name(S)} " + ("sliding (window 128)" if sliding else "full (causal)"), S=S,
                    sliding=sliding)
         outputs = {}
@@ -461,9 +465,9 @@ def write_markdown(result, path):
         "",
         "## Kernel: public API against FA4",
         "",
-        "`flash_attn_func` / `flash_attn_varlen_func` are the kernel's public functions (custom autograd included; "
-        "varlen: the same tokens as 4 packed sequences); raw = `triton_kernels.sink_attention_forward` + "
-        "`sink_attention_backward` called directly.",
+        "`flash_attn_func` / `flash_attn_varlen_func` are the kernel's public functions (autograd included; "
+        "varlen: the same tokens as 4 packed sequences of S/4, so a causal row does a quarter of the work); raw = "
+        "`triton_kernels.sink_attention_forward` + `sink_attention_backward` called directly, no autograd.",
         "",
         "| case | flash_attn_func | varlen | raw kernels | FA4 | public / FA4 | public - raw |",
         "|---|---|---|---|---|---|---|",
@@ -538,7 +542,10 @@ def main():
     parser.add_argument("--shapes", default="4096,4096/128,16384,16384/128,32768",
                         help="kernel rows: S (causal) or S/window, comma-separated")
     parser.add_argument("--layer-shapes", default="4096,4096/sliding,16384,16384/sliding")
-    parser.add_argument("--flex-seqlens", default="16384", help="layer rows that also time flex_attention")
+    parser.add_argument("--flex-seqlens", default="4096",
+                        help="layer rows that also time flex_attention (each shape compiles for a minute or more)")
+    parser.add_argument("--layer-budget-s", type=float, default=120.0,
+                        help="stop starting layer rows after this many seconds in that section")
     parser.add_argument("--accuracy", default="8192,16384,16384/128,8192/x25",
                         help="accuracy cases: S, S/window or S/xSCALE (sink logits scaled)")
     parser.add_argument("--mixed-seqlen", type=int, default=4096)
@@ -587,21 +594,6 @@ def main():
     result["kernel_rows"] = time_kernels(kernel, fa4, parse_shapes(args.shapes))
     save()
 
-    layer_impls, layer_how = {}, None
-    try:
-        layer_impls[IMPL_OURS], layer_how = register_hub_kernel()
-    except Exception as exc:  # noqa: BLE001
-        print(f"[layer] the hub id could not be registered ({type(exc).__name__}: {exc}); layer rows left out")
-    if layer_impls and fa4 is not None:
-        layer_impls["FA4 (flash_attention_4)"] = "flash_attention_4"
-    if layer_impls:
-        layer_impls["flex_attention"] = "flex_attention"
-    layer_shapes = [(int(s.partition("/")[0]), s.endswith("/sliding")) for s in args.layer_shapes.split(",") if s]
-    flex_seqlens = {int(s) for s in args.flex_seqlens.split(",") if s}
-    result.update(layer_impls=layer_impls, layer_how=layer_how)
-    result["layer_rows"] = time_layers(layer_impls, layer_shapes, flex_seqlens) if layer_impls else []
-    save()
-
     try:
         mixed_workload(kernel, args.mixed_seqlen)
         after = bench(public_step(kernel, None, make_inputs(args.mixed_seqlen, seed=3)))
@@ -621,6 +613,22 @@ def main():
         cases.append((int(S), window, scale))
     result["accuracy"] = accuracy(kernel, fa4, cases)
     save()
+
+    layer_impls, layer_how = {}, None
+    try:
+        layer_impls[IMPL_OURS], layer_how = register_hub_kernel()
+    except Exception as exc:  # noqa: BLE001
+        print(f"[layer] the hub id could not be registered ({type(exc).__name__}: {exc}); layer rows left out")
+    if layer_impls and fa4 is not None:
+        layer_impls["FA4 (flash_attention_4)"] = "flash_attention_4"
+    if layer_impls:
+        layer_impls["flex_attention"] = "flex_attention"
+    layer_shapes = [(int(s.partition("/")[0]), s.endswith("/sliding")) for s in args.layer_shapes.split(",") if s]
+    flex_seqlens = {int(s) for s in args.flex_seqlens.split(",") if s}
+    result.update(layer_impls=layer_impls, layer_how=layer_how)
+    result["layer_rows"] = time_layers(layer_impls, layer_shapes, flex_seqlens, args.layer_budget_s) if layer_impls else []
+    save()
+
     try:
         write_plot(result, out_dir / "attention.png")
     except Exception as exc:  # noqa: BLE001 - matplotlib missing: the table and json are still written
