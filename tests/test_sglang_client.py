@@ -491,7 +491,7 @@ def test_weight_sync_changes_outputs(make_server, model, sync_mode, version, tmp
     assert after.weight_version == 5 and back.weight_version == 6 == served
     counts = server.request_counts
     assert counts["/pause_generation"] == 2 == counts["/continue_generation"]
-    assert counts["/weights_checker"] == 2 and not server.skipped_names
+    assert counts["/weights_checker"] == 3 and not server.skipped_names  # a baseline, then one per sync
     sessions = 2 if (sync_mode == "tensor" and version == "0.5.23") else 0
     assert counts.get("/begin_weight_update", 0) == sessions == counts.get("/end_weight_update", 0)
     if sync_mode == "tensor":
@@ -531,19 +531,23 @@ def test_sglang_0_5_23_requires_a_session():
     engine.shutdown()
 
 
-def test_unknown_names_are_skipped_by_sglang_and_caught_by_the_checksum(server):
+def test_unknown_names_are_skipped_by_sglang_and_caught_by_the_checksum(server, model):
     async def main():
         c = client(server.url, sync_mode="tensor", verify=("version", "checksum"))
-        await c.update_weights([("model.layers.0.no_such.weight", torch.zeros(2))], version=1)  # baseline
-        with pytest.raises(WeightSyncError, match="no parameter changed"):
-            await c.update_weights([("model.layers.0.no_such.weight", torch.ones(2))], version=2)
-        with pytest.raises(SGLangError, match="refusing to generate.*no parameter changed"):
+        with pytest.raises(WeightSyncError, match="no served parameter changed although the weights sent did"):
+            await c.update_weights([("model.layers.0.no_such.weight", torch.ones(2))], version=1)
+        with pytest.raises(SGLangError, match="refusing to generate.*no served parameter changed"):
             await c.generate([1, 2], GREEDY)
+        state = perturbed_state(model)
+        await c.update_weights(state.items(), version=2)  # a real sync repairs it
+        await c.update_weights(state.items(), version=3)  # the same weights again: unchanged, and rightly so
+        out = await c.generate([1, 2], GREEDY)
         await c.close()
+        return out
 
-    asyncio.run(main())
-    assert server.skipped_names == ["model.layers.0.no_such.weight"] * 2  # the server said success both times
-    assert server.request_counts["/continue_generation"] == 2  # never left paused
+    assert asyncio.run(main()).weight_version == 3
+    assert server.skipped_names == ["model.layers.0.no_such.weight"]  # the server said success
+    assert server.request_counts["/continue_generation"] == 3  # never left paused
 
 
 def test_in_place_pause_sends_no_flush_and_versions_agree(server, model):

@@ -398,6 +398,8 @@ class SGLangHTTPWeightSync:
         self.engine = engine
         self.group = None
         self._checksums: dict[str, dict] = {}
+        self._fingerprint: list[float] | None = None  # of the tensors sent last (see `_fingerprint`)
+        self._trainer_changed = True
         self._lora_names: dict[str, str] = {}  # url -> adapter name currently loaded
 
     # -------------------------------------------------------------- helpers
@@ -436,6 +438,13 @@ class SGLangHTTPWeightSync:
                     f"{s.url} runs with dp_size={s.dp_size}; {engine.sync_mode} sync supports one TP group per server "
                     "(SGLang asserts dp_size == 1 for it): launch one server per data-parallel replica"
                 )
+        check_sums = "checksum" in engine.verify and lora is None
+        if check_sums:
+            if not self._checksums:  # a baseline, so that even the first sync must change the served weights
+                self._checksums = await self.checksums(states)
+            fingerprint = _fingerprint(named)
+            self._trainer_changed = fingerprint != self._fingerprint
+            self._fingerprint = fingerprint
         paused: list[str] = []
         failures: dict[str, str] = {}
         loaded: set[str] = set()
@@ -494,16 +503,22 @@ class SGLangHTTPWeightSync:
 
     async def _verify_checksums(self, states: list[ServerState], version) -> None:
         """``/weights_checker`` ``checksum`` (SGLang's per-parameter hashes, ``sglang/srt/utils/weight_checker.py``):
-        the servers' overall checksum must have changed since the previous sync (a sync whose every name SGLang
-        skipped leaves it unchanged: ``GptOssForCausalLM.load_weights`` skips unknown names and still succeeds),
-        and servers with the same parallelism must agree."""
+        when the weights sent changed (`_fingerprint`), the servers' overall checksum must have changed since the
+        previous sync, or since a baseline taken before the first one (a sync whose every name SGLang skipped leaves
+        it unchanged: ``GptOssForCausalLM.load_weights`` skips unknown names and still succeeds), and servers with
+        the same parallelism must agree."""
         now = await self.checksums(states)
         previous, self._checksums = self._checksums, now
         problems = []
         for url, answer in now.items():
             before = previous.get(url)
+            if not self._trainer_changed:  # the trainer sent what it sent last time: nothing to see
+                continue
             if before and before.get("per_engine_checksum") == answer.get("per_engine_checksum"):
-                problems.append(f"{url}: no parameter changed (every tensor name skipped, or identical weights)")
+                problems.append(
+                    f"{url}: no served parameter changed although the weights sent did (are the tensor names those "
+                    "of the server's checkpoint? SGLang skips names it does not know)"
+                )
             elif before:
                 unchanged = _unchanged_params(before, answer)
                 if unchanged:
@@ -734,6 +749,16 @@ class _NotFound:
 
 
 _NOT_FOUND = _NotFound()
+
+
+def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[float]:
+    """A cheap summary of the tensors to send (a strided sample of at most 4096 elements of each, summed in fp32 on
+    the tensor's device): it changes when an optimizer step changed the weights."""
+    out = []
+    for _, t in named:
+        flat = t.detach().reshape(-1)
+        out.append(float(flat[:: max(1, flat.numel() // 4096)].float().sum()))
+    return out
 
 
 def _unchanged_params(before: dict, after: dict) -> list[str]:
