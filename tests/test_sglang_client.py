@@ -582,6 +582,25 @@ def test_in_place_pause_sends_no_flush_and_versions_agree(server, model):
     assert r.status_code == 400 and "Weights were updated" in r.text and server.served_version == "1"
 
 
+def test_sync_with_pause_mode_abort_aborts_running_requests(server, model):
+    async def main():
+        c = client(server.url, sync_mode="tensor", pause_mode="abort")
+        long = asyncio.ensure_future(c.generate([1, 2, 3], SamplingParams(max_new_tokens=20000, stop_token_ids=())))
+        for _ in range(500):  # until the server decodes it
+            if server.engine.num_batches:
+                break
+            await asyncio.sleep(0.01)
+        await c.update_weights(perturbed_state(model).items(), version=1)
+        aborted = await long
+        after = await c.generate([1, 2, 3], GREEDY)  # generation continues after the sync
+        await c.close()
+        return aborted, after
+
+    aborted, after = asyncio.run(main())
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < 20000
+    assert after.weight_version == 1 and after.finish_reason in ("stop", "length")
+
+
 def test_failed_pause_on_one_server_continues_the_others(make_server, model):
     a, b = make_server(), make_server()
     b.inject(Fault("status", status=500, path="/pause_generation"))
@@ -841,10 +860,12 @@ def _trainer_kwargs(tmp_path, model, urls, **overrides):
     )
 
 
-def _serve(model, **kwargs) -> FakeSGLangServer:
+def _serve(model, schemas, **kwargs) -> FakeSGLangServer:
     import copy
 
-    return FakeSGLangServer(EmbeddedEngine(copy.deepcopy(model).float().eval(), seed=0), **kwargs).start()
+    schema = schemas.get("0.5.23")
+    engine = EmbeddedEngine(copy.deepcopy(model).float().eval(), seed=0)
+    return FakeSGLangServer(engine, validator=schema.validate if schema else None, **kwargs).start()
 
 
 def test_trainer_fails_at_start_when_no_server_answers(tmp_path):
@@ -857,14 +878,14 @@ def test_trainer_fails_at_start_when_no_server_answers(tmp_path):
     assert time.monotonic() - start < 30
 
 
-def test_trainer_syncs_the_lora_adapter_and_verifies_it(tmp_path):
+def test_trainer_syncs_the_lora_adapter_and_verifies_it(tmp_path, sglang_schemas):
     """LoRA: only the adapter travels (lora_path per request); the probe checks the served log-probs."""
     from peft import LoraConfig
 
     from trl_ext import AgenticGRPOTrainer
 
     model = _tiny_policy()
-    servers = [_serve(model, enable_lora=True) for _ in range(2)]
+    servers = [_serve(model, sglang_schemas, enable_lora=True) for _ in range(2)]
     kwargs = _trainer_kwargs(tmp_path, model, [s.url for s in servers], weight_sync_lora=True,
                              weight_sync_mode="tensor", weight_sync_verify=["version", "logprobs"],
                              weight_sync_probe_atol=1e-3)
@@ -879,6 +900,7 @@ def test_trainer_syncs_the_lora_adapter_and_verifies_it(tmp_path):
             assert srv.request_counts.get("/update_weights_from_tensor", 0) == 0
             probes = [b for _, p, b in srv.requests if p == "/generate" and b.get("logprob_start_len") == 0]
             assert len(probes) == 1 and probes[0]["lora_path"] == "policy-v1"
+            assert not srv.schema_violations, srv.schema_violations
         merged = trainer.model.merge_and_unload().state_dict()
         served = servers[0].engine.model.state_dict()
         for name, tensor in merged.items():
@@ -889,17 +911,18 @@ def test_trainer_syncs_the_lora_adapter_and_verifies_it(tmp_path):
             srv.engine.shutdown()
 
 
-def test_trainer_step_fails_loudly_when_a_server_refuses_the_sync(tmp_path):
+def test_trainer_step_fails_loudly_when_a_server_refuses_the_sync(tmp_path, sglang_schemas):
     from trl_ext import AgenticGRPOTrainer
 
     model = _tiny_policy()
-    srv = _serve(model)
+    srv = _serve(model, sglang_schemas)
     srv.inject(Fault("refuse", path="/update_weights_from_disk"))
     try:
         trainer = AgenticGRPOTrainer(**_trainer_kwargs(tmp_path, model, [srv.url]))
         with pytest.raises(WeightSyncError, match=rf"{srv.url}: .*injected refusal"):
             trainer.train()
         assert srv.request_counts["/pause_generation"] == 1 == srv.request_counts["/continue_generation"]
+        assert not srv.schema_violations, srv.schema_violations
     finally:
         srv.stop()
         srv.engine.shutdown()
