@@ -926,3 +926,26 @@ def test_trainer_step_fails_loudly_when_a_server_refuses_the_sync(tmp_path, sgla
     finally:
         srv.stop()
         srv.engine.shutdown()
+
+
+def test_sglang_config_fields_are_validated(tmp_path):
+    from trl_ext import AgenticGRPOConfig
+
+    def config(**kw):
+        return AgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **kw)
+
+    sglang = dict(rollout_backend="sglang", sglang_urls="http://a:1")
+    args = config(**sglang, weight_sync_verify="checksum,logprobs", weight_sync_pause_mode="in_place")
+    assert args.weight_sync_verify == ["version", "checksum", "logprobs"]  # "version" is always on
+    assert args.sglang_retry_deadline_s >= 60 and args.weight_sync_master_address == "127.0.0.1"
+    for bad, match in [
+        (dict(weight_sync_verify=["nope"]), "weight_sync_verify"),
+        (dict(weight_sync_pause_mode="later"), "weight_sync_pause_mode"),
+        (dict(weight_sync_lora=True, weight_sync_mode="distributed"), "not over NCCL"),
+        (dict(sglang_timeout_s=0), "sglang_timeout_s"),
+        (dict(sglang_retry_deadline_s=-1), "sglang_retry_deadline_s"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            config(**sglang, **bad)
+    with pytest.raises(ValueError, match="apply to rollout_backend='sglang'"):
+        config(weight_sync_lora=True)  # the embedded engine would silently ignore it

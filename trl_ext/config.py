@@ -220,6 +220,11 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"weight_sync_pause_mode must be one of {WEIGHT_SYNC_PAUSE_MODES}, got {self.weight_sync_pause_mode!r}."
             )
+        if self.rollout_backend == "embedded" and (self.weight_sync_lora or self.weight_sync_verify != ["version"]):
+            raise ValueError(
+                "weight_sync_lora and weight_sync_verify apply to rollout_backend='sglang'; the embedded engine loads "
+                "the merged weights by name (an unknown name or shape is an error there)."
+            )
         if self.weight_sync_lora and self.weight_sync_mode == "distributed":
             raise ValueError(
                 "weight_sync_lora needs weight_sync_mode 'disk' or 'tensor': SGLang loads adapters from a path or from "
