@@ -311,3 +311,21 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
 def test_benchmarks_run_as_modules(module):
     """`python -m benchmarks.<area>` works as well as `python benchmarks/<area>.py` (the other tests' form)."""
     assert "usage" in _run(["-m", module, "--help"], timeout=120).stdout
+
+
+def test_attention_benchmark_cpu_smoke(tmp_path):
+    """`benchmarks/attention.py` end to end on tiny CPU shapes: every section runs, and its chunked fp64 reference
+    agrees with the kernel's PyTorch path (fp32 inputs, so the errors sit near 1e-7: a wrong reference would show)."""
+    _run([str(REPO / "benchmarks" / "attention.py"), "--device", "cpu", "--out", str(tmp_path),
+          "--shapes", "64,64/16", "--layer-shapes", "64", "--flex-seqlens", "", "--accuracy", "64,64/16,64/x25",
+          "--mixed-seqlen", "64"], timeout=600)
+    res = json.loads((tmp_path / "attention.json").read_text())
+    assert [r["case"] for r in res["kernel_rows"]] == ["S=64 causal", "S=64 window 16"]
+    assert all(r["public_ms"] > 0 and r["raw_ms"] > 0 for r in res["kernel_rows"])
+    assert res["mixed"]["first_ms"] > 0 and res["mixed"]["after_ms"] > 0
+    assert [r["case"] for r in res["accuracy"]] == ["S=64 causal", "S=64 window 16", "S=64 causal, sinks x25"]
+    for row in res["accuracy"]:
+        assert max(row["ours"].values()) < 1e-5, row
+    for row in res["layer_rows"]:  # present where `kernels` can load the hub id
+        assert row["sink-flash-attn3"] > 0, row
+    assert (tmp_path / "attention.md").read_text().startswith("# Attention benchmark")
