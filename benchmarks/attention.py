@@ -26,7 +26,6 @@ import argparse
 import importlib.util
 import inspect
 import json
-import math
 import os
 import sys
 import tempfile
@@ -524,8 +523,8 @@ def write_plot(result, path):
     width = 0.8 / len(keys)
     for i, (key, label) in enumerate(keys):
         base = [r.get("fa4_ms") or float("nan") for r in rows]
-        ax.bar([x + i * width for x in range(len(rows))], [(r.get(key) or float("nan")) / b for r, b in zip(rows, base)],
-               width, label=label)
+        ratios = [(r.get(key) or float("nan")) / b for r, b in zip(rows, base)]
+        ax.bar([x + i * width for x in range(len(rows))], ratios, width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([x + width for x in range(len(rows))], [r["case"] for r in rows])
     ax.set_ylabel("fwd+bwd time / FA4's")
@@ -636,7 +635,8 @@ def main():
     layer_shapes = [(int(s.partition("/")[0]), s.endswith("/sliding")) for s in args.layer_shapes.split(",") if s]
     flex_seqlens = {int(s) for s in args.flex_seqlens.split(",") if s}
     result.update(layer_impls=layer_impls, layer_how=layer_how)
-    result["layer_rows"] = time_layers(layer_impls, layer_shapes, flex_seqlens, args.layer_budget_s) if layer_impls else []
+    if layer_impls:
+        result["layer_rows"] = time_layers(layer_impls, layer_shapes, flex_seqlens, args.layer_budget_s)
     save()
 
     try:

@@ -483,14 +483,14 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, Q_desc, DO_desc, cu_se
         delta_base = Delta + off_h * stride_rows + rows_start
         desc_col = off_h * HEAD_DIM
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, Q_desc, DO_desc, q_start,
-                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, lo, full_lo, len_q, shift,
-                                 win_left, win_right, qk_scale, BLOCK_M, True, DOT_PRECISION, USE_TMA)
+                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, lo, full_lo, len_q,
+                                 shift, win_left, win_right, qk_scale, BLOCK_M, True, DOT_PRECISION, USE_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, Q_desc, DO_desc, q_start,
-                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, full_lo, full_hi, len_q, shift,
-                                 win_left, win_right, qk_scale, BLOCK_M, False, DOT_PRECISION, USE_TMA)
+                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, full_lo, full_hi, len_q,
+                                 shift, win_left, win_right, qk_scale, BLOCK_M, False, DOT_PRECISION, USE_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, Q_desc, DO_desc, q_start,
-                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, full_hi, hi, len_q, shift,
-                                 win_left, win_right, qk_scale, BLOCK_M, True, DOT_PRECISION, USE_TMA)
+                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, full_hi, hi, len_q,
+                                 shift, win_left, win_right, qk_scale, BLOCK_M, True, DOT_PRECISION, USE_TMA)
     dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
     dk_ptrs = DK + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkt + off_kh * stride_dkh + offs_d[None, :]
     dv_ptrs = DV + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvt + off_kh * stride_dvh + offs_d[None, :]
@@ -575,14 +575,14 @@ def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, Sinks, DSink
                                                  BLOCK_M, BLOCK_N)
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
     dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo, full_lo, len_k, win_left, win_right,
-                            qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
+                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo, full_lo, len_k, win_left,
+                            win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
     dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_lo, full_hi, len_k, win_left, win_right,
-                            qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA, HAS_SINK)
+                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_lo, full_hi, len_k, win_left,
+                            win_right, qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA, HAS_SINK)
     dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_hi, hi, len_k, win_left, win_right,
-                            qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
+                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_hi, hi, len_k, win_left,
+                            win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
     if HAS_SINK:  # rows past len_q: lse2 = +inf, P = 0
         sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
         part = tl.sum(tl.where(row_ok, tl.math.exp2(sink2 - lse2) * pdp, 0.0), axis=0)
