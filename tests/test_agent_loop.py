@@ -298,12 +298,12 @@ def test_rollout_logprobs_match_the_trainer_forward(backend):
 
     from hf_gptoss_rl.testing import tiny_gptoss_config
     from trl_ext.rollout import EmbeddedEngine, SGLangEngine
-    from trl_ext.rollout.protocol_server import SGLangProtocolServer
+    from fake_sglang_server import FakeSGLangServer  # tests/: a test double of SGLang's HTTP server
 
     torch.manual_seed(0)
     model = GptOssForCausalLM(tiny_gptoss_config(hidden_size=32, intermediate_size=32, head_dim=8)).float().eval()
     embedded = EmbeddedEngine(model, seed=0)
-    server = SGLangProtocolServer(embedded).start() if backend == "sglang-http" else None
+    server = FakeSGLangServer(embedded).start() if backend == "sglang-http" else None
     engine = SGLangEngine(server.url, timeout_s=60) if server else embedded
     loop = AgentLoop(engine, TOOLS, sampling=SamplingParams(max_new_tokens=6, temperature=0.8), max_completion_tokens=12)
     prompts = [PROMPT, render_prompt([{"role": "user", "content": "Hi"}])]
