@@ -250,6 +250,17 @@ def test_flash_attention_2_remap_warns(model_dir, monkeypatch):
         model.set_attn_implementation("kernels-community/flash-attn3")
 
 
+def test_no_warning_when_nothing_is_remapped(model_dir):
+    import warnings
+
+    from hf_gptoss_rl.attention import AttentionRemapWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AttentionRemapWarning)
+        for name in ("eager", "flex_attention", ATTN_IMPLEMENTATION):
+            assert load(model_dir, name).config._attn_implementation == name
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA transformers picks kernels-community/vllm-flash-attn3")
 def test_flash_attention_2_remap_warns_with_the_real_list(model_dir):
     """transformers 5.18+ pick the first listed kernel that runs on the device: on CPU, the project's kernel."""
