@@ -206,6 +206,7 @@ def test_on_policy_steps_with_tool_calls(tmp_path, tokenizer):
     assert _logged(trainer, "clip_ratio/region_mean") == [0.0, 0.0]
     # tool use and mismatch metrics are logged every step
     assert all(x > 0 for x in _logged(trainer, "rollout/tool_calls_mean"))
+    assert _logged(trainer, "tools/call_frequency") == _logged(trainer, "rollout/tool_calls_mean")  # TRL's name
     for key in ("mismatch/prob_diff_mean", "mismatch/prob_diff_max", "mismatch/k3_kl", "mismatch/log_ppl_diff"):
         assert len(_logged(trainer, key)) == 2
     # the engine log-probs are the policy's own (step 1) perturbed by +-PERTURBATION

@@ -338,5 +338,6 @@ def test_importance_sampling_modes_in_the_loss(tmp_path, tokenizer, mode):
     for stat in ("min", "mean", "max"):
         assert math.isfinite(logged[f"sampling/importance_sampling_ratio/{stat}"])
     assert logged["sampling/sampling_logp_difference/max"] > 0
+    assert logged["tools/call_frequency"] > 0 and 0 <= logged["tools/failure_frequency"] <= 1  # TRL's tool metrics
     if mode == "sequence_geometric_mask":  # a random tiny model is far from log p = -1 everywhere: all masked
         assert logged["mismatch/frac_is_masked"] == 1.0 and logged["sampling/importance_sampling_ratio/max"] == 0.0
