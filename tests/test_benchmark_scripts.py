@@ -259,11 +259,12 @@ def test_full_step_runs_on_cpu(tmp_path):
     assert results["project"]["attn_implementation"] in (common.DIRECT_KERNEL_ATTENTION, KERNEL_REPO_ID)
     assert results["project_sac_experts"]["checkpoint_saves"] == ["attention", "experts"]
     assert "project_sac_experts: " in (tmp_path / "full_step.md").read_text()  # its own speed-up line
-    # --profile: one profiled step per run, ops ranked by self time; the project's attention is its custom op
+    # --profile: one profiled step per run, ops ranked by self time; the project's attention is one entry (its
+    # autograd.Function in eager mode, its custom op where a dispatch mode or torch.compile sees ops)
     prof = results["project"]["step_profile"]
     shares = [t["share"] for t in prof["top"]]
     assert prof["busy_ms"] > 0 and shares == sorted(shares, reverse=True) and 0.5 < sum(shares) <= 1.0 + 1e-9
-    assert any("sink_flash_attn3" in t["op"] for t in prof["top"])
+    assert any("sink_flash_attn3" in t["op"] or "SinkAttention" in t["op"] for t in prof["top"])
     assert "Where the GRPO step's time goes" in (tmp_path / "full_step.md").read_text()
 
 
