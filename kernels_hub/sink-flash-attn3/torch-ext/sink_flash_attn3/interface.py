@@ -32,6 +32,7 @@ import re
 from types import ModuleType
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BACKEND_ENV_VAR = "SINK_FLASH_ATTN3_BACKEND"
 _BACKENDS = ("auto", "triton", "torch")
@@ -143,7 +144,9 @@ class _SinkAttention(torch.autograd.Function):
 def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
     """``out`` (q's shape) and ``lse [heads, tokens]`` for q, k, v of ``[batch, seqlen, heads, head_dim]`` or
     ``[tokens, heads, head_dim]``."""
-    if torch.compiler.is_compiling():
+    # torch.compile traces the op, and so do dispatch modes (selective activation checkpointing's caching mode,
+    # FlopCounterMode, fake tensors): they see ops, never the inside of an autograd.Function.
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         out, lse = _fwd_op(_tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k,
                            *params)
         return out.view(q.shape), lse
