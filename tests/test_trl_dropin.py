@@ -112,9 +112,11 @@ def test_max_tool_calling_iterations_sets_the_turn_cap(tmp_path):
         config(tmp_path, max_turns=2, max_tool_calling_iterations=3)
 
 
-def test_continuous_batching_is_refused_with_guidance(tmp_path):
+def test_transformers_generation_fields_are_refused_with_guidance(tmp_path):
     with pytest.raises(ValueError, match="use_transformers_continuous_batching .*rollout_concurrency"):
         config(tmp_path, use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="cache_implementation configures TRL's transformers generation"):
+        config(tmp_path, cache_implementation="static")
 
 
 def test_generation_kwargs_reach_the_sampling_params(tmp_path):

@@ -275,6 +275,11 @@ class AgenticGRPOConfig(GRPOConfig):
                 "batches concurrent trajectories (rollout_concurrency); for large runs use rollout_backend='sglang'. "
                 "Set use_transformers_continuous_batching=False."
             )
+        if self.cache_implementation is not None:
+            raise ValueError(
+                "cache_implementation configures TRL's transformers generation, which AgenticGRPOTrainer does not use: "
+                "the embedded engine decodes with a DynamicCache and SGLang manages its own cache. Unset it."
+            )
         if self.max_completion_length is None:
             raise ValueError("max_completion_length must be set: it is the token budget of a whole trajectory.")
         from .rollout.types import sampling_params_from_config
