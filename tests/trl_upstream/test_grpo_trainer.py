@@ -24,7 +24,7 @@ Scenarios of TRL's file left out, and why (not differences in behaviour):
 - TRL's tool-calling loop (`tools=` with a non-GPT-OSS chat template) and `environment_factory`: tool calls are
   parsed from GPT-OSS harmony turns (tests/test_trainer.py, tests/test_agent_loop.py); for other models the
   agentic trainer refuses `tools` and `environment_factory` with an error saying what to use;
-- `use_transformers_continuous_batching`: TRL's transformers generation path, refused with guidance;
+- `use_transformers_continuous_batching`, `cache_implementation`: TRL's transformers generation path, refused with guidance;
 - Liger kernels, bitsandbytes, GPU-only tests, and tests that need the Hub (datasets or models by id).
 
 One scenario passes with `GRPOTrainer` and not with `AgenticGRPOTrainer`, for a documented reason (marked
