@@ -51,8 +51,9 @@ def export_policy_weights(model, *, accelerator=None, is_fsdp: bool = False) -> 
     """Yield a function listing ``(name, tensor)`` of the policy as the base model names them (LoRA merged).
 
     ``model`` is the unwrapped policy. With FSDP, ``accelerator.get_state_dict`` gathers the full state dict
-    (a collective: every rank must enter). PEFT models are merged for the export and unmerged afterwards, as
-    TRL's vLLM sync does (``trl.trainer.grpo_trainer.GRPOTrainer._move_model_to_vllm``).
+    (a collective: every rank must enter). LoRA deltas are added out of place, tensor by tensor, so the live
+    model's frozen base weights are never written; other PEFT adapters are merged for the export and unmerged
+    afterwards, as TRL's vLLM sync does (``trl.trainer.grpo_trainer.GRPOTrainer._move_model_to_vllm``).
     """
     from peft import PeftModel
 
@@ -64,19 +65,55 @@ def export_policy_weights(model, *, accelerator=None, is_fsdp: bool = False) -> 
         yield lambda: ((k, v.detach()) for k, v in model.state_dict().items())
         return
     prefix = model.prefix  # "lora_"
+    deltas = _lora_deltas_by_storage(model)
+    if deltas is None:  # adapters other than LoRA: merge for the export and unmerge after, as TRL does
+        with torch.no_grad():
+            model.merge_adapter()
+            try:
+                yield lambda: _base_named_tensors(model, prefix, {})
+            finally:
+                model.unmerge_adapter()
+        return
+    # LoRA: W + scaling * B A computed out of place, one tensor at a time. Merging into the live model and
+    # unmerging afterwards (TRL's `_move_model_to_vllm`) leaves W + BA - BA != W rounding in the frozen base weights
+    # after every sync; here they are never written.
+    yield lambda: _base_named_tensors(model, prefix, deltas)
+
+
+def _lora_deltas_by_storage(model) -> dict[tuple[int, tuple[int, ...]], list] | None:
+    """``{(data_ptr, shape) of a base weight: [(lora layer, adapter), ...]}`` for the active, unmerged LoRA adapters;
+    None when the model has tuner layers other than LoRA (they have no out-of-place delta)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    deltas: dict[tuple[int, tuple[int, ...]], list] = {}
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if not isinstance(module, LoraLayer):
+            return None
+        adapters = [a for a in module.active_adapters if a in module.lora_A and a not in module.merged_adapters]
+        if not adapters:
+            continue
+        weight = module.get_param() if isinstance(module, ParamWrapper) else module.get_base_layer().weight
+        deltas.setdefault((weight.data_ptr(), tuple(weight.shape)), []).extend((module, a) for a in adapters)
+    return deltas
+
+
+def _base_named_tensors(model, prefix: str, deltas: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's ``(name, tensor)`` pairs, each LoRA delta added to its base weight (fp32 sum, base dtype)."""
     with torch.no_grad():
-        model.merge_adapter()
-        try:
-
-            def named():
-                for name, tensor in model.state_dict().items():
-                    if prefix in name:  # adapter tensors: already merged into the base weights
-                        continue
-                    yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor.detach()
-
-            yield named
-        finally:
-            model.unmerge_adapter()
+        for name, tensor in model.state_dict().items():
+            if prefix in name:  # adapter tensors: their delta is in the base weight
+                continue
+            tensor = tensor.detach()
+            layers = deltas.get((tensor.data_ptr(), tuple(tensor.shape)), ())
+            if layers:
+                merged = tensor.to(torch.float32, copy=True)
+                for layer, adapter in layers:
+                    merged += layer.get_delta_weight(adapter).float()
+                tensor = merged.to(tensor.dtype)
+            yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor
 
 
 @dataclass

@@ -27,10 +27,7 @@ Scenarios of TRL's file left out, and why (not differences in behaviour):
 - `use_transformers_continuous_batching`, `cache_implementation`: TRL's transformers generation path, refused with guidance;
 - Liger kernels, bitsandbytes, GPU-only tests, and tests that need the Hub (datasets or models by id).
 
-One scenario passes with `GRPOTrainer` and not with `AgenticGRPOTrainer`, for a documented reason (marked
-`xfail(strict=True)`, so it is noticed when fixed): with LoRA, TRL checks that the frozen base weights are bit-equal
-after training; the agentic trainer's weight sync merges the adapter into the live model and unmerges it after the
-export, which leaves float32 rounding (~1e-8) in those weights.
+Every scenario kept here passes with both classes.
 """
 
 from __future__ import annotations
@@ -250,22 +247,7 @@ def test_training_reward_model_with_processing_class(cls, tiny_models, tmp_path)
     _train_and_check(trainer)
 
 
-@pytest.mark.parametrize(
-    "cls",
-    [
-        GRPOTrainer,
-        pytest.param(
-            AgenticGRPOTrainer,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the weight sync exports LoRA by merge_adapter() / unmerge_adapter() on the live model, which "
-                "leaves float32 rounding in the frozen base weights (W + BA - BA != W), so they are not bit-equal "
-                "after training",
-            ),
-        ),
-    ],
-    ids=IDS,
-)
+@pytest.mark.parametrize("cls", [GRPOTrainer, AgenticGRPOTrainer], ids=IDS)
 def test_training_peft(cls, tiny_models, tmp_path):
     from peft import LoraConfig
 

@@ -1,0 +1,58 @@
+"""trl_ext.weight_sync: what the trainer exports to the rollout engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssForCausalLM
+
+from hf_gptoss_rl.testing import tiny_gptoss_config
+from trl_ext.weight_sync import export_policy_weights
+
+peft = pytest.importorskip("peft")
+
+
+def _lora_policy(dtype: torch.dtype, target_modules: list[str]):
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_gptoss_config()).to(dtype)
+    policy = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+    with torch.no_grad():  # B starts at zero: make every delta non-zero
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return policy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_export_equals_peft_merge_and_leaves_the_base_weights_untouched(dtype):
+    policy = _lora_policy(dtype, ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"])
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+
+    with export_policy_weights(policy) as named:
+        exported = dict(named())
+
+    after = policy.state_dict()
+    for name, tensor in before.items():  # bit-equal: the export never writes into the live model
+        assert torch.equal(after[name], tensor), name
+    assert not any("lora_" in name for name in exported)
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+    expected = _lora_policy(dtype, targets).merge_and_unload().state_dict()
+    base = _lora_policy(dtype, targets).unload().state_dict()
+    assert exported.keys() == expected.keys()
+    changed = 0
+    for name, tensor in expected.items():
+        assert exported[name].dtype == tensor.dtype, name
+        tol = {} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-3}  # PEFT merges in bf16, we sum in fp32
+        torch.testing.assert_close(exported[name], tensor, **tol, msg=name)
+        changed += not torch.equal(exported[name], base[name])
+    assert changed == 4 * tiny_gptoss_config().num_hidden_layers + 1  # q/k/v/o of every layer, and lm_head
+
+
+def test_full_model_export_is_its_state_dict():
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_gptoss_config())
+    with export_policy_weights(model) as named:
+        exported = dict(named())
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
