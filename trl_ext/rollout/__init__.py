@@ -8,7 +8,7 @@
 from .agent_loop import AgentLoop, run_sync
 from .embedded import EmbeddedEngine
 from .engine import RolloutEngine
-from .sglang import SGLangEngine, SGLangError, SGLangOfflineEngine, SGLangResponseError
+from .sglang import SGLangEngine, SGLangError, SGLangOfflineEngine, SGLangResponseError, SGLangUnavailableError
 from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "SGLangError",
     "SGLangOfflineEngine",
     "SGLangResponseError",
+    "SGLangUnavailableError",
     "SamplingParams",
     "ToolCallRecord",
     "Trajectory",
