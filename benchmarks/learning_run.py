@@ -699,7 +699,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     sft_args = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="learning_run_cold_start_"),  # nothing is saved
-        max_steps=args.cold_start_steps,
+        max_steps=max(1, args.cold_start_steps),  # (with --cold-start-steps 0 the warm-up is skipped below)
         per_device_train_batch_size=args.cold_start_batch,
         learning_rate=args.cold_start_lr,
         # short warm-up, then cosine decay: a constant high rate plateaus before the trajectories are learnt
@@ -717,9 +717,11 @@ def main(argv=None) -> dict:
         disable_tqdm=True,
     )
     stop = [StopAtLoss(args.cold_start_target_nll)] if args.cold_start_target_nll else None
-    practised = cold_start(
-        model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems, callbacks=stop
-    )
+    practised = []
+    if args.cold_start_steps > 0:
+        practised = cold_start(
+            model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems, callbacks=stop
+        )
     cold_seconds = time.perf_counter() - start
     full_train_rows = len(train_dataset)
     # "practised": training problems the warm-up saw, scored like the held-out set (memorisation vs generalisation);

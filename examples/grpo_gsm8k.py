@@ -41,7 +41,7 @@ class ScriptArguments:
     cold_start_steps: int | None = field(
         default=None, metadata={"help": "SFT steps on answer demonstrations; default: 30 for 'tiny', 0 otherwise."}
     )
-    cold_start_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the cold start."})
+    cold_start_learning_rate: float = field(default=2e-2, metadata={"help": "Learning rate of the cold start."})
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (merged for the weight sync)."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
@@ -97,7 +97,8 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
             per_device_train_batch_size=4, learning_rate=script_args.cold_start_learning_rate,
             lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=10, save_strategy="no",
             gradient_checkpointing=False, bf16=training_args.bf16, report_to=training_args.report_to,
-            seed=training_args.seed, max_length=None, disable_tqdm=training_args.disable_tqdm,
+            seed=training_args.seed, max_length=None, router_aux_loss_coef=0.0,
+            disable_tqdm=training_args.disable_tqdm,
         )  # fmt: skip
         cold_start(model, tokenizer, train_dataset, tool=None, args=sft_args,
                    reasoning_effort=training_args.reasoning_effort)  # fmt: skip

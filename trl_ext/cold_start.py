@@ -254,30 +254,34 @@ def cold_start(model, tokenizer, dataset, tool=None, *, args=None, max_rows: int
         dataset: rows with `prompt`, `answer` and optionally `solution` (see `tool_call_demonstrations`).
         tool: the code tool the demonstrations call (None: demonstrations without tool calls).
         args: a `trl.SFTConfig` (its `output_dir`, `max_steps`, `learning_rate`, batch size, ...). `max_length`
-            is honoured: demonstrations longer than it are truncated by `SFTTrainer`. Defaults to a short CPU
-            warm-up: 60 steps of 4 demonstrations, AdamW at 3e-3 with a cosine schedule, no checkpoints.
+            is honoured: demonstrations longer than it are truncated by `SFTTrainer`. `router_aux_loss_coef=0.0`
+            makes the logged loss the demonstrations' negative log-likelihood alone. Defaults to the CPU demo's
+            warm-up: 40 steps of 4 demonstrations, AdamW at 2e-2 with a cosine schedule, no checkpoints.
         max_rows: most distinct problems to practise.
         reasoning_effort: written into the demonstrations' harmony system message; use the same value for RL.
         callbacks: extra `TrainerCallback`s (e.g. `StopAtLoss(0.015)`).
 
-    Returns the indices of the `dataset` rows the demonstrations solve (the "practised" problems), or `[]` when
-    `args.max_steps == 0`.
+    Returns the indices of the `dataset` rows the demonstrations solve (the "practised" problems).
     """
     from trl import SFTConfig
 
     if args is None:
         args = SFTConfig(
-            output_dir="cold_start", max_steps=60, per_device_train_batch_size=4, learning_rate=3e-3,
-            lr_scheduler_type="cosine", warmup_steps=3, logging_steps=10, save_strategy="no",
+            output_dir="cold_start", max_steps=40, per_device_train_batch_size=4, learning_rate=2e-2,
+            lr_scheduler_type="cosine", warmup_steps=2, logging_steps=10, save_strategy="no",
             gradient_checkpointing=False, bf16=False, max_length=None, router_aux_loss_coef=0.0,
         )  # fmt: skip
     if not isinstance(args, SFTConfig):
         raise TypeError(f"cold_start: args must be a trl.SFTConfig, got {type(args).__name__}")
-    if args.max_steps == 0:
-        return []
     demonstrations = tool_call_demonstrations(
         tokenizer, dataset, tool, max_rows=max_rows, reasoning_effort=reasoning_effort, seed=args.seed
     )
+    # SFTTrainer switches the MoE router outputs on or off in the model's config for its auxiliary loss; the config
+    # is restored afterwards, or generation would keep returning router logits
+    text_config = model.config.get_text_config()
+    saved = {
+        k: getattr(text_config, k) for k in ("output_router_logits", "router_aux_loss_coef") if hasattr(text_config, k)
+    }
     trainer = _lean_sft_trainer_class()(
         model=model,
         args=args,
@@ -285,6 +289,10 @@ def cold_start(model, tokenizer, dataset, tool=None, *, args=None, max_rows: int
         processing_class=tokenizer,
         callbacks=callbacks,
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        for key, value in saved.items():
+            setattr(text_config, key, value)
     model.eval()
     return list(demonstrations["row"])
