@@ -23,19 +23,14 @@ shapes (a smoke test of the script; its numbers mean nothing).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import json
-import os
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_EXT = ROOT / "kernels_hub" / "sink-flash-attn3" / "torch-ext"
 KERNEL_REPO_ID = "hf-gptoss-rl/sink-flash-attn3"
 IMPL_OURS = "sink-flash-attn3"
 IMPL_FA4 = "FA4 + learnable_sink"
@@ -48,11 +43,9 @@ HEAD_DIM = 64
 
 def load_kernel():
     """The kernel package from this repository's sources (the same code `kernels` loads from the Hub build)."""
-    if str(TORCH_EXT) not in sys.path:
-        sys.path.insert(0, str(TORCH_EXT))
-    import sink_flash_attn3  # noqa: PLC0415
+    from hf_gptoss_rl.attention import import_kernel_sources  # noqa: PLC0415
 
-    return sink_flash_attn3
+    return import_kernel_sources()
 
 
 def load_fa4():
@@ -303,23 +296,18 @@ def accuracy_case(kernel, fa4, S, window, sink_scale):
 # one GPT-OSS attention layer of transformers
 # ----------------------------------------------------------------------------------------------------------------
 def register_hub_kernel() -> tuple[str, str]:
-    """Registers this repo's kernel under its hub id the way users get it (``kernels`` loading a local build of
-    ``kernels_hub/``, transformers' hub-kernel path); returns (attn_implementation, how)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("_bench_project_attention", ROOT / "hf_gptoss_rl" / "attention.py")
-    project = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(project)
-    os.environ.setdefault(project.CACHE_ENV_VAR, str(Path(tempfile.gettempdir()) / "bench_kernels"))
-    if not project.register_sink_flash_attention():
-        raise RuntimeError("`kernels` is not usable with this transformers: the hub id cannot be loaded")
+    """Registers the kernel under its hub id the way users get it (``hf_gptoss_rl.register()``, then transformers'
+    hub-kernel loader); returns (attn_implementation, how)."""
+    import hf_gptoss_rl  # noqa: PLC0415
+
+    hf_gptoss_rl.register()
     from transformers.integrations.hub_kernels import load_and_register_attn_kernel  # noqa: PLC0415
 
     kwargs = {}
     if "allow_all_kernels" in inspect.signature(load_and_register_attn_kernel).parameters:
         kwargs["allow_all_kernels"] = True  # a model lists the id as compatible (trusted); a bare layer has no model
     load_and_register_attn_kernel(KERNEL_REPO_ID, **kwargs)
-    return KERNEL_REPO_ID, "transformers hub-kernel path (kernels, local build of kernels_hub/)"
+    return KERNEL_REPO_ID, "transformers hub-kernel loader after hf_gptoss_rl.register()"
 
 
 def gptoss_layer_config(sliding: bool):

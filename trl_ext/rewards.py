@@ -94,8 +94,8 @@ def math_reward(final_text: str | None, ground_truth: str) -> float:
 
 
 def retool_reward(final_text: str | None, ground_truth: str, num_turns: int, *, tool_bonus: bool = True) -> float:
-    """ReTool's reward (FACTS §11): +1 for a correct boxed answer, -1 otherwise; with ``tool_bonus`` a wrong answer
-    gets ``min(-0.6, -1 + (num_turns - 2) / 2 * 0.1)``.
+    """ReTool's reward, as the ReTool recipe of verl-project/verl-recipe (``retool/``) scores it: +1 for a correct
+    boxed answer, -1 otherwise; with ``tool_bonus`` a wrong answer gets ``min(-0.6, -1 + (num_turns - 2) / 2 * 0.1)``.
 
     ``num_turns`` counts messages as verl does: the user prompt, each assistant turn and each tool result, so an
     answer without tool calls has ``num_turns == 2`` and every tool round trip adds 2.

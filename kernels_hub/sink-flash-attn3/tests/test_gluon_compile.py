@@ -118,6 +118,6 @@ def test_gluon_kernels_compile_for_sm90(tk, gk, kernel, options):
         # under a register cap (maxnreg) ptxas versions differ by a register or two: triton 3.6's spills nothing
         # at 168, 3.9's 8 bytes; a real spill (a cap too tight, 150+ bytes at 152 registers) must still fail
         allowed = 32 if "maxnreg" in cfg else 0
-        if kernel == "gluon_fwd":  # three consumers at 160-168 registers: triton 3.6's ptxas (the GPU image's) spills
+        if kernel == "gluon_fwd":  # three consumers at 160-168 registers: triton 3.6's ptxas spills
             allowed = 160  # 32 bytes outside the key loop, 3.9's more; a tighter split of the register file spills more
         assert stack is not None and int(stack.group(1)) <= allowed, usage
