@@ -131,13 +131,9 @@ def _wrapped_scenarios(state_dict, batch, group):
 
 
 def _kernel_scenarios(state_dict, inputs, group):
-    """The same scenarios with the project's sink kernel as the inner attention (its CPU path), if loadable."""
-    try:
-        from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION, kernels_usable
-    except ImportError as err:
-        return {"unavailable": f"hf_gptoss_rl.attention: {err}"}
-    if not kernels_usable():
-        return {"unavailable": "kernels package not usable"}
+    """The same scenarios with the project's sink kernel as the inner attention (its CPU path)."""
+    from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
+
     try:
         model = build_model(state_dict)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
