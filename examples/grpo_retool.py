@@ -83,7 +83,7 @@ class ScriptArguments:
     )
     cold_start_problems: int = field(default=4, metadata={"help": "Distinct problems in the cold start."})
     cold_start_learning_rate: float = field(
-        default=3e-2, metadata={"help": "Learning rate of the cold start (3e-2 suits the tiny model; ~1e-5 for 20B)."}
+        default=5e-2, metadata={"help": "Learning rate of the cold start (5e-2 suits the tiny model; ~1e-5 for 20B)."}
     )
     cold_start_batch_size: int = field(default=4, metadata={"help": "Demonstrations per cold-start step."})
     rl_problems: str = field(

@@ -256,7 +256,7 @@ def cold_start(model, tokenizer, dataset, tool=None, *, args=None, max_rows: int
         args: a `trl.SFTConfig` (its `output_dir`, `max_steps`, `learning_rate`, batch size, ...). `max_length`
             is honoured: demonstrations longer than it are truncated by `SFTTrainer`. `router_aux_loss_coef=0.0`
             makes the logged loss the demonstrations' negative log-likelihood alone. Defaults to the CPU demo's
-            warm-up: 40 steps of 4 demonstrations, AdamW at 2e-2 with a cosine schedule, no checkpoints.
+            warm-up: 40 steps of 4 demonstrations, AdamW at 5e-2 with a cosine schedule, no checkpoints.
         max_rows: most distinct problems to practise.
         reasoning_effort: written into the demonstrations' harmony system message; use the same value for RL.
         callbacks: extra `TrainerCallback`s (e.g. `StopAtLoss(0.015)`).
@@ -267,7 +267,7 @@ def cold_start(model, tokenizer, dataset, tool=None, *, args=None, max_rows: int
 
     if args is None:
         args = SFTConfig(
-            output_dir="cold_start", max_steps=40, per_device_train_batch_size=4, learning_rate=2e-2,
+            output_dir="cold_start", max_steps=40, per_device_train_batch_size=4, learning_rate=5e-2,
             lr_scheduler_type="cosine", warmup_steps=2, logging_steps=10, save_strategy="no",
             gradient_checkpointing=False, bf16=False, max_length=None, router_aux_loss_coef=0.0,
         )  # fmt: skip
