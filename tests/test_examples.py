@@ -67,7 +67,8 @@ def test_every_config_field_is_a_flag(name):
     assert args.report_to == [] or args.report_to == "none" or args.report_to == ["none"]  # transformers' default
 
     _, (_, args) = _parse(module, [
-        "--checkpoint_saves", "attention", "experts", "--liger_rms_norm", "--fused_rope", "--loss_type", "grpo",
+        "--checkpoint_saves", "attention", "experts", "--liger_rms_norm", "true", "--fused_rope", "true",
+        "--loss_type", "grpo",
         "--beta", "0.04", "--report_to", "tensorboard", "--logging_steps", "5", "--push_to_hub", "false",
         "--max_steps", "7",
     ])  # fmt: skip
