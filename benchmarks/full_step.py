@@ -28,6 +28,16 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
 - `eager_grouped_mm` (not in the default GPU set: O(S²) memory: its [heads, S, S] scores
   alone are 32 GiB per layer at 16k) for CPU smoke runs.
 
+`--ragged`: instead of one sequence, a batch of agentic trajectories of very different lengths (default: 16
+lengths drawn from a log-normal with median 4,096 and sigma 1.0, clipped to [256, 32,768], torch generator seed 0;
+the first 1/8 of each is the prompt), in micro-batches of `--micro-batch` rows (default 4) with gradient
+accumulation, TRL's loss normalised by the batch's completion tokens. The project's variants run each micro-batch
+packed into one row (`hf_gptoss_rl.packing.packed_completion_logprobs`, what `AgenticGRPOTrainer` does with
+`padding_free`); the stock variants run it as TRL 1.16 does: padded to its longest trajectory (prompts left,
+completions right, an attention mask), scored through a fused LM head (TRL 1.16's `fused_lm_head=True`; here the
+chunked head, the same call contract). Useful tokens/s = real tokens of the batch / step seconds. Writes
+`full_step_ragged.{md,json}`.
+
 Per (variant, S), in its own subprocess (an OOM or crash is reported and does not poison the other runs):
 
 1. GRPO step: per-token log-probs of the completion (with grad) and the router aux loss, TRL 1.16's default
@@ -43,6 +53,7 @@ going at the deadline is killed and reported as timed out.
 
     python benchmarks/full_step.py                                   # one H200: S = 16k, 32k, 64k (~6-8 min)
     python -m benchmarks.full_step --model tiny --device cpu --seq-lens 64 --out /tmp/x   # smoke test
+    python benchmarks/full_step.py --ragged --variants project_sac_liger_rope,fa4_grouped_mm  # ragged batch
 
 On a GPU machine, `pip install -e ".[dev]"` gives every variant but FA4; for `fa4_grouped_mm` (Hopper or newer,
 CUDA 12.8+): `pip install flash-attn-4==4.0.0b36`.
@@ -56,6 +67,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -293,7 +305,7 @@ def worker(spec: dict) -> dict:
     model.set_experts_implementation(variant["experts"])
     if variant.get("logprobs_backend"):  # this worker process only
         os.environ["HF_GPTOSS_RL_LOGPROBS_BACKEND"] = variant["logprobs_backend"]
-    if variant["logprobs"] == "chunked":
+    if variant["logprobs"] == "chunked" or spec.get("ragged"):  # ragged: every variant has a fused head, as TRL
         add_chunked_logprob_head(model)  # what AgenticGRPOTrainer installs for its chunked log-probs
     if variant.get("liger"):  # Liger's RMSNorm kernel with GPT-OSS's rounding (hf_gptoss_rl.fused_layers)
         from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
@@ -316,6 +328,8 @@ def worker(spec: dict) -> dict:
     result["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
     result["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     result["params"] = sum(p.numel() for p in model.parameters())
+    if spec.get("ragged"):
+        return ragged_measure(spec, result, model, config, device, packed=variant["attn"] == "project")
 
     gen = torch.Generator(device=device).manual_seed(1)
     input_ids = torch.randint(0, config.vocab_size, (1, seq_len), device=device, generator=gen)
@@ -355,6 +369,145 @@ def worker(spec: dict) -> dict:
     if spec.get("profile") and "seconds" in result["grpo_step"]:
         result["step_profile"] = profile_step(grpo_step, device)
     return result
+
+
+def ragged_lengths(n: int, median: int, sigma: float, low: int, high: int, seed: int) -> list[int]:
+    """`n` trajectory lengths: `median * exp(sigma * z)`, z ~ N(0, 1) from a torch generator seeded `seed`, rounded
+    and clipped to [low, high]."""
+    z = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return [int(min(max(round(median * math.exp(sigma * v)), low), high)) for v in z.tolist()]
+
+
+def ragged_micro_batches(lengths: list[int], micro_batch: int, vocab: int, device) -> list[dict]:
+    """TRL's padded layout per micro-batch: prompt (first 1/8) left-padded, completion right-padded."""
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for start in range(0, len(lengths), micro_batch):
+        rows = lengths[start : start + micro_batch]
+        prompts = [max(1, n // 8) for n in rows]
+        width_p, width_c = max(prompts), max(n - p for n, p in zip(rows, prompts))
+        ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+        mask = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+        for b, (n, p) in enumerate(zip(rows, prompts)):
+            ids[b, width_p - p : width_p + n - p] = torch.randint(1, vocab, (n,), generator=gen)
+            mask[b, width_p - p : width_p + n - p] = 1
+        batches.append({"input_ids": ids.to(device), "attention_mask": mask.to(device), "keep": width_c})
+    return batches
+
+
+def ragged_measure(spec: dict, result: dict, model, config, device, packed: bool) -> dict:
+    """One GRPO step over the ragged batch: micro-batches packed (project) or padded (stock), gradients accumulated."""
+    from hf_gptoss_rl.packing import packed_completion_logprobs
+
+    lengths = spec["ragged"]["lengths"]
+    batches = ragged_micro_batches(lengths, int(spec["ragged"]["micro_batch"]), config.vocab_size, device)
+    aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    completion_tokens = sum(int(b["attention_mask"][:, -b["keep"] :].sum()) for b in batches)
+    result.update(
+        path="packed" if packed else "padded",
+        useful_tokens=sum(lengths),
+        processed_tokens=sum(lengths) if packed else sum(b["input_ids"].numel() for b in batches),
+    )
+    losses = []
+
+    def grpo_step():
+        model.zero_grad(set_to_none=True)
+        losses.clear()
+        for b in batches:
+            ids, mask, keep = b["input_ids"], b["attention_mask"], b["keep"]
+            if packed:
+                logps, _, aux = packed_completion_logprobs(model, ids, mask, keep, compute_aux_loss=aux_coef != 0.0)
+            else:
+                labels = ids.masked_fill(mask == 0, -100)
+                labels[:, :-keep] = -100
+                extra = {"output_router_logits": True} if aux_coef != 0.0 else {}
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False,
+                            **extra)  # fmt: skip
+                logps, aux = out.log_probs[:, -keep:], out.aux_loss
+            cmask = mask[:, -keep:].float()
+            advantages = torch.linspace(-1.0, 1.0, ids.shape[0], device=device)
+            # TRL's dapo normalisation: the batch's completion-token count; the aux term once per micro-batch
+            loss = grpo_loss(logps, logps.detach(), advantages, cmask) * (cmask.sum() / completion_tokens)
+            if aux is not None:
+                loss = loss + aux_coef * aux / len(batches)
+            loss.backward()
+            losses.append((float(loss), float((logps.detach() * cmask).sum())))
+        if not all(math.isfinite(v) for v, _ in losses):
+            raise FloatingPointError(f"non-finite GRPO loss {losses}")
+
+    result["grpo_step"] = _measure(grpo_step, device, int(spec["warmup"]), int(spec["repeats"]))
+    result["loss"] = sum(v for v, _ in losses) if losses else None
+    result["completion_logp_sum"] = sum(v for _, v in losses) if losses else None  # packed vs padded check
+    return result
+
+
+def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "full_step_ragged.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    r0 = meta["ragged"]
+    lines = [
+        "# Full GRPO step on a ragged agentic batch (`benchmarks/full_step.py --ragged`)",
+        "",
+        f"Command: `{meta['command']}`. Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, LoRA r=16 "
+        "on q/k/v/o, gradient checkpointing; on-policy GRPO loss (dapo) with gradient accumulation.",
+        f"Batch: {len(r0['lengths'])} trajectories, lengths ~ log-normal(median {r0['median']}, sigma {r0['sigma']}), "
+        f"clipped to [{r0['min']}, {r0['max']}], seed {r0['seed']}: {r0['lengths']} ({sum(r0['lengths']):,} tokens); "
+        f"micro-batches of {r0['micro_batch']} rows; prompt = first 1/8 of each.",
+        "",
+        "| variant | path | useful tokens | tokens processed | step s | useful tokens/s | peak GiB | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        g = r.get("grpo_step")
+        note = r.get("skip") or r.get("error") or (g or {}).get("error") or ""
+        lines.append(
+            f"| {VARIANTS[r['variant']]['label'].replace('full logits', 'fused LM head')} | {r.get('path', '—')} | {r.get('useful_tokens', 0):,} | "
+            f"{r.get('processed_tokens', 0):,} | {cell_time(g)} | {cell_tps(g, r.get('useful_tokens', 0))} | "
+            f"{cell_peak(g)} | {note} |"
+        )
+    timed = {r["variant"]: r["grpo_step"]["seconds"] for r in results if "seconds" in (r.get("grpo_step") or {})}
+    lines.append("")
+    for ours in (n for n in timed if VARIANTS[n]["attn"] == "project"):
+        for other in (n for n in timed if VARIANTS[n]["attn"] != "project"):
+            lines.append(f"- {ours}: {timed[other] / timed[ours]:.2f}x the useful tokens/s of {other}")
+    (out / "full_step_ragged.md").write_text("\n".join(lines) + "\n")
+
+
+def run_ragged(args, device, layers: int, names: list[str], start: float) -> list[dict]:
+    tiny = args.model == "tiny"
+    ragged = {
+        "median": args.ragged_median or (48 if tiny else 4096),
+        "sigma": args.ragged_sigma,
+        "min": args.ragged_min or (8 if tiny else 256),
+        "max": args.ragged_max or (256 if tiny else 32768),
+        "seed": args.ragged_seed,
+        "micro_batch": args.micro_batch,
+    }
+    ragged["lengths"] = ragged_lengths(
+        args.ragged_n, ragged["median"], ragged["sigma"], ragged["min"], ragged["max"], ragged["seed"]
+    )
+    print(f"[full_step] ragged batch {ragged['lengths']} ({sum(ragged['lengths']):,} tokens)", flush=True)
+    results = []
+    for name in names:
+        spec = {"variant": name, "seq_len": max(ragged["lengths"]), "device": str(device), "model": args.model,
+                "layers": layers, "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats,
+                "project_attn": args.project_attn, "ragged": ragged}  # fmt: skip
+        reason = availability(name, device)
+        remaining = args.max_seconds - (time.perf_counter() - start)
+        if reason or remaining < 1.0:
+            results.append({**spec, "skip": reason or "skipped: --max-seconds budget"})
+            continue
+        r = run_one(spec, timeout=min(remaining, args.run_timeout))
+        results.append(r)
+        g = r.get("grpo_step") or {}
+        print(f"[full_step] ragged {name}: {g.get('seconds', r.get('error', g))}", flush=True)
+    from hf_gptoss_rl.testing import environment
+
+    meta = {"env": environment(), "command": "python benchmarks/full_step.py " + " ".join(args.argv), "model": args.model,
+            "layers": layers, "dtype": args.dtype, "ragged": ragged}  # fmt: skip
+    write_ragged_report(args.out, results, meta)
+    print((args.out / "full_step_ragged.md").read_text())
+    return results
 
 
 def profile_step(fn, device, top: int = 25) -> dict:
@@ -596,6 +749,14 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     p.add_argument("--profile", action="store_true", help="also profile one GRPO step per run: top ops by self time")
     p.add_argument("--report-from", type=Path, default=None, help="re-render the report of a saved full_step.json")
+    p.add_argument("--ragged", action="store_true", help="the ragged-batch case instead of the S sweep")
+    p.add_argument("--ragged-n", type=int, default=16, help="trajectories in the ragged batch")
+    p.add_argument("--ragged-median", type=int, default=None, help="log-normal median (default 4096; tiny: 48)")
+    p.add_argument("--ragged-sigma", type=float, default=1.0, help="log-normal sigma of the lengths")
+    p.add_argument("--ragged-min", type=int, default=None, help="shortest trajectory (default 256; tiny: 8)")
+    p.add_argument("--ragged-max", type=int, default=None, help="longest trajectory (default 32768; tiny: 256)")
+    p.add_argument("--ragged-seed", type=int, default=0)
+    p.add_argument("--micro-batch", type=int, default=4, help="rows per forward in the ragged case")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -621,6 +782,9 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     if args.alloc_conf:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", args.alloc_conf)
+    if args.ragged:
+        args.argv = sys.argv[1:] if argv is None else list(argv)
+        return run_ragged(args, device, layers, names, start)
 
     plan, skipped = [], []
     for s in seq_lens:

@@ -288,11 +288,14 @@ def add_chunked_logprob_head(model: nn.Module, *, temperature: float = 1.0, chun
         if kwargs.get("output_router_logits") and getattr(outputs, "router_logits", None) is not None:
             from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+            attention_mask = kwargs.get("attention_mask")
+            if isinstance(attention_mask, dict):  # prepared per-layer masks of a packed row: every token is real
+                attention_mask = None
             aux_loss = load_balancing_loss_func(
                 outputs.router_logits,
                 text_config.num_local_experts,
                 text_config.num_experts_per_tok,
-                kwargs.get("attention_mask"),
+                attention_mask,
             )
         loss = -logps.sum() / mask.sum().clamp(min=1)
         return ChunkedLogProbOutput(loss=loss, log_probs=log_probs, entropy=entropy, aux_loss=aux_loss)

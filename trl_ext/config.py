@@ -115,19 +115,35 @@ class AgenticGRPOConfig(GRPOConfig):
             `"trl"` (TRL's fused LM head, Triton on GPUs) or `"auto"` (`"trl"` where Triton runs, else `"chunked"`).
         logprobs_chunk_size (`int`, defaults to `512`):
             Tokens per `[chunk, vocab]` float32 tile of the `"chunked"` implementation (201,088 × 512 × 4 B = 412 MB).
-        checkpoint_saves (`list[str]`, defaults to `[]`):
-            Selective activation checkpointing (`hf_gptoss_rl.checkpointing`, with `gradient_checkpointing=True`):
-            ops whose outputs are kept instead of recomputed in the backward. `"attention"` (the sink kernel;
-            ~0.26 GiB per layer at 32k tokens for gpt-oss-20b) and `"experts"` (the `memory_efficient` experts;
-            ~1.6 GiB per layer at 32k). Gradients are bitwise those of plain checkpointing. `[]`: plain checkpointing.
-        liger_rms_norm (`bool`, defaults to `False`):
+        checkpoint_saves (`list[str]`, defaults to `["attention"]`):
+            Selective activation checkpointing (`hf_gptoss_rl.checkpointing`; only with `gradient_checkpointing=True`,
+            TRL's default): ops whose outputs are kept instead of recomputed in the backward. `"attention"` (the sink
+            kernel; ~0.26 GiB per layer at 32k tokens for gpt-oss-20b) and `"experts"` (the `memory_efficient`
+            experts; ~1.6 GiB per layer at 32k). Gradients are bitwise those of plain checkpointing; ops of other
+            implementations (eager, sdpa, `grouped_mm`, ...) are not matched, so elsewhere it is plain checkpointing.
+            The default keeps attention only: adding `"experts"` made the 32k gpt-oss-20b LoRA step 11% faster but
+            took 92.7 GiB against 56.0 GiB (`docs/benchmarks/full_step.md`), and the kept experts outputs grow with
+            the tokens of a micro-batch (~76 GiB more at 64k), past one 140 GiB GPU. `[]`: plain checkpointing.
+        liger_rms_norm (`bool`, *optional*):
             Replace GPT-OSS's RMSNorms by Liger-Kernel's Triton RMSNorm with GPT-OSS's own rounding
             (`hf_gptoss_rl.fused_layers`; CUDA, needs `liger-kernel`). Prefer it to `use_liger_kernel=True`, whose
-            RMSNorm rounds to bf16 before the weight multiply (GPT-OSS and the rollout engines do not).
-        fused_rope (`bool`, defaults to `False`):
+            RMSNorm rounds to bf16 before the weight multiply (GPT-OSS and the rollout engines do not). `None`
+            (default): on for a GPT-OSS policy on CUDA when `liger-kernel` is installed, else off (CPU, no Liger,
+            other models: transformers' RMSNorm). `True` without CUDA or Liger is an error.
+        fused_rope (`bool`, *optional*):
             Apply GPT-OSS's rotary embedding with one Triton kernel each way (`hf_gptoss_rl.fused_layers`; fp32 math
             rounded once, no copy before the attention call) instead of seven bf16 elementwise passes. Swaps the
             GPT-OSS modeling module's `apply_rotary_pos_emb` for a dispatcher that keeps the original for CPU tensors.
+            `None` (default): on for a GPT-OSS policy on CUDA when Triton imports, else off (transformers' RoPE).
+        padding_free (`bool`, *optional*):
+            Pack the trajectories of each log-prob forward (the loss, the old and reference passes) into one row
+            without padding: `position_ids` restart at 0 for every trajectory, and transformers derives the sequence
+            boundaries from them (varlen `cu_seqlens` for flash-style kernels, the sink kernel included; a
+            block-diagonal mask for eager, sdpa and flex_attention). Attention, experts and the LM head then cost
+            nothing for padding; the log-probs are scattered back to TRL's `[B, T]` layout, so the loss is TRL's.
+            `None` (default): on for GPT-OSS with one of those attention implementations and
+            `sequence_parallel_size=1`; `True` elsewhere is an error naming the reason. A micro-batch whose
+            attention mask has a hole inside a trajectory runs padded (with a warning).
     """
 
     rollout_backend: str = field(
@@ -192,10 +208,20 @@ class AgenticGRPOConfig(GRPOConfig):
     logprobs_implementation: str = field(default="auto", metadata={"help": "auto | chunked | trl."})
     logprobs_chunk_size: int = field(default=512, metadata={"help": "Tokens per tile of the chunked log-probs."})
     checkpoint_saves: list[str] = field(
-        default_factory=list, metadata={"help": "Ops kept under gradient checkpointing: attention, experts."}
+        default_factory=lambda: ["attention"],
+        metadata={"help": "Ops kept under gradient checkpointing: attention, experts ([] for plain checkpointing)."},
     )
-    liger_rms_norm: bool = field(default=False, metadata={"help": "Liger's RMSNorm with GPT-OSS rounding (CUDA)."})
-    fused_rope: bool = field(default=False, metadata={"help": "GPT-OSS rotary embedding in one Triton kernel (CUDA)."})
+    liger_rms_norm: bool | None = field(
+        default=None,
+        metadata={"help": "Liger's RMSNorm with GPT-OSS rounding (CUDA). Default: on with CUDA + liger-kernel."},
+    )
+    fused_rope: bool | None = field(
+        default=None, metadata={"help": "GPT-OSS RoPE in one Triton kernel (CUDA). Default: on with CUDA + Triton."}
+    )
+    padding_free: bool | None = field(
+        default=None,
+        metadata={"help": "Pack each micro-batch into one row without padding. Default: on where supported."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -262,8 +288,20 @@ class AgenticGRPOConfig(GRPOConfig):
             self.checkpoint_saves = parse_checkpoint_saves(self.checkpoint_saves)
         except ValueError as e:
             raise ValueError(f"checkpoint_saves: {e}") from None
-        if self.checkpoint_saves and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            raise ValueError("checkpoint_saves needs non-reentrant checkpointing; unset use_reentrant.")
+        if (
+            self.checkpoint_saves
+            and self.gradient_checkpointing
+            and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant")
+        ):
+            raise ValueError(
+                "checkpoint_saves needs non-reentrant checkpointing: unset use_reentrant, or set checkpoint_saves=[] "
+                "for plain reentrant checkpointing."
+            )
+        if self.padding_free and self.sequence_parallel_size > 1:
+            raise ValueError(
+                "padding_free=True and sequence_parallel_size > 1: the sequence-parallel loss forward shards padded "
+                "rows; unset padding_free (it then stays off)."
+            )
         if self.use_vllm:
             raise ValueError(
                 "AgenticGRPOTrainer generates with its own rollout engine (rollout_backend); set use_vllm=False."

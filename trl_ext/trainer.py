@@ -172,15 +172,18 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "LoRA under FSDP: exporting merged adapters from sharded weights is not implemented; train LoRA with "
                 "DDP (`accelerate launch --multi_gpu`), or full weights with FSDP."
             )
-        if args.liger_rms_norm:  # after super().__init__: the policy is loaded and on its device
+        # after super().__init__: the policy is loaded and on its device
+        self.liger_rms_norm, self.fused_rope = self._resolve_fused_layers(args)
+        if self.liger_rms_norm:
             from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
 
             apply_liger_gptoss_rms_norm(self.accelerator.unwrap_model(self.model))
-        if args.fused_rope:
+        if self.fused_rope:
             from hf_gptoss_rl.fused_layers import apply_fused_gptoss_rope
 
             apply_fused_gptoss_rope(self.accelerator.unwrap_model(self.model))
-        if args.checkpoint_saves:
+        self.padding_free = self._resolve_padding_free(args)
+        if args.checkpoint_saves and self._selective_checkpointing_matches():
             self._install_selective_checkpointing()
         if self._use_chunked_logprobs():
             from hf_gptoss_rl.logprobs import add_chunked_logprob_head
@@ -310,6 +313,17 @@ class AgenticGRPOTrainer(GRPOTrainer):
             model.set_experts_implementation(args.experts_implementation)
         return model
 
+    def _selective_checkpointing_matches(self) -> bool:
+        """Whether `checkpoint_saves` names an op this policy runs (else plain checkpointing, without the
+        selective-checkpointing dispatch mode): the sink kernel's attention, the `memory_efficient` experts."""
+        from hf_gptoss_rl.attention import KERNEL_REPO_ID
+
+        config = self._policy_model().config
+        saves = set(self.args.checkpoint_saves)
+        return ("attention" in saves and getattr(config, "_attn_implementation", None) == KERNEL_REPO_ID) or (
+            "experts" in saves and getattr(config, "_experts_implementation", None) == "memory_efficient"
+        )
+
     def _install_selective_checkpointing(self):
         """Make every `gradient_checkpointing_enable` call on the policy selective (`args.checkpoint_saves`).
 
@@ -330,6 +344,58 @@ class AgenticGRPOTrainer(GRPOTrainer):
         model.gradient_checkpointing_enable = gradient_checkpointing_enable
         if self.args.gradient_checkpointing:  # already enabled by TRL for PEFT models: make it selective now
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+
+    def _policy_model(self):
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+
+    def _resolve_fused_layers(self, args: AgenticGRPOConfig) -> tuple[bool, bool]:
+        """`(liger_rms_norm, fused_rope)`: `None` means on for a GPT-OSS policy on CUDA with the kernel's library."""
+        import importlib.util
+
+        from hf_gptoss_rl.fused_layers import liger_available
+
+        on_cuda = self.accelerator.device.type == "cuda"
+        gptoss = self._harmony
+        liger, rope = args.liger_rms_norm, args.fused_rope
+        if liger is None:
+            liger = gptoss and on_cuda and liger_available()
+        elif liger and not (on_cuda and liger_available()):
+            raise ValueError(
+                "liger_rms_norm=True needs a CUDA device and liger-kernel (`pip install liger-kernel`): "
+                f"device {self.accelerator.device.type}, liger-kernel {'installed' if liger_available() else 'missing'}. "
+                "Leave it unset to use it only where it runs."
+            )
+        if rope is None:
+            rope = gptoss and on_cuda and importlib.util.find_spec("triton") is not None
+        return bool(liger), bool(rope)
+
+    def _resolve_padding_free(self, args: AgenticGRPOConfig) -> bool:
+        """Whether the log-prob forwards run packed (see `AgenticGRPOConfig.padding_free`)."""
+        reason = None
+        from hf_gptoss_rl.packing import PACKED_MASK_ATTENTION, attention_honours_packing
+
+        attn = getattr(self._policy_model().config, "_attn_implementation", None)
+        if not self._harmony:
+            reason = "only GPT-OSS policies are packed (the per-layer-type masks are built for its layers)"
+        elif args.sequence_parallel_size > 1:
+            reason = "sequence_parallel_size > 1 (the sequence-parallel forward shards padded rows)"
+        elif not attention_honours_packing(attn):
+            reason = (
+                f"attn_implementation={attn!r} is not one that honours sequence boundaries given by position_ids "
+                f"(supported: {sorted(PACKED_MASK_ATTENTION)}, flash-attention implementations and the sink kernel)"
+            )
+        elif attn in PACKED_MASK_ATTENTION and not self._use_chunked_logprobs():
+            # TRL's fused head hands the model's attention_mask to the router aux loss, which cannot take the
+            # prepared per-layer masks these implementations need for a packed row
+            reason = (
+                f"attn_implementation={attn!r} needs prepared block-diagonal masks, which TRL's fused LM head "
+                "(logprobs_implementation 'trl') does not take; use logprobs_implementation='chunked' or a "
+                "flash-attention implementation (the sink kernel)"
+            )
+        if args.padding_free and reason is not None:
+            raise ValueError(f"padding_free=True: {reason}.")
+        return reason is None if args.padding_free is None else bool(args.padding_free)
 
     def _use_chunked_logprobs(self) -> bool:
         choice = self.args.logprobs_implementation
@@ -590,6 +656,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             logps, entropies, aux_loss = self._sp_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=kw.get("compute_aux_loss", False)
             )
+        elif self.padding_free and not a and all(kw.get(k) is None for k in kw if k not in _PACKED_KWARGS):
+            logps, entropies, aux_loss = self._packed_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, **{k: kw[k] for k in _PACKED_KWARGS if k in kw}
+            )
         else:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *a, **kw
@@ -598,6 +668,44 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
         if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
             self._apply_rollout_correction(logps, inputs)
+        return logps, entropies, aux_loss
+
+    def _packed_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False,
+    ):
+        """TRL's `_get_per_token_logps_and_entropies` with each chunk of rows packed into one row without padding.
+
+        `hf_gptoss_rl.packing.packed_completion_logprobs`: the real tokens of the rows, `position_ids` restarting
+        per trajectory, results back in TRL's `[B, T]` layout (0 for prompt tokens and pads, as padded).
+        """
+        from hf_gptoss_rl.packing import packed_completion_logprobs, rows_are_contiguous
+
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies, all_aux = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids = input_ids[start : start + batch_size]
+            mask = attention_mask[start : start + batch_size]
+            if rows_are_contiguous(mask):
+                logps, entropies, aux = packed_completion_logprobs(
+                    model, ids, mask, logits_to_keep, compute_aux_loss=compute_aux_loss,
+                    autocast=self.accelerator.autocast,
+                )  # fmt: skip
+            else:
+                _warn_once(
+                    "padding_free: an attention mask with a hole inside a trajectory; this chunk runs padded "
+                    "(TRL's path) to keep its positions"
+                )
+                logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
+                )  # fmt: skip
+            all_logps.append(logps)
+            all_entropies.append(entropies)
+            all_aux.append(aux)
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
 
     def _apply_rollout_correction(self, per_token_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
@@ -717,6 +825,19 @@ _WEIGHT_SYNC_PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers that changed "
     "physics: on the photoelectric effect, Brownian motion, special relativity and mass-energy equivalence."
 )
+
+
+# `_get_per_token_logps_and_entropies` keyword arguments the packed path takes (the others are multimodal inputs)
+_PACKED_KWARGS = frozenset({"batch_size", "compute_entropy", "compute_aux_loss"})
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def _model_type(model, args) -> str | None:
