@@ -13,7 +13,7 @@ trained model):
    scored by math-verify (`trl_ext.rewards.math_reward`), plus the share of trajectories that called the tool.
 3. RL: `trl_ext.AgenticGRPOTrainer` on `--train-file` with the code tool and the ReTool reward, rolled out by an
    embedded engine that keeps **exact-sink eager attention** (as an inference server does), trained with
-   - `sink_dropping`: `eager_without_sinks` (`gptoss_bench_common`, GPT-OSS eager minus the sink column), or
+   - `sink_dropping`: `eager_without_sinks` (`hf_gptoss_rl.testing`, GPT-OSS eager minus the sink column), or
    - `sink_kernel`: the project's kernel, by default (`--kernel-route direct`) its sources registered through
      `AttentionInterface` as `sink_kernel_span` (below: every row's valid token span packed into one
      `flash_attn_varlen_func` call per layer, fp32 kept).
@@ -280,7 +280,8 @@ def varlen_sink_kernel_attention(
     The output is scattered back to `[B, S, H, D]` with zeros at pad positions. `attention_mask` is what the
     flash-style mask function gives: the 2-D padding mask, or None when nothing is padded.
     """
-    from gptoss_bench_common import _import_kernel_sources, direct_sink_kernel_attention
+    from hf_gptoss_rl.attention import import_kernel_sources as _import_kernel_sources
+    from hf_gptoss_rl.testing import direct_sink_kernel_attention
 
     if attention_mask is None:
         return direct_sink_kernel_attention(
@@ -319,7 +320,7 @@ def varlen_sink_kernel_attention(
 
 def project_kernel_attention(route: str) -> tuple[str, str]:
     """The attn_implementation name that runs the project's kernel here, and how it was obtained."""
-    from gptoss_bench_common import setup_project_attention
+    from hf_gptoss_rl.testing import setup_project_attention
 
     if route != "direct":
         try:
@@ -429,7 +430,7 @@ def run_variant(
     args,
 ):
     import torch
-    from gptoss_bench_common import register_sink_dropping_attention
+    from hf_gptoss_rl.testing import register_sink_dropping_attention
     from transformers import GptOssForCausalLM
 
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
@@ -554,7 +555,7 @@ def write_report(result: dict, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from gptoss_bench_common import fmt
+    from hf_gptoss_rl.testing import fmt
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning_run.json").write_text(json.dumps(result, indent=2))
@@ -668,7 +669,7 @@ def main(argv=None) -> dict:
         raise RuntimeError(
             "the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)"
         )
-    from gptoss_bench_common import environment
+    from hf_gptoss_rl.testing import environment
     from transformers import GptOssForCausalLM
     from trl import SFTConfig
 

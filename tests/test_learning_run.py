@@ -6,19 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl")
 pytest.importorskip("openai_harmony")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import learning_run  # noqa: E402
+from benchmarks import learning_run
 
 
 @pytest.mark.timeout(

@@ -4,17 +4,10 @@ with sinks, on batches that are left- and right-padded at once."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import learning_run  # noqa: E402
+from benchmarks import learning_run
 
 # [left pad | valid | right pad] per row; row 3 is empty (all pad), row 4 unpadded
 SPANS = [(3, 10), (0, 7), (2, 12), (0, 0), (0, 14)]
@@ -30,9 +23,9 @@ def _mask(spans=SPANS, seqlen=SEQLEN) -> torch.Tensor:
 
 def _per_span_reference(module, query, key, value, mask, scaling, sliding_window, s_aux):
     """The replaced implementation: `flash_attn_func` once per row, on that row's valid span."""
-    from gptoss_bench_common import _import_kernel_sources
+    from hf_gptoss_rl.attention import import_kernel_sources
 
-    kernel = _import_kernel_sources()
+    kernel = import_kernel_sources()
     window = (sliding_window - 1, sliding_window - 1) if sliding_window is not None else (-1, -1)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     for b in range(mask.shape[0]):
@@ -56,7 +49,7 @@ def test_varlen_route_matches_per_span_kernel(backend, sliding_window, monkeypat
         if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1 from the start")
     monkeypatch.setenv("SINK_FLASH_ATTN3_BACKEND", backend)
-    learning_run.project_kernel_attention("direct")  # imports the kernel sources onto sys.path
+    learning_run.project_kernel_attention("direct")
     g = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, dim = len(SPANS), 4, 2, 16
     leaves = [torch.randn(batch, h, SEQLEN, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
