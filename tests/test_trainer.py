@@ -527,6 +527,10 @@ def test_padding_free_loss_and_gradients_equal_padded(tmp_path, tokenizer, attn,
         return original_varlen(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "flash_attn_varlen_func", counting_varlen)
+    from transformers import modeling_flash_attention_utils
+
+    # transformers caches the kernel's functions at first use: make it look them up again
+    monkeypatch.setattr(modeling_flash_attention_utils, "_loaded_implementation", None)
     model = tiny_model()
     model.config.output_router_logits = True  # TRL then adds router_aux_loss_coef * aux_loss
     trainer, _ = scripted_trainer(
