@@ -136,7 +136,10 @@ def packed_completion_logprobs(
     the padded forward gives them; `aux_loss` (with `compute_aux_loss`) averages the router loss over real tokens,
     as the padded forward's masked one does. `autocast`: a context manager factory (e.g. accelerate's).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = model
+    while isinstance(getattr(base, "module", None), nn.Module):  # DDP / accelerate wrappers: the config is inside
+        base = base.module
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
     config = base.config
     attn = getattr(config, "_attn_implementation", None)
     if not attention_honours_packing(attn):
