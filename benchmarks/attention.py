@@ -102,8 +102,9 @@ def varlen_step(kernel, window, inputs, pieces=4):
     cu = torch.arange(0, S + 1, S // pieces, device=DEVICE, dtype=torch.int32)
 
     def step():
-        out = kernel.flash_attn_varlen_func(q, k, v, cu, cu, S // pieces, S // pieces, causal=True,
-                                            window_size=window_size(window), s_aux=sinks)
+        out = kernel.flash_attn_varlen_func(
+            q, k, v, cu, cu, S // pieces, S // pieces, causal=True, window_size=window_size(window), s_aux=sinks
+        )
         return torch.autograd.grad(out, (q, k, v, sinks), dout)
 
     return step
@@ -193,15 +194,22 @@ def mixed_workload(kernel, S):
     public_step(kernel, 128, (q, k, v, dout, sinks))()
     lens = [S // 2 - 3, S // 4 + 1, S // 4 + 2]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
-    qv, kv, vv, sv = leaves(q[0, :sum(lens)].bfloat16(), k[0, :sum(lens)].bfloat16(), v[0, :sum(lens)].bfloat16(),
-                            sinks)
+    qv, kv, vv, sv = leaves(
+        q[0, : sum(lens)].bfloat16(), k[0, : sum(lens)].bfloat16(), v[0, : sum(lens)].bfloat16(), sinks
+    )
     out = kernel.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True, s_aux=sv)
     torch.autograd.grad(out.float().square().sum(), (qv, kv, vv, sv))
     with torch.no_grad():  # decode: one query per sequence against its KV cache
         kcache, vcache = k.bfloat16(), v.bfloat16()
         for step in range(8):
-            kernel.flash_attn_func(q[:, -1 - step:][:, :1].bfloat16(), kcache, vcache, causal=True,
-                                   s_aux=sinks, window_size=window_size(128 if step % 2 else None))
+            kernel.flash_attn_func(
+                q[:, -1 - step :][:, :1].bfloat16(),
+                kcache,
+                vcache,
+                causal=True,
+                s_aux=sinks,
+                window_size=window_size(128 if step % 2 else None),
+            )
     small = make_inputs(256, seed=8, dtype=torch.float32)
     public_step(kernel, None, small)()
     if DEVICE == "cuda":
@@ -245,8 +253,7 @@ def reference_fp64(q, k, v, sinks, dout, window, chunk=512):
         dsink -= (torch.exp(s[:, None] - lse) * delta).sum(-1)
         del p, ds
     hkv = k.shape[1]
-    return dict(out=out, dq=dq, dk=dk.view(S, hkv, group, D).sum(2), dv=dv.view(S, hkv, group, D).sum(2),
-                dsink=dsink)
+    return dict(out=out, dq=dq, dk=dk.view(S, hkv, group, D).sum(2), dv=dv.view(S, hkv, group, D).sum(2), dsink=dsink)
 
 
 def rel(x, ref):
@@ -270,8 +277,9 @@ def accuracy_case(kernel, fa4, S, window, sink_scale):
     ref = reference_fp64(q[0], k[0], v[0], sinks, dout[0], window)
     row = dict(case=case_name(S, window) + (f", sinks x{sink_scale:g}" if sink_scale != 1 else ""))
     ql, kl, vl, sl = leaves(q, k, v, sinks)
-    out, lse = kernel.flash_attn_func(ql, kl, vl, causal=True, window_size=window_size(window), s_aux=sl,
-                                      return_softmax_lse=True)
+    out, lse = kernel.flash_attn_func(
+        ql, kl, vl, causal=True, window_size=window_size(window), s_aux=sl, return_softmax_lse=True
+    )
     grads = torch.autograd.grad(out, (ql, kl, vl, sl), dout)
     ours = dict(zip(("out", "dq", "dk", "dv", "dsink"), (out[0], grads[0][0], grads[1][0], grads[2][0], grads[3])))
     row["ours"] = {name: rel(t, ref[name]) for name, t in ours.items()}
@@ -314,10 +322,16 @@ def gptoss_layer_config(sliding: bool):
     from transformers import GptOssConfig  # noqa: PLC0415
 
     hq, hkv = HEADS
-    return GptOssConfig(hidden_size=2880 if DEVICE == "cuda" else 64, num_attention_heads=hq,
-                        num_key_value_heads=hkv, head_dim=HEAD_DIM, sliding_window=128 if DEVICE == "cuda" else 16,
-                        num_hidden_layers=1, layer_types=["sliding_attention" if sliding else "full_attention"],
-                        max_position_embeddings=131072)
+    return GptOssConfig(
+        hidden_size=2880 if DEVICE == "cuda" else 64,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=HEAD_DIM,
+        sliding_window=128 if DEVICE == "cuda" else 16,
+        num_hidden_layers=1,
+        layer_types=["sliding_attention" if sliding else "full_attention"],
+        max_position_embeddings=131072,
+    )
 
 
 def layer_step(impl: str, S: int, sliding: bool, seed=0):
@@ -361,8 +375,9 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
         if time.time() - start > budget_s:
             print(f"[layer] time budget spent: S={S} sliding={sliding} and later rows left out", flush=True)
             break
-        row = dict(case=f"{seq_name(S)} " + ("sliding (window 128)" if sliding else "full (causal)"), S=S,
-                   sliding=sliding)
+        row = dict(
+            case=f"{seq_name(S)} " + ("sliding (window 128)" if sliding else "full (causal)"), S=S, sliding=sliding
+        )
         outputs = {}
         for label, impl in layer_impls.items():
             if impl == "flex_attention" and S not in flex_seqlens:
@@ -379,8 +394,9 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
                 torch.cuda.empty_cache()
         # the implementations compute the same layer: their outputs agree to bf16 precision
         base = outputs.get(IMPL_OURS)
-        row["max_rel_diff_to_ours"] = {k: rel(o, base.double()) for k, o in outputs.items()
-                                       if base is not None and k != IMPL_OURS}
+        row["max_rel_diff_to_ours"] = {
+            k: rel(o, base.double()) for k, o in outputs.items() if base is not None and k != IMPL_OURS
+        }
         rows.append(row)
         print("[layer]", json.dumps(row), flush=True)
     return rows
@@ -406,29 +422,54 @@ def targets(result):
 
     for case in ("S=16k causal", "S=32k causal"):
         x = ratio(case)
-        out.append(dict(target=f"{case}: public path <= 1.10x FA4 (goal 1.0x)", value=fmt(x, ".3f") + "x",
-                        met=None if x is None else x <= 1.10))
+        out.append(
+            dict(
+                target=f"{case}: public path <= 1.10x FA4 (goal 1.0x)",
+                value=fmt(x, ".3f") + "x",
+                met=None if x is None else x <= 1.10,
+            )
+        )
     x = ratio("S=4k causal")
-    out.append(dict(target="S=4k causal: public path <= 1.10x FA4", value=fmt(x, ".3f") + "x",
-                    met=None if x is None else x <= 1.10))
+    out.append(
+        dict(
+            target="S=4k causal: public path <= 1.10x FA4",
+            value=fmt(x, ".3f") + "x",
+            met=None if x is None else x <= 1.10,
+        )
+    )
     for case in ("S=4k window 128", "S=16k window 128"):
         r = by_case.get(case, {})
         pub, raw, fa = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms")
         ok = None if None in (pub, raw, fa) else (pub < fa and pub - raw <= 0.1)
-        out.append(dict(target=f"{case}: faster than FA4 and within 0.1 ms of the raw kernels",
-                        value=f"{fmt(pub, '.3f')} ms (FA4 {fmt(fa, '.3f')}, raw {fmt(raw, '.3f')})", met=ok))
+        out.append(
+            dict(
+                target=f"{case}: faster than FA4 and within 0.1 ms of the raw kernels",
+                value=f"{fmt(pub, '.3f')} ms (FA4 {fmt(fa, '.3f')}, raw {fmt(raw, '.3f')})",
+                met=ok,
+            )
+        )
     mixed = result.get("mixed")
     if mixed:
         x = mixed["after_ms"] / mixed["first_ms"]
-        out.append(dict(target="S=4k causal after a mixed workload: within 5% of the first run", value=f"{x:.3f}x",
-                        met=x <= 1.05))
+        out.append(
+            dict(
+                target="S=4k causal after a mixed workload: within 5% of the first run",
+                value=f"{x:.3f}x",
+                met=x <= 1.05,
+            )
+        )
     worst = None
     for row in result["accuracy"]:
         if "fa4" in row:
             x = row["ours"]["dsink"] / row["fa4"]["dsink"]
             worst = x if worst is None else max(worst, x)
-    out.append(dict(target="dsink relative error <= 1.25x FA4's (8k-16k, large sinks included), worst case",
-                    value=fmt(worst, ".2g") + "x", met=None if worst is None else worst <= 1.25))
+    out.append(
+        dict(
+            target="dsink relative error <= 1.25x FA4's (8k-16k, large sinks included), worst case",
+            value=fmt(worst, ".2g") + "x",
+            met=None if worst is None else worst <= 1.25,
+        )
+    )
     return out
 
 
@@ -462,37 +503,60 @@ def write_markdown(result, path):
     ]
     for r in result["kernel_rows"]:
         pub, raw, fa = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms")
-        lines.append(f"| {r['case']} | {fmt(pub, '.3f')} | {fmt(r.get('varlen_ms'), '.3f')} | {fmt(raw, '.3f')} | "
-                     f"{fmt(fa, '.3f')} | {fmt(pub / fa if pub and fa else None)}x | "
-                     f"{fmt(pub - raw if pub and raw else None, '+.3f')} |")
+        lines.append(
+            f"| {r['case']} | {fmt(pub, '.3f')} | {fmt(r.get('varlen_ms'), '.3f')} | {fmt(raw, '.3f')} | "
+            f"{fmt(fa, '.3f')} | {fmt(pub / fa if pub and fa else None)}x | "
+            f"{fmt(pub - raw if pub and raw else None, '+.3f')} |"
+        )
     if result.get("layer_rows"):
         impls = list(result["layer_impls"])
-        lines += ["", "## One GPT-OSS attention layer of transformers", "",
-                  "`GptOssAttention` (q/k/v/o projections, RoPE, attention; hidden 2880) forward + backward, "
-                  f"`attn_implementation` per column; ours: {result['layer_how']}.", "",
-                  "| case | " + " | ".join(impls) + " | max rel. output diff to ours |",
-                  "|---|" + "---|" * len(impls) + "---|"]
+        lines += [
+            "",
+            "## One GPT-OSS attention layer of transformers",
+            "",
+            "`GptOssAttention` (q/k/v/o projections, RoPE, attention; hidden 2880) forward + backward, "
+            f"`attn_implementation` per column; ours: {result['layer_how']}.",
+            "",
+            "| case | " + " | ".join(impls) + " | max rel. output diff to ours |",
+            "|---|" + "---|" * len(impls) + "---|",
+        ]
         for r in result["layer_rows"]:
             diffs = ", ".join(f"{k} {v:.1e}" for k, v in r["max_rel_diff_to_ours"].items()) or "-"
-            lines.append(f"| {r['case']} | " + " | ".join(fmt(r.get(i), '.3f') for i in impls) + f" | {diffs} |")
+            lines.append(f"| {r['case']} | " + " | ".join(fmt(r.get(i), ".3f") for i in impls) + f" | {diffs} |")
     mixed = result.get("mixed")
     if mixed:
-        lines += ["", "## Mixed workload", "",
-                  f"S=4k causal through `flash_attn_func`: {mixed['first_ms']:.3f} ms as the first shape timed in the "
-                  f"process, {mixed['after_ms']:.3f} ms after fp16, fp32, packed-varlen and KV-cache decode calls "
-                  f"(and every other row above) in the same process ({mixed['after_ms'] / mixed['first_ms']:.3f}x)."]
-    lines += ["", "## Accuracy against fp64 (relative L2 error, same inputs)", "",
-              "| case | impl | out | dq | dk | dv | dsink |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Mixed workload",
+            "",
+            f"S=4k causal through `flash_attn_func`: {mixed['first_ms']:.3f} ms as the first shape timed in the "
+            f"process, {mixed['after_ms']:.3f} ms after fp16, fp32, packed-varlen and KV-cache decode calls "
+            f"(and every other row above) in the same process ({mixed['after_ms'] / mixed['first_ms']:.3f}x).",
+        ]
+    lines += [
+        "",
+        "## Accuracy against fp64 (relative L2 error, same inputs)",
+        "",
+        "| case | impl | out | dq | dk | dv | dsink |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["accuracy"]:
         for label, key in ((IMPL_OURS, "ours"), (IMPL_FA4, "fa4")):
             if key in r:
                 e = r[key]
-                lines.append(f"| {r['case']} | {label} | {e['out']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | "
-                             f"{e['dv']:.2e} | {e['dsink']:.2e} |")
-        lines.append(f"| {r['case']} | dsink from {IMPL_OURS}'s own bf16 out and LSE, summed in fp64 | | | | | "
-                     f"{r['ours_dsink_from_own_out_fp64']:.2e} |")
-    errors = [(r["case"], k, v) for r in result["kernel_rows"] + result.get("layer_rows", [])
-              for k, v in r.get("errors", {}).items()]
+                lines.append(
+                    f"| {r['case']} | {label} | {e['out']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | "
+                    f"{e['dv']:.2e} | {e['dsink']:.2e} |"
+                )
+        lines.append(
+            f"| {r['case']} | dsink from {IMPL_OURS}'s own bf16 out and LSE, summed in fp64 | | | | | "
+            f"{r['ours_dsink_from_own_out_fp64']:.2e} |"
+        )
+    errors = [
+        (r["case"], k, v)
+        for r in result["kernel_rows"] + result.get("layer_rows", [])
+        for k, v in r.get("errors", {}).items()
+    ]
     if errors:
         lines += ["", "## Failures in this run", ""] + [f"- {c}, {k}: `{v}`" for c, k, v in errors]
     lines += ["", f"Launch configurations: `{json.dumps(result['configs'])}`", ""]
@@ -527,15 +591,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--shapes", default="4096,4096/128,16384,16384/128,32768",
-                        help="kernel rows: S (causal) or S/window, comma-separated")
+    parser.add_argument(
+        "--shapes",
+        default="4096,4096/128,16384,16384/128,32768",
+        help="kernel rows: S (causal) or S/window, comma-separated",
+    )
     parser.add_argument("--layer-shapes", default="4096,4096/sliding,16384,16384/sliding")
-    parser.add_argument("--flex-seqlens", default="4096",
-                        help="layer rows that also time flex_attention (each shape compiles for a minute or more)")
-    parser.add_argument("--layer-budget-s", type=float, default=120.0,
-                        help="stop starting layer rows after this many seconds in that section")
-    parser.add_argument("--accuracy", default="8192,16384,16384/128,8192/x25",
-                        help="accuracy cases: S, S/window or S/xSCALE (sink logits scaled)")
+    parser.add_argument(
+        "--flex-seqlens",
+        default="4096",
+        help="layer rows that also time flex_attention (each shape compiles for a minute or more)",
+    )
+    parser.add_argument(
+        "--layer-budget-s",
+        type=float,
+        default=120.0,
+        help="stop starting layer rows after this many seconds in that section",
+    )
+    parser.add_argument(
+        "--accuracy",
+        default="8192,16384,16384/128,8192/x25",
+        help="accuracy cases: S, S/window or S/xSCALE (sink logits scaled)",
+    )
     parser.add_argument("--mixed-seqlen", type=int, default=4096)
     parser.add_argument("--from-json", help="only re-render attention.md / .png from a saved attention.json")
     args = parser.parse_args()
@@ -557,8 +634,12 @@ def main():
     import transformers  # noqa: PLC0415
     import triton  # noqa: PLC0415
 
-    env = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)",
-               torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__)
+    env = dict(
+        gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        transformers=transformers.__version__,
+    )
     try:
         import importlib.metadata as md  # noqa: PLC0415
 
@@ -577,8 +658,17 @@ def main():
 
     tk = kernel.interface._backend_module("triton")
     configs = {f"{name}/{d}": cfg for (name, d), cfg in tk.CONFIGS.items()}
-    result = dict(env=env, command="python benchmarks/attention.py", kernel_rows=[],
-                  layer_impls={}, layer_how=None, layer_rows=[], mixed=None, accuracy=[], configs=configs)
+    result = dict(
+        env=env,
+        command="python benchmarks/attention.py",
+        kernel_rows=[],
+        layer_impls={},
+        layer_how=None,
+        layer_rows=[],
+        mixed=None,
+        accuracy=[],
+        configs=configs,
+    )
 
     def save():  # after every section: a run stopped at a time limit still leaves what it measured
         result["wall_s"] = time.time() - t0

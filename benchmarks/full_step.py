@@ -284,11 +284,12 @@ def worker(spec: dict) -> dict:
     variant = VARIANTS[spec["variant"]]
     seq_len = int(spec["seq_len"])
     result = {"variant": spec["variant"], "seq_len": seq_len}
+    from peft import LoraConfig, get_peft_model
+
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
     from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
     from hf_gptoss_rl.testing import build_random_gptoss, gptoss_20b_config, set_project_attention, tiny_gptoss_config
-    from peft import LoraConfig, get_peft_model
 
     if spec["model"] == "20b":
         config = gptoss_20b_config(num_hidden_layers=int(spec["layers"]))
@@ -525,9 +526,12 @@ def profile_step(fn, device, top: int = 25) -> dict:
         fn()
         _sync(device)
     wall = time.perf_counter() - t0
-    by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
-                if e.device_type == DeviceType.CPU and (getattr(e, "self_device_time_total", 0.0) if cuda
-                                                        else e.self_cpu_time_total) > 0]
+    by_shape = [
+        e
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.device_type == DeviceType.CPU
+        and (getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total) > 0
+    ]
 
     def self_us(e):
         return getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total
@@ -539,11 +543,15 @@ def profile_step(fn, device, top: int = 25) -> dict:
         "clock": "GPU" if cuda else "CPU",
         "profiled_wall_s": wall,
         "busy_ms": busy_us / 1e3,
-        "top": [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "share": self_us(e) / busy_us}
-                for e in ops[:top]],
+        "top": [
+            {"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "share": self_us(e) / busy_us}
+            for e in ops[:top]
+        ],
         # the same ops split by input shapes (which layer part a `mul` or `copy_` belongs to), for the json only
-        "top_by_shape": [{"op": e.key, "shapes": str(e.input_shapes)[:200], "calls": e.count,
-                          "self_ms": self_us(e) / 1e3} for e in sorted(by_shape, key=self_us, reverse=True)[:2 * top]],
+        "top_by_shape": [
+            {"op": e.key, "shapes": str(e.input_shapes)[:200], "calls": e.count, "self_ms": self_us(e) / 1e3}
+            for e in sorted(by_shape, key=self_us, reverse=True)[: 2 * top]
+        ],
     }
 
 
@@ -824,8 +832,10 @@ def main(argv=None) -> list[dict]:
         results.append(r)
         g = r.get("grpo_step") or {}
         status = f"{g['seconds']:.2f} s" if "seconds" in g else ("OOM" if g.get("oom") else r.get("error", "?"))
-        print(f"[full_step] {spec['variant']} S={spec['seq_len']}: GRPO step {status} (wall {r['wall_s']:.0f} s)",
-              flush=True)
+        print(
+            f"[full_step] {spec['variant']} S={spec['seq_len']}: GRPO step {status} (wall {r['wall_s']:.0f} s)",
+            flush=True,
+        )
 
     from hf_gptoss_rl.testing import environment
 

@@ -105,9 +105,7 @@ STEP_METRICS = (
 
 # %% Arguments ---------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--train-file",
         default=str(REPO / "data" / "gsm8k_train_mini.jsonl"),
@@ -124,9 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=64,
         help="held-out problems scored before/after (and as many practised training problems)",
     )
-    p.add_argument(
-        "--steps", type=int, default=200, help="GRPO optimizer steps per variant"
-    )
+    p.add_argument("--steps", type=int, default=200, help="GRPO optimizer steps per variant")
     p.add_argument("--model-size", default="small", choices=sorted(MODEL_SIZES))
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument(
@@ -208,9 +204,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 1 or args.max_seconds <= 0 or args.eval_limit < 1:
         p.error("--steps, --max-seconds and --eval-limit must be positive")
     if args.batch_size % args.num_generations:
-        p.error(
-            f"--batch-size {args.batch_size} must be a multiple of --num-generations {args.num_generations}"
-        )
+        p.error(f"--batch-size {args.batch_size} must be a multiple of --num-generations {args.num_generations}")
     return args
 
 
@@ -253,9 +247,7 @@ def _varlen_packing(attention_mask):
     indices = torch.nonzero_static(valid.reshape(-1), size=total).reshape(-1)  # no sync: the size is known
     cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     packing = (indices, cu_seqlens, longest)
-    _PACKINGS[:] = [entry for entry in _PACKINGS[-3:] if entry[0]() is not None] + [
-        (weakref.ref(owner), key, packing)
-    ]
+    _PACKINGS[:] = [entry for entry in _PACKINGS[-3:] if entry[0]() is not None] + [(weakref.ref(owner), key, packing)]
     return packing
 
 
@@ -334,13 +326,9 @@ def project_kernel_attention(route: str) -> tuple[str, str]:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    setup_project_attention(
-        "direct"
-    )  # imports the kernel sources (fails early if they are broken)
+    setup_project_attention("direct")  # imports the kernel sources (fails early if they are broken)
     AttentionInterface.register(SPAN_KERNEL_ATTENTION, varlen_sink_kernel_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(
-        SPAN_KERNEL_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
-    )
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SPAN_KERNEL_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
     return (
         SPAN_KERNEL_ATTENTION,
         f"kernel sources via AttentionInterface, valid tokens packed into one varlen call ({reason})",
@@ -357,20 +345,13 @@ def greedy_accuracy(engine, tool, rows: list[dict], args) -> dict:
     loop = AgentLoop(
         engine,
         [tool],
-        sampling=SamplingParams(
-            max_new_tokens=args.max_completion_length, temperature=0.0
-        ),
+        sampling=SamplingParams(max_new_tokens=args.max_completion_length, temperature=0.0),
         max_turns=args.max_turns,
         max_completion_tokens=args.max_completion_length,
     )
-    prompts = [
-        render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low")
-        for r in rows
-    ]
+    prompts = [render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low") for r in rows]
     trajectories = loop.run_batch_sync(prompts)
-    correct = [
-        math_reward(t.final_text, r["answer"]) for t, r in zip(trajectories, rows)
-    ]
+    correct = [math_reward(t.final_text, r["answer"]) for t, r in zip(trajectories, rows)]
     return {
         "accuracy": sum(correct) / len(rows),
         "correct": int(sum(correct)),
@@ -430,9 +411,9 @@ def run_variant(
     args,
 ):
     import torch
-    from hf_gptoss_rl.testing import register_sink_dropping_attention
     from transformers import GptOssForCausalLM
 
+    from hf_gptoss_rl.testing import register_sink_dropping_attention
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
     from trl_ext.recipes import boxed_format_reward_func, retool_reward_func
     from trl_ext.rollout import EmbeddedEngine
@@ -463,9 +444,7 @@ def run_variant(
     print(f"[{name}] practised before: {practised_before}", flush=True)
 
     config = AgenticGRPOConfig(
-        output_dir=tempfile.mkdtemp(
-            prefix=f"learning_run_{name}_"
-        ),  # nothing is saved (save_strategy="no")
+        output_dir=tempfile.mkdtemp(prefix=f"learning_run_{name}_"),  # nothing is saved (save_strategy="no")
         max_steps=args.steps,
         learning_rate=args.learning_rate,
         # constant: --max-seconds may stop the run before a decaying schedule would end; optional linear warm-up
@@ -504,9 +483,7 @@ def run_variant(
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
-    after = greedy_accuracy(
-        engine, tool, eval_rows, args
-    )  # the engine holds the trained weights (synced)
+    after = greedy_accuracy(engine, tool, eval_rows, args)  # the engine holds the trained weights (synced)
     print(f"[{name}] held-out after: {after}", flush=True)
     practised_after = greedy_accuracy(engine, tool, practised_rows, args)
     print(f"[{name}] practised after: {practised_after}", flush=True)
@@ -555,6 +532,7 @@ def write_report(result: dict, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from hf_gptoss_rl.testing import fmt
 
     out.mkdir(parents=True, exist_ok=True)
@@ -578,10 +556,17 @@ def write_report(result: dict, out: Path) -> None:
                 line = ax.plot(*zip(*pts), marker=".", alpha=0.35, label=f"{name} (per step)")[0]
                 window = 10
                 ys = [y for _, y in pts]
-                smooth = [sum(ys[max(0, i - window + 1): i + 1]) / len(ys[max(0, i - window + 1): i + 1])
-                          for i in range(len(ys))]
-                ax.plot([x for x, _ in pts], smooth, color=line.get_color(), linewidth=2.2,
-                        label=f"{name} (mean of last {window})")
+                smooth = [
+                    sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
+                    for i in range(len(ys))
+                ]
+                ax.plot(
+                    [x for x, _ in pts],
+                    smooth,
+                    color=line.get_color(),
+                    linewidth=2.2,
+                    label=f"{name} (mean of last {window})",
+                )
             else:
                 ax.plot(*zip(*pts), marker=".", label=name)
         ax.set_title(title)
@@ -589,9 +574,7 @@ def write_report(result: dict, out: Path) -> None:
         if key.startswith("mismatch"):
             ax.set_yscale("log")
         ax.legend(fontsize=8)
-    fig.suptitle(
-        f"Agentic GRPO on GSM8K, {result['setup']['model_size']} GPT-OSS ({result['environment']['device']})"
-    )
+    fig.suptitle(f"Agentic GRPO on GSM8K, {result['setup']['model_size']} GPT-OSS ({result['environment']['device']})")
     fig.tight_layout()
     fig.savefig(out / "learning_run.png", dpi=110)
     plt.close(fig)
@@ -636,10 +619,7 @@ def write_report(result: dict, out: Path) -> None:
         "",
         "![learning run](learning_run.png)",
         "",
-        "Environment: "
-        + ", ".join(
-            f"{k} {v}" for k, v in result["environment"].items() if v is not None
-        ),
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in result["environment"].items() if v is not None),
     ]
     (out / "learning_run.md").write_text("\n".join(lines) + "\n")
 
@@ -661,23 +641,15 @@ def main(argv=None) -> dict:
         if args.device == "auto" and torch.cuda.is_available()
         else ("cpu" if args.device == "auto" else args.device)
     )
-    if (
-        device.type == "cpu"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and "sink_kernel" in args.variants
-    ):
-        raise RuntimeError(
-            "the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)"
-        )
-    from hf_gptoss_rl.testing import environment
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "sink_kernel" in args.variants:
+        raise RuntimeError("the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)")
     from transformers import GptOssForCausalLM
     from trl import SFTConfig
 
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from hf_gptoss_rl.testing import environment, tiny_gptoss_config
     from trl_ext.cold_start import StopAtLoss, cold_start
     from trl_ext.recipes import load_math_dataset
-
-    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-    from hf_gptoss_rl.testing import tiny_gptoss_config
     from trl_ext.tools import CodeInterpreterTool
 
     tokenizer = load_gptoss_tokenizer()
@@ -693,10 +665,7 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
-                param.copy_(
-                    torch.randn(param.shape, generator=generator) * args.sink_std
-                    + args.sink_mean
-                )
+                param.copy_(torch.randn(param.shape, generator=generator) * args.sink_std + args.sink_mean)
     start = time.perf_counter()
     sft_args = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="learning_run_cold_start_"),  # nothing is saved
@@ -735,8 +704,7 @@ def main(argv=None) -> dict:
     del model
 
     result = {
-        "command": "python benchmarks/learning_run.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/learning_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "environment": environment(),
         "setup": {
             "model_size": args.model_size,

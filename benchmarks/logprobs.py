@@ -84,8 +84,14 @@ def correctness(weight, temperature, device, n=256):
         h = hidden0.clone().requires_grad_()
         lp, ent = run_variant(name, h, weight, targets, temperature)
         ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
-        rows.append({"variant": name, "log-probs": rel(lp, ref[0]), "entropy": rel(ent, ref[1]),
-                     "d hidden": rel(h.grad, ref[2])})
+        rows.append(
+            {
+                "variant": name,
+                "log-probs": rel(lp, ref[0]),
+                "entropy": rel(ent, ref[1]),
+                "d hidden": rel(h.grad, ref[2]),
+            }
+        )
     return rows
 
 
@@ -131,14 +137,18 @@ def write_report(out_dir: Path, results, corr, meta):
     lines = [
         "# Log-probs of GPT-OSS's LM head: full logits vs chunked vs chunked + fused Triton kernels",
         "",
-        (f"Measured by `benchmarks/logprobs.py` on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}), "
-         f"{meta['date']}{', commit ' + meta['commit'] if meta.get('commit') else ''}. "
-         f"Command: `{meta['command']}`."),
+        (
+            f"Measured by `benchmarks/logprobs.py` on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}), "
+            f"{meta['date']}{', commit ' + meta['commit'] if meta.get('commit') else ''}. "
+            f"Command: `{meta['command']}`."
+        ),
         "",
-        (f"Head `[{VOCAB:,}, {HIDDEN}]` bf16 (frozen), hidden states `[S, {HIDDEN}]` bf16, temperature "
-         f"{meta['temperature']}. Each variant returns float32 log-probs of the given tokens and entropies; `train` "
-         "adds the backward to the hidden states. Times: median of `triton.testing.do_bench`; peak = "
-         "`max_memory_allocated` above what was resident before the call."),
+        (
+            f"Head `[{VOCAB:,}, {HIDDEN}]` bf16 (frozen), hidden states `[S, {HIDDEN}]` bf16, temperature "
+            f"{meta['temperature']}. Each variant returns float32 log-probs of the given tokens and entropies; `train` "
+            "adds the backward to the hidden states. Times: median of `triton.testing.do_bench`; peak = "
+            "`max_memory_allocated` above what was resident before the call."
+        ),
         "",
         "| S | variant | no-grad ms | no-grad peak GiB | train ms | train peak GiB | train: chunked_torch / this |",
         "|---|---|---|---|---|---|---|",
@@ -146,11 +156,20 @@ def write_report(out_dir: Path, results, corr, meta):
     for s, variants in results.items():
         base = variants.get("chunked_torch", {}).get("train_ms")
         for name, r in variants.items():
-            ratio = f"{base / r['train_ms']:.2f}x" if isinstance(base, float) and isinstance(r["train_ms"], float) else ""
-            lines.append(f"| {s} | {name} | {cell(r['nograd_ms'], '.1f')} | {cell(r['nograd_peak'], '.2f')} | "
-                         f"{cell(r['train_ms'], '.1f')} | {cell(r['train_peak'], '.2f')} | {ratio} |")
-    lines += ["", "## Correctness (S=256, bf16 inputs, against float64; relative L2 error)", "",
-              "| variant | log-probs | entropy | d hidden |", "|---|---|---|---|"]
+            ratio = (
+                f"{base / r['train_ms']:.2f}x" if isinstance(base, float) and isinstance(r["train_ms"], float) else ""
+            )
+            lines.append(
+                f"| {s} | {name} | {cell(r['nograd_ms'], '.1f')} | {cell(r['nograd_peak'], '.2f')} | "
+                f"{cell(r['train_ms'], '.1f')} | {cell(r['train_peak'], '.2f')} | {ratio} |"
+            )
+    lines += [
+        "",
+        "## Correctness (S=256, bf16 inputs, against float64; relative L2 error)",
+        "",
+        "| variant | log-probs | entropy | d hidden |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {r['variant']} | {r['log-probs']:.1e} | {r['entropy']:.1e} | {r['d hidden']:.1e} |" for r in corr]
     lines += ["", "Variants:", ""] + [f"- `{k}`: {v}" for k, v in VARIANTS.items()]
     lines += ["", "![log-prob benchmark](logprobs.png)", ""]
@@ -167,8 +186,12 @@ def write_report(out_dir: Path, results, corr, meta):
         for ax, key, title in ((axes[0], "train_ms", "fwd + bwd ms"), (axes[1], "train_peak", "fwd + bwd peak GiB")):
             for j, name in enumerate(VARIANTS):
                 vals = [results[s].get(name, {}).get(key) for s in seqs]
-                ax.bar([i + j * width for i in range(len(seqs))], [v if isinstance(v, float) else 0 for v in vals],
-                       width, label=name)
+                ax.bar(
+                    [i + j * width for i in range(len(seqs))],
+                    [v if isinstance(v, float) else 0 for v in vals],
+                    width,
+                    label=name,
+                )
             ax.set_xticks([i + width for i in range(len(seqs))])
             ax.set_xticklabels([str(s) for s in seqs])
             ax.set_xlabel("tokens S (bars at 0: OOM)")
@@ -205,19 +228,29 @@ def main():
         results[s] = {}
         for name in VARIANTS:
             r = {}
-            r["nograd_ms"], r["nograd_peak"] = measure(name, hidden, weight, targets, args.temperature, g_lp, g_h, False)
+            r["nograd_ms"], r["nograd_peak"] = measure(
+                name, hidden, weight, targets, args.temperature, g_lp, g_h, False
+            )
             r["train_ms"], r["train_peak"] = measure(name, hidden, weight, targets, args.temperature, g_lp, g_h, True)
             results[s][name] = r
             print(s, name, r, flush=True)
         del hidden, targets, g_lp, g_h
     from hf_gptoss_rl.testing import git_commit
 
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "temperature": args.temperature,
-            "command": "python benchmarks/logprobs.py " + " ".join(sys.argv[1:]), "commit": git_commit()}
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "temperature": args.temperature,
+        "command": "python benchmarks/logprobs.py " + " ".join(sys.argv[1:]),
+        "commit": git_commit(),
+    }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "logprobs.json").write_text(json.dumps({"results": results, "correctness": corr, "meta": meta}, indent=1))
+    (out_dir / "logprobs.json").write_text(
+        json.dumps({"results": results, "correctness": corr, "meta": meta}, indent=1)
+    )
     write_report(out_dir, results, corr, meta)
     print((out_dir / "logprobs.md").read_text())
 

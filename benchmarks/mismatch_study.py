@@ -125,7 +125,7 @@ def score_batch(prompts, outputs, pad_id: int, device):
     t_max = max(len(o.output_ids) for o in outputs)
     rollout_logps = torch.zeros(len(seqs), t_max, dtype=torch.float32)
     completion_mask = torch.zeros(len(seqs), t_max, dtype=torch.long)
-    for b, (seq, p, o) in enumerate(zip(seqs, prompts, outputs)):
+    for b, (seq, _prompt, o) in enumerate(zip(seqs, prompts, outputs)):
         ids[b, : len(seq)] = torch.tensor(seq)
         attention_mask[b, : len(seq)] = 1
         rollout_logps[b, : len(o.logprobs)] = torch.tensor(o.logprobs, dtype=torch.float32)

@@ -217,6 +217,7 @@ def write_report(out_dir: Path, results, corr, meta):
     for t, variants in results.items():
         base = variants.get("grouped_mm", {})
         for name, r in variants.items():
+
             def fmt(key, spec):
                 v = r.get(key)
                 return "OOM" if v == "OOM" else ("" if v is None else format(v, spec))
@@ -234,7 +235,9 @@ def write_report(out_dir: Path, results, corr, meta):
     at32 = results.get(32768) or results.get("32768")
     if at32 and "grouped_mm" in at32 and "memory_efficient" in at32:
         g, m = at32["grouped_mm"], at32["memory_efficient"]
-        if all(isinstance(d.get(k), float) for d in (g, m) for k in ("train_ms", "train_peak", "nograd_ms", "nograd_peak")):
+        if all(
+            isinstance(d.get(k), float) for d in (g, m) for k in ("train_ms", "train_peak", "nograd_ms", "nograd_peak")
+        ):
             checks = [
                 ("training ≥ 1.3× faster than grouped_mm", f"{g['train_ms'] / m['train_ms']:.2f}×", g["train_ms"] / m["train_ms"] >= 1.3),
                 ("training peak ≤ ½ of grouped_mm's", f"{m['train_peak']:.2f} / {g['train_peak']:.2f} GiB = {m['train_peak'] / g['train_peak']:.2f}", m["train_peak"] <= g["train_peak"] / 2),
@@ -295,7 +298,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 65536])
-    parser.add_argument("--chunk-sweep", type=int, nargs="*", default=[4096, 16384, 32768], help="extra chunk sizes at 32k")
+    parser.add_argument(
+        "--chunk-sweep", type=int, nargs="*", default=[4096, 16384, 32768], help="extra chunk sizes at 32k"
+    )
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of memory_efficient train")
     parser.add_argument("--report-from", help="re-render moe.md / moe.png from a moe.json of an earlier run")
     args = parser.parse_args()
@@ -342,7 +347,9 @@ def main():
         x, scores, index, grad_out = make_inputs(mlp, t, device, seed=t)
         if t == 32768:
             counts = torch.bincount(index.reshape(-1), minlength=config.num_local_experts).float()
-            meta["load_imbalance"] = f"{(counts.max() / counts.mean()).item():.2f} (min/mean {(counts.min() / counts.mean()).item():.2f})"
+            meta["load_imbalance"] = (
+                f"{(counts.max() / counts.mean()).item():.2f} (min/mean {(counts.min() / counts.mean()).item():.2f})"
+            )
         fwd_flops = 6 * t * top_k * config.hidden_size * config.intermediate_size
         results[t] = {}
         variants = [(v, None) for v in VARIANTS]

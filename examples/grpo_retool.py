@@ -58,7 +58,9 @@ DEFAULT_DATASET = str(Path(__file__).resolve().parents[1] / "data" / "gsm8k_trai
 class ScriptArguments:
     model_name_or_path: str = field(
         default="tiny",
-        metadata={"help": "'tiny' (a small GPT-OSS built locally, for CPUs) or a model id/path, e.g. openai/gpt-oss-20b."},
+        metadata={
+            "help": "'tiny' (a small GPT-OSS built locally, for CPUs) or a model id/path, e.g. openai/gpt-oss-20b."
+        },
     )
     dtype: str = field(
         default="auto",

@@ -171,9 +171,7 @@ def _scatter_add_rows_kernel(
     value = tl.load(src_ptr + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         expert = tl.load(expert_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        value += tl.load(bias_ptr + expert[:, None] * stride_bias + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
+        value += tl.load(bias_ptr + expert[:, None] * stride_bias + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_W:
         value *= tl.load(w_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     dst_row = tl.load(index_ptr + rows, mask=row_mask, other=0).to(tl.int64)

@@ -46,8 +46,9 @@ def _scaled_logits(row_base, Bias, offs, ok, inv_temp, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _row_stats_kernel(Logits, Bias, Targets, Lse, Logp, Entropy, V, stride_row, inv_temp,
-                      HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_stats_kernel(
+    Logits, Bias, Targets, Lse, Logp, Entropy, V, stride_row, inv_temp, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr
+):
     row = tl.program_id(0)
     base = Logits + row.to(tl.int64) * stride_row
     offs0 = tl.arange(0, BLOCK_V)
@@ -76,9 +77,24 @@ def _row_stats_kernel(Logits, Bias, Targets, Lse, Logp, Entropy, V, stride_row, 
 
 
 @triton.jit
-def _grad_logits_kernel(Logits, Bias, Targets, Lse, Entropy, GradLogp, GradEntropy, Grad, V, stride_row,
-                        stride_grad_row, inv_temp, HAS_BIAS: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr,
-                        HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+def _grad_logits_kernel(
+    Logits,
+    Bias,
+    Targets,
+    Lse,
+    Entropy,
+    GradLogp,
+    GradEntropy,
+    Grad,
+    V,
+    stride_row,
+    stride_grad_row,
+    inv_temp,
+    HAS_BIAS: tl.constexpr,
+    HAS_GRAD_LOGP: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0)
     base = Logits + row.to(tl.int64) * stride_row
     grad_base = Grad + row.to(tl.int64) * stride_grad_row
@@ -106,8 +122,10 @@ def _grad_logits_kernel(Logits, Bias, Targets, Lse, Entropy, GradLogp, GradEntro
 
 def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
     if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32:
-        raise ValueError(f"logits must be a float32 [rows, vocab] tensor with unit column stride, got "
-                         f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")
+        raise ValueError(
+            f"logits must be a float32 [rows, vocab] tensor with unit column stride, got "
+            f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
+        )
     if targets.shape != logits.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} must be [rows] for logits {tuple(logits.shape)}")
 
@@ -118,14 +136,25 @@ def row_stats(logits: torch.Tensor, bias: torch.Tensor | None, targets: torch.Te
     rows, vocab = logits.shape
     lse, logp, entropy = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(3))
     if rows:
-        _row_stats_kernel[(rows,)](logits, bias if bias is not None else logits, targets.contiguous(), lse, logp,
-                                   entropy, vocab, logits.stride(0), float(inv_temperature),
-                                   HAS_BIAS=bias is not None, **_config(logits, vocab))
+        _row_stats_kernel[(rows,)](
+            logits,
+            bias if bias is not None else logits,
+            targets.contiguous(),
+            lse,
+            logp,
+            entropy,
+            vocab,
+            logits.stride(0),
+            float(inv_temperature),
+            HAS_BIAS=bias is not None,
+            **_config(logits, vocab),
+        )
     return lse, logp, entropy
 
 
-def grad_logits(logits, bias, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature: float,
-                out_dtype: torch.dtype) -> torch.Tensor:
+def grad_logits(
+    logits, bias, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature: float, out_dtype: torch.dtype
+) -> torch.Tensor:
     """d loss / d logits `[rows, vocab]` in `out_dtype` (written over `logits` when that is float32).
 
     `grad_logp` / `grad_entropy` are the upstream gradients `[rows]` of the log-probs and entropies (None = 0)."""
@@ -136,9 +165,21 @@ def grad_logits(logits, bias, targets, lse, entropy, grad_logp, grad_entropy, in
         return out.zero_()
     if rows:
         _grad_logits_kernel[(rows,)](
-            logits, bias if bias is not None else logits, targets.contiguous(), lse.contiguous(),
-            entropy.contiguous(), grad_logp.contiguous() if grad_logp is not None else lse,
-            grad_entropy.contiguous() if grad_entropy is not None else lse, out, vocab, logits.stride(0),
-            out.stride(0), float(inv_temperature), HAS_BIAS=bias is not None, HAS_GRAD_LOGP=grad_logp is not None,
-            HAS_GRAD_ENTROPY=grad_entropy is not None, **_config(logits, vocab))
+            logits,
+            bias if bias is not None else logits,
+            targets.contiguous(),
+            lse.contiguous(),
+            entropy.contiguous(),
+            grad_logp.contiguous() if grad_logp is not None else lse,
+            grad_entropy.contiguous() if grad_entropy is not None else lse,
+            out,
+            vocab,
+            logits.stride(0),
+            out.stride(0),
+            float(inv_temperature),
+            HAS_BIAS=bias is not None,
+            HAS_GRAD_LOGP=grad_logp is not None,
+            HAS_GRAD_ENTROPY=grad_entropy is not None,
+            **_config(logits, vocab),
+        )
     return out

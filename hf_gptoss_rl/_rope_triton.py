@@ -26,9 +26,30 @@ __all__ = ["rotate_half_pairs"]
 
 
 @triton.jit
-def _rope_kernel(X, Cos, Sin, Out, S, H, stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os,
-                 stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
-                 HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr):
+def _rope_kernel(
+    X,
+    Cos,
+    Sin,
+    Out,
+    S,
+    H,
+    stride_xb,
+    stride_xh,
+    stride_xs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_cb,
+    stride_cs,
+    stride_cd,
+    stride_sb,
+    stride_ss,
+    stride_sd,
+    HALF: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
     pid_s = tl.program_id(0)
     pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -37,19 +58,33 @@ def _rope_kernel(X, Cos, Sin, Out, S, H, stride_xb, stride_xh, stride_xs, stride
     offs_d = tl.arange(0, HALF)
     s_ok = offs_s < S
     cs_mask = s_ok[:, None]
-    cos = tl.load(Cos + b * stride_cb + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :] * stride_cd,
-                  mask=cs_mask, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + b * stride_sb + offs_s[:, None].to(tl.int64) * stride_ss + offs_d[None, :] * stride_sd,
-                  mask=cs_mask, other=0.0).to(tl.float32)
+    cos = tl.load(
+        Cos + b * stride_cb + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :] * stride_cd,
+        mask=cs_mask,
+        other=0.0,
+    ).to(tl.float32)
+    sin = tl.load(
+        Sin + b * stride_sb + offs_s[:, None].to(tl.int64) * stride_ss + offs_d[None, :] * stride_sd,
+        mask=cs_mask,
+        other=0.0,
+    ).to(tl.float32)
     if INVERSE:
         sin = -sin
     cos = cos[:, None, :]  # [BLOCK_S, 1, HALF]: the same angles for every head
     sin = sin[:, None, :]
     mask = s_ok[:, None, None] & (offs_h < H)[None, :, None]
-    x_off = (b * stride_xb + offs_s[:, None, None].to(tl.int64) * stride_xs
-             + offs_h[None, :, None].to(tl.int64) * stride_xh + offs_d[None, None, :])
-    o_off = (b * stride_ob + offs_s[:, None, None].to(tl.int64) * stride_os
-             + offs_h[None, :, None].to(tl.int64) * stride_oh + offs_d[None, None, :])
+    x_off = (
+        b * stride_xb
+        + offs_s[:, None, None].to(tl.int64) * stride_xs
+        + offs_h[None, :, None].to(tl.int64) * stride_xh
+        + offs_d[None, None, :]
+    )
+    o_off = (
+        b * stride_ob
+        + offs_s[:, None, None].to(tl.int64) * stride_os
+        + offs_h[None, :, None].to(tl.int64) * stride_oh
+        + offs_d[None, None, :]
+    )
     x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + o_off, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
@@ -62,8 +97,10 @@ def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
 
     The result has x's shape, dtype and memory order (``torch.empty_like``)."""
     if x.dim() != 4 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [batch, heads, seq, head_dim] with a unit last stride, got {tuple(x.shape)} "
-                         f"strides {x.stride()}")
+        raise ValueError(
+            f"x must be [batch, heads, seq, head_dim] with a unit last stride, got {tuple(x.shape)} "
+            f"strides {x.stride()}"
+        )
     batch, heads, seq, head_dim = x.shape
     half = head_dim // 2
     for name, t in (("cos", cos), ("sin", sin)):
@@ -77,9 +114,28 @@ def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
     block_s, block_h = (16, 16) if x.is_cuda else (4, 4)
     grid = (triton.cdiv(seq, block_s), triton.cdiv(heads, block_h), batch)
     _rope_kernel[grid](
-        x, cos, sin, out, seq, heads, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
-        out.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
-        sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2),
-        HALF=half, BLOCK_S=block_s, BLOCK_H=block_h, INVERSE=inverse, num_warps=4 if x.is_cuda else 1,
+        x,
+        cos,
+        sin,
+        out,
+        seq,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        cos.stride(0) if cos.shape[0] > 1 else 0,
+        cos.stride(1),
+        cos.stride(2),
+        sin.stride(0) if sin.shape[0] > 1 else 0,
+        sin.stride(1),
+        sin.stride(2),
+        HALF=half,
+        BLOCK_S=block_s,
+        BLOCK_H=block_h,
+        INVERSE=inverse,
+        num_warps=4 if x.is_cuda else 1,
     )
     return out

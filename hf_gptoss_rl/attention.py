@@ -194,9 +194,8 @@ def kernels_usable() -> bool:
     The transformers integration of this kernel does not need it (see the module docstring).
     """
     try:
-        from transformers.utils import is_kernels_available
-
         import kernels  # noqa: F401
+        from transformers.utils import is_kernels_available
     except ImportError:
         return False
     return bool(is_kernels_available())

@@ -140,8 +140,9 @@ def _make_fused_rotary_pos_emb(original):
         if reason is not None:
             if q.is_cuda and reason not in _WARNED:  # asked for on a GPU and not taken: say so, once per reason
                 _WARNED.add(reason)
-                warnings.warn(f"fused GPT-OSS RoPE: using transformers' implementation for this call: {reason}",
-                              stacklevel=2)
+                warnings.warn(
+                    f"fused GPT-OSS RoPE: using transformers' implementation for this call: {reason}", stacklevel=2
+                )
             return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         return _FusedRotary.apply(q, cos, sin), _FusedRotary.apply(k, cos, sin)
 
@@ -176,8 +177,10 @@ def apply_fused_gptoss_rope(model: nn.Module) -> nn.Module:
     for module in modules:
         current = getattr(module, "apply_rotary_pos_emb", None)
         if current is None:
-            raise RuntimeError(f"{module.__name__} has no apply_rotary_pos_emb: this transformers version is not "
-                               "supported by apply_fused_gptoss_rope")
+            raise RuntimeError(
+                f"{module.__name__} has no apply_rotary_pos_emb: this transformers version is not "
+                "supported by apply_fused_gptoss_rope"
+            )
         if not hasattr(current, "hf_gptoss_rl_original"):
             module.apply_rotary_pos_emb = _make_fused_rotary_pos_emb(current)
     return model

@@ -31,9 +31,10 @@ import json
 import os
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # heavy imports stay lazy: importing hf_gptoss_rl must not load tokenizers
     import openai_harmony
@@ -65,7 +66,16 @@ __all__ = [
 
 # Released special-token ids of o200k_harmony (openai/harmony, ``src/tiktoken_ext/public_encodings.rs``; the
 # tests check them against the installed ``openai-harmony`` encoding).
-START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL, ENDOFTEXT = 200006, 200007, 200008, 200005, 200003, 200002, 200012, 199999
+START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL, ENDOFTEXT = (
+    200006,
+    200007,
+    200008,
+    200005,
+    200003,
+    200002,
+    200012,
+    199999,
+)
 STARTOFTEXT = 199998
 #: Sampling stops for an assistant turn: ``<|return|>`` ends the answer, ``<|call|>`` hands control to a tool.
 STOP_TOKEN_IDS: tuple[int, ...] = (RETURN, CALL)
@@ -161,7 +171,7 @@ def tiktoken_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def get_harmony_encoding() -> "openai_harmony.HarmonyEncoding":
+def get_harmony_encoding() -> openai_harmony.HarmonyEncoding:
     """``openai-harmony``'s GPT-OSS encoding, loaded offline (``TIKTOKEN_ENCODINGS_BASE`` points at the local cache
     only while loading, then is restored). Cached per process."""
     import openai_harmony
@@ -225,7 +235,7 @@ def _build_tokenizer_json(path: Path) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def load_gptoss_tokenizer() -> "transformers.PreTrainedTokenizerFast":
+def load_gptoss_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """The GPT-OSS tokenizer (o200k_harmony) as a ``PreTrainedTokenizerFast``, built with no network.
 
     Ids match the released tokenizer: 199998 BPE ranks, then the specials (``<|startoftext|>`` 199998,
@@ -552,7 +562,7 @@ def parse_assistant_turn(token_ids: Sequence[int]) -> AssistantTurn:
         if not first:
             # between messages: expect <|start|> then the role header
             if ids[pos] != START:
-                error = f"expected <|start|> after <|end|> at token {pos}, got {decode_tokens(ids[pos:pos + 8])!r}"
+                error = f"expected <|start|> after <|end|> at token {pos}, got {decode_tokens(ids[pos : pos + 8])!r}"
                 break
             pos += 1
         first = False
@@ -616,8 +626,9 @@ def parse_assistant_turn(token_ids: Sequence[int]) -> AssistantTurn:
     if last is not None and last.terminator == "call":
         if last.recipient:
             name = last.recipient[len("functions.") :] if last.recipient.startswith("functions.") else last.recipient
-            tool_call = ToolCall(name=name, arguments=last.content, recipient=last.recipient,
-                                 content_type=last.content_type)
+            tool_call = ToolCall(
+                name=name, arguments=last.content, recipient=last.recipient, content_type=last.content_type
+            )
         elif error is None:
             error = "<|call|> ended a message without a recipient (to=...)"
     return AssistantTurn(analysis=analysis, final=final, tool_call=tool_call, messages=messages, stop=stop, error=error)

@@ -135,9 +135,15 @@ class ChunkedLogProbs(torch.autograd.Function):
             h = hidden[start:end]
             if fused:
                 grad_logits = _logprobs_triton.grad_logits(
-                    _mm_fp32(h, weight.t()), bias, targets[start:end], lse[start:end], entropy[start:end],
+                    _mm_fp32(h, weight.t()),
+                    bias,
+                    targets[start:end],
+                    lse[start:end],
+                    entropy[start:end],
                     None if grad_logps is None else grad_logps[start:end],
-                    None if grad_entropy is None else grad_entropy[start:end], 1.0 / temperature, grad_dtype,
+                    None if grad_entropy is None else grad_entropy[start:end],
+                    1.0 / temperature,
+                    grad_dtype,
                 )
                 _accumulate_head_grads(grad_logits, h, weight, start, end, grad_hidden, grad_weight, grad_bias, acc)
                 continue

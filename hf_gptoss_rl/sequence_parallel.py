@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ def sequence_parallel_mesh(
     *,
     dp_replicate_size: int = 1,
     device_type: str | None = None,
-) -> "torch.distributed.device_mesh.DeviceMesh":
+) -> torch.distributed.device_mesh.DeviceMesh:
     """Build the device mesh for SP next to FSDP2 data parallelism: dims ``([dp_replicate,] dp_shard, sp)``.
 
     accelerate's ``ParallelismConfig`` only accepts ``sp_backend="deepspeed"`` and builds no mesh for it, so the mesh

@@ -31,7 +31,7 @@ except ModuleNotFoundError:  # Python 3.10: tomli, which pyproject.toml declares
     import tomli as tomllib  # type: ignore[no-redef]
 
 # kernel-builder's compatibility shim for clients that import build/<variant>/<python_name>/__init__.py.
-COMPAT_SHIM = '''import ctypes
+COMPAT_SHIM = """import ctypes
 import importlib.util
 import sys
 from pathlib import Path
@@ -54,7 +54,7 @@ def _import_from_path(file_path: Path) -> ModuleType:
 
 
 globals().update(vars(_import_from_path(Path(__file__).parent.parent / "__init__.py")))
-'''
+"""
 
 SUPPORTED_NOARCH_BACKENDS = ("cuda", "cpu", "rocm", "xpu", "metal", "npu", "universal")
 

@@ -148,7 +148,7 @@ class FakeSGLangServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "FakeSGLangServer":
+    def start(self) -> FakeSGLangServer:
         server = self
 
         class Handler(_Handler):
@@ -189,7 +189,7 @@ class FakeSGLangServer:
         thread.start()
         return thread
 
-    def __enter__(self) -> "FakeSGLangServer":
+    def __enter__(self) -> FakeSGLangServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -214,8 +214,11 @@ class FakeSGLangServer:
         routes = {
             ("GET", "/health"): lambda b: "",
             ("GET", "/health_generate"): self._health_generate,
-            ("GET", "/model_info"): lambda b: {"model_path": self.model_path, "is_generation": True,
-                                               "weight_version": self.served_version},
+            ("GET", "/model_info"): lambda b: {
+                "model_path": self.model_path,
+                "is_generation": True,
+                "weight_version": self.served_version,
+            },
             ("GET", "/server_info"): self._server_info,
             ("GET", "/get_server_info"): self._server_info,
             ("POST", "/generate"): self._generate,
@@ -254,8 +257,12 @@ class FakeSGLangServer:
 
     def _server_info(self, body) -> dict:
         return {
-            "model_path": self.model_path, "tp_size": self.tp_size, "dp_size": 1, "version": self.version,
-            "enable_lora": self.enable_lora, "weight_version": self.served_version,
+            "model_path": self.model_path,
+            "tp_size": self.tp_size,
+            "dp_size": 1,
+            "version": self.version,
+            "enable_lora": self.enable_lora,
+            "weight_version": self.served_version,
         }
 
     def _health_generate(self, body) -> str:
@@ -425,8 +432,11 @@ class FakeSGLangServer:
         if body.get("flush_cache", True) and not self._can_flush():
             if self.version < "0.5.23":
                 raise _HTTPError(500, "AssertionError: Cache flush failed after updating weights")
-            raise _HTTPError(400, "Weights were updated, but the cache was not flushed because requests are "
-                                  "still running or queued. Retract or finish them, then call /flush_cache.")
+            raise _HTTPError(
+                400,
+                "Weights were updated, but the cache was not flushed because requests are "
+                "still running or queued. Retract or finish them, then call /flush_cache.",
+            )
         if body.get("flush_cache", True):
             self._radix.clear()
         if body.get("weight_version") is not None:
@@ -473,7 +483,9 @@ class FakeSGLangServer:
         name = body.get("group_name", "weight_update_group")
         pg = self._groups.get(name)
         if pg is None:
-            raise _HTTPError(400, f"Group {name} not in {list(self._groups)}. Please call `init_weights_update_group` first.")
+            raise _HTTPError(
+                400, f"Group {name} not in {list(self._groups)}. Please call `init_weights_update_group` first."
+            )
         shapes, dtypes = body["shapes"], [getattr(torch, d) for d in body["dtypes"]]
         if body.get("load_format") == "flattened_bucket":
             meta, offset = [], 0
@@ -508,8 +520,11 @@ class FakeSGLangServer:
         from multiprocessing.reduction import ForkingPickler
 
         if not isinstance(payloads, list) or len(payloads) != self.tp_size:
-            raise _HTTPError(400, f"serialized_named_tensors must hold one payload per TP rank ({self.tp_size}), "
-                                  f"got {len(payloads) if isinstance(payloads, list) else type(payloads).__name__}")
+            raise _HTTPError(
+                400,
+                f"serialized_named_tensors must hold one payload per TP rank ({self.tp_size}), "
+                f"got {len(payloads) if isinstance(payloads, list) else type(payloads).__name__}",
+            )
         out = []
         for payload in payloads:
             try:
@@ -531,8 +546,11 @@ class FakeSGLangServer:
         if body.get("abort_all_requests", True):
             self.engine.abort_all()
         self.served_version = str(body["new_version"])
-        return {"success": True, "message": f"Weight version updated to {body['new_version']}",
-                "new_version": body["new_version"]}
+        return {
+            "success": True,
+            "message": f"Weight version updated to {body['new_version']}",
+            "new_version": body["new_version"],
+        }
 
     def _weights_checker(self, body: dict) -> dict:
         if body.get("action", "checksum") != "checksum":
@@ -542,11 +560,23 @@ class FakeSGLangServer:
             for name, t in self.engine.model.state_dict().items()
         }
         overall = hashlib.sha256("".join(f"{k}{checksums[k]}" for k in sorted(checksums)).encode()).hexdigest()
-        info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
-                "pp_size": 1, "rank": 0, "size": 1}
-        return {"success": True, "message": "", "ranks": [{"checksums": checksums, "per_gpu_checksum": overall,
-                                                             "parallelism_info": info}],
-                "per_engine_checksum": hashlib.sha256(overall.encode()).hexdigest()}
+        info = {
+            "role": "target",
+            "tp_rank": 0,
+            "tp_size": 1,
+            "dp_rank": 0,
+            "dp_size": 1,
+            "pp_rank": 0,
+            "pp_size": 1,
+            "rank": 0,
+            "size": 1,
+        }
+        return {
+            "success": True,
+            "message": "",
+            "ranks": [{"checksums": checksums, "per_gpu_checksum": overall, "parallelism_info": info}],
+            "per_engine_checksum": hashlib.sha256(overall.encode()).hexdigest(),
+        }
 
     # ------------------------------------------------------------------ LoRA
 
@@ -634,9 +664,18 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None and fault.kind == "status":
             return self._send(fault.status, {"error": {"message": f"injected fault {fault.status}"}})
         if fault is not None and fault.kind == "trickle":  # a valid answer, one byte every delay_s
-            canned = {"text": "", "output_ids": [1], "meta_info": {
-                "finish_reason": {"type": "length", "length": 1}, "output_token_logprobs": [[-0.5, 1, None]],
-                "weight_version": owner.served_version, "prompt_tokens": 1, "cached_tokens": 0, "pad": "x" * 200}}
+            canned = {
+                "text": "",
+                "output_ids": [1],
+                "meta_info": {
+                    "finish_reason": {"type": "length", "length": 1},
+                    "output_token_logprobs": [[-0.5, 1, None]],
+                    "weight_version": owner.served_version,
+                    "prompt_tokens": 1,
+                    "cached_tokens": 0,
+                    "pad": "x" * 200,
+                },
+            }
             return self._send(200, canned, trickle_s=fault.delay_s)
         try:
             body = json.loads(raw) if raw else {}

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from hf_gptoss_rl.sequence_parallel import (
     disable_sequence_parallel,
-    sequence_parallel_disabled,
     enable_sequence_parallel,
     gather_outputs,
+    sequence_parallel_disabled,
     sequence_parallel_logprobs,
     sequence_parallel_mesh,
     shard_inputs,
@@ -95,7 +95,13 @@ def _logprob_scenario(model, batch, group):
     grads = _summed_grads(model, group)
     with torch.no_grad():
         kept, entropy = sequence_parallel_logprobs(
-            model, batch, group, temperature=0.7, logits_to_keep=9, return_entropy=True, chunk_size=7,
+            model,
+            batch,
+            group,
+            temperature=0.7,
+            logits_to_keep=9,
+            return_entropy=True,
+            chunk_size=7,
             through_model_forward=True,
         )
     return {"logps": logps.detach(), "logps_keep9": kept, "entropy_keep9": entropy, "grads": grads}

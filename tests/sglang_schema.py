@@ -187,8 +187,11 @@ def _unpickler_rules(tree: ast.Module) -> dict:
         if isinstance(node, ast.ClassDef) and node.name == "SafeUnpickler":
             for stmt in node.body:
                 if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
-                    key = {"ALLOWED_GLOBALS": "unpickle_globals", "ALLOWED_MODULE_PREFIXES": "unpickle_prefixes",
-                           "DENY_CLASSES": "unpickle_denied"}.get(stmt.targets[0].id)
+                    key = {
+                        "ALLOWED_GLOBALS": "unpickle_globals",
+                        "ALLOWED_MODULE_PREFIXES": "unpickle_prefixes",
+                        "DENY_CLASSES": "unpickle_denied",
+                    }.get(stmt.targets[0].id)
                     if key:
                         rules[key] = set(ast.literal_eval(stmt.value))
     if "unpickle_globals" not in rules and "unpickle_prefixes" not in rules:
@@ -202,7 +205,9 @@ def load_schemas(package_root: str | Path, version: str = "unknown") -> RouteSch
     http = ast.parse((root / "srt/entrypoints/http_server.py").read_text())
     io_struct = ast.parse((root / "srt/managers/io_struct.py").read_text())
     common = ast.parse((root / "srt/utils/common.py").read_text())
-    return RouteSchemas(version=version, routes=_routes(http), classes=_class_fields(io_struct), **_unpickler_rules(common))
+    return RouteSchemas(
+        version=version, routes=_routes(http), classes=_class_fields(io_struct), **_unpickler_rules(common)
+    )
 
 
 _FILES = ("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py", "sglang/srt/utils/common.py")
@@ -221,8 +226,22 @@ def fetch_schemas(version: str, cache_dir: str | Path, timeout_s: float = 300.0)
         wheel_dir.mkdir(parents=True, exist_ok=True)
         wheels = sorted(wheel_dir.glob(f"sglang-{version}-*.whl"))
         if not wheels:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-                   "3.11", "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(wheel_dir), "-q"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.11",
+                "--platform",
+                "manylinux_2_34_x86_64",
+                f"sglang=={version}",
+                "-d",
+                str(wheel_dir),
+                "-q",
+            ]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             except (OSError, subprocess.TimeoutExpired) as exc:

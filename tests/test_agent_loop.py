@@ -8,7 +8,15 @@ import json
 import pytest
 import torch
 
-from hf_gptoss_rl.harmony import CALL, RETURN, START, encode_text, get_harmony_encoding, render_prompt, render_tool_result
+from hf_gptoss_rl.harmony import (
+    CALL,
+    RETURN,
+    START,
+    encode_text,
+    get_harmony_encoding,
+    render_prompt,
+    render_tool_result,
+)
 from trl_ext.rollout import AgentLoop, GenerationOutput, RolloutEngine, SamplingParams
 from trl_ext.tools import FunctionTool, ToolError
 
@@ -50,8 +58,8 @@ async def slow(seconds: float) -> str:
 TOOLS = [FunctionTool(add), FunctionTool(fail), FunctionTool(slow)]
 PROMPT = render_prompt([{"role": "user", "content": "What is 2 + 3?"}], tools=TOOLS)
 
-CALL_MODEL_FORM = "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 2, \"b\": 3}<|call|>"
-CALL_HEADER_FORM = " to=functions.add<|channel|>commentary <|constrain|>json<|message|>{\"a\": 2, \"b\": 3}<|call|>"
+CALL_MODEL_FORM = '<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 3}<|call|>'
+CALL_HEADER_FORM = ' to=functions.add<|channel|>commentary <|constrain|>json<|message|>{"a": 2, "b": 3}<|call|>'
 FINAL = "<|channel|>analysis<|message|>It is 5.<|end|><|start|>assistant<|channel|>final<|message|>\\boxed{5}<|return|>"
 
 
@@ -128,7 +136,9 @@ def assert_layout(traj, segments):
     assert traj.rollout_logprobs == pytest.approx(lps, abs=0)
 
 
-@pytest.mark.parametrize("call_text", [CALL_MODEL_FORM, CALL_HEADER_FORM], ids=["channel-recipient", "header-recipient"])
+@pytest.mark.parametrize(
+    "call_text", [CALL_MODEL_FORM, CALL_HEADER_FORM], ids=["channel-recipient", "header-recipient"]
+)
 def test_tool_call_then_final(call_text):
     engine = ScriptedEngine([call_text, FINAL])
     traj = run(engine)
@@ -148,13 +158,22 @@ def test_tool_call_then_final(call_text):
 @pytest.mark.parametrize(
     "call_text, expected_error",
     [
-        ("<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 2, \"b\": <|call|>", "not valid JSON"),
+        ('<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": <|call|>', "not valid JSON"),
         ("<|channel|>commentary to=functions.add <|constrain|>json<|message|>[1, 2]<|call|>", "must be a JSON object"),
-        ("<|channel|>commentary to=functions.mul <|constrain|>json<|message|>{\"a\": 2}<|call|>", "unknown tool 'functions.mul'"),
-        ("<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 2}<|call|>", "missing required argument"),
-        ("<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": \"2\", \"b\": 3}<|call|>", "must be integer"),
-        ("<|channel|>commentary to=functions.fail <|constrain|>json<|message|>{\"reason\": \"no\"}<|call|>", "refused: no"),
-        ("<|channel|>commentary <|constrain|>json<|message|>{\"a\": 2}<|call|>", "malformed tool call"),
+        (
+            '<|channel|>commentary to=functions.mul <|constrain|>json<|message|>{"a": 2}<|call|>',
+            "unknown tool 'functions.mul'",
+        ),
+        (
+            '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2}<|call|>',
+            "missing required argument",
+        ),
+        (
+            '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": "2", "b": 3}<|call|>',
+            "must be integer",
+        ),
+        ('<|channel|>commentary to=functions.fail <|constrain|>json<|message|>{"reason": "no"}<|call|>', "refused: no"),
+        ('<|channel|>commentary <|constrain|>json<|message|>{"a": 2}<|call|>', "malformed tool call"),
     ],
     ids=["bad-json", "not-object", "unknown-tool", "missing-arg", "wrong-type", "tool-error", "no-recipient"],
 )
@@ -171,21 +190,29 @@ def test_malformed_calls_return_errors_and_continue(call_text, expected_error):
 
 
 def test_tool_timeout_is_an_error_for_the_model():
-    call = "<|channel|>commentary to=functions.slow <|constrain|>json<|message|>{\"seconds\": 5}<|call|>"
+    call = '<|channel|>commentary to=functions.slow <|constrain|>json<|message|>{"seconds": 5}<|call|>'
     traj = run(ScriptedEngine([call, FINAL]), tool_timeout_s=0.05)
     assert traj.finish_reason == "final" and "timed out" in traj.tool_calls[0].error
 
 
 def test_max_turns_stops_and_skips_the_last_call():
-    call = "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 1, \"b\": 1}<|call|>"
+    call = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1, "b": 1}<|call|>'
     engine = ScriptedEngine([call] * 3)
     traj = run(engine, max_turns=3)
     inject = render_tool_result("add", "2")
     assert traj.finish_reason == "max_turns" and traj.num_turns == 3 and len(engine.contexts) == 3
     assert [c.result for c in traj.tool_calls] == ["2", "2", None]
     assert traj.tool_calls[2].error == "max_turns reached: not executed"
-    assert_layout(traj, [(tok(call), True, 0), (inject, False, None), (tok(call), True, 1), (inject, False, None),
-                         (tok(call), True, 2)])
+    assert_layout(
+        traj,
+        [
+            (tok(call), True, 0),
+            (inject, False, None),
+            (tok(call), True, 1),
+            (inject, False, None),
+            (tok(call), True, 2),
+        ],
+    )
 
 
 def test_truncation_at_the_token_budget():
@@ -210,7 +237,7 @@ def test_per_turn_cap_and_tool_output_overflow_end_with_length():
 
 
 def test_long_tool_output_is_truncated():
-    call = "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 123456789, \"b\": 1}<|call|>"
+    call = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 123456789, "b": 1}<|call|>'
     traj = run(ScriptedEngine([call, FINAL]), max_tool_output_chars=4)
     inject = render_tool_result("add", "1234\n...[truncated 5 characters]")
     assert_layout(traj, [(tok(call), True, 0), (inject, False, None), (tok(FINAL), True, 1)])
@@ -226,8 +253,9 @@ def test_stops_without_final_answer():
     second = "<|channel|>final<|message|>done<|return|>"
     traj = run(ScriptedEngine([first, second]), sampling=sampling)
     assert traj.finish_reason == "final" and traj.final_text == "done"
-    assert_layout(traj, [(tok(first), True, 0), ([START, *encode_text("assistant")], False, None),
-                         (tok(second), True, 1)])
+    assert_layout(
+        traj, [(tok(first), True, 0), ([START, *encode_text("assistant")], False, None), (tok(second), True, 1)]
+    )
 
 
 def test_engine_abort_and_failure():
@@ -294,18 +322,20 @@ def test_plain_turn_format_is_one_turn_without_tools():
 def test_rollout_logprobs_match_the_trainer_forward(backend):
     """Prompt + completion scored by the model in one forward reproduce the rollout log-probs where mask == 1,
     in process and through the SGLang client + the local SGLang-protocol server."""
+    from fake_sglang_server import FakeSGLangServer  # tests/: a test double of SGLang's HTTP server
     from transformers import GptOssForCausalLM
 
     from hf_gptoss_rl.testing import tiny_gptoss_config
     from trl_ext.rollout import EmbeddedEngine, SGLangEngine
-    from fake_sglang_server import FakeSGLangServer  # tests/: a test double of SGLang's HTTP server
 
     torch.manual_seed(0)
     model = GptOssForCausalLM(tiny_gptoss_config(hidden_size=32, intermediate_size=32, head_dim=8)).float().eval()
     embedded = EmbeddedEngine(model, seed=0)
     server = FakeSGLangServer(embedded).start() if backend == "sglang-http" else None
     engine = SGLangEngine(server.url, timeout_s=60) if server else embedded
-    loop = AgentLoop(engine, TOOLS, sampling=SamplingParams(max_new_tokens=6, temperature=0.8), max_completion_tokens=12)
+    loop = AgentLoop(
+        engine, TOOLS, sampling=SamplingParams(max_new_tokens=6, temperature=0.8), max_completion_tokens=12
+    )
     prompts = [PROMPT, render_prompt([{"role": "user", "content": "Hi"}])]
     try:
         trajs = loop.run_batch_sync(prompts)

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GptOssForCausalLM
+from transformers import modeling_flash_attention_utils as fa_utils
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel
 
 import hf_gptoss_rl
 from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION, CACHE_ENV_VAR, KERNEL_REPO_ID, build_local_kernel
 from hf_gptoss_rl.testing import tiny_gptoss_config
-
-from transformers import GptOssForCausalLM
-from transformers import modeling_flash_attention_utils as fa_utils
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel
 
 VOCAB = 128
 SLIDING_WINDOW = 8
@@ -231,7 +230,7 @@ def test_other_ids_go_to_transformers_unchanged():
     ],
 )
 def test_misspelt_id_raises(model_dir, name):
-    with pytest.raises(ValueError, match="did you mean \"hf-gptoss-rl/sink-flash-attn3\""):
+    with pytest.raises(ValueError, match='did you mean "hf-gptoss-rl/sink-flash-attn3"'):
         load(model_dir, name)
 
 

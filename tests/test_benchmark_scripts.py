@@ -108,9 +108,9 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path):
     """The benchmark's loss (both log-prob paths) equals TRL's `GRPOTrainer._compute_loss`, value and gradient."""
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
-    from benchmarks import full_step
     from transformers import GptOssForCausalLM
 
+    from benchmarks import full_step
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
     from hf_gptoss_rl.testing import tiny_gptoss_config
@@ -317,9 +317,26 @@ def test_benchmarks_run_as_modules(module):
 def test_attention_benchmark_cpu_smoke(tmp_path):
     """`benchmarks/attention.py` end to end on tiny CPU shapes: every section runs, and its chunked fp64 reference
     agrees with the kernel's PyTorch path (fp32 inputs, so the errors sit near 1e-7: a wrong reference would show)."""
-    _run([str(REPO / "benchmarks" / "attention.py"), "--device", "cpu", "--out", str(tmp_path),
-          "--shapes", "64,64/16", "--layer-shapes", "64", "--flex-seqlens", "", "--accuracy", "64,64/16,64/x25",
-          "--mixed-seqlen", "64"], timeout=600)
+    _run(
+        [
+            str(REPO / "benchmarks" / "attention.py"),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--shapes",
+            "64,64/16",
+            "--layer-shapes",
+            "64",
+            "--flex-seqlens",
+            "",
+            "--accuracy",
+            "64,64/16,64/x25",
+            "--mixed-seqlen",
+            "64",
+        ],
+        timeout=600,
+    )
     res = json.loads((tmp_path / "attention.json").read_text())
     assert [r["case"] for r in res["kernel_rows"]] == ["S=64 causal", "S=64 window 16"]
     assert all(r["public_ms"] > 0 and r["raw_ms"] > 0 for r in res["kernel_rows"])

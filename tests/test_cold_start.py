@@ -71,7 +71,7 @@ def test_cold_start_examples_compute_the_answers():
         assert re.fullmatch(r"([a-z] = [0-9+\-*/(). ]+\n)+print\([a-z]\)", code), code
         assert float(output) == pytest.approx(float(boxed)), (code, output, boxed)  # the sandbox's real output
     assert any(output.strip().endswith(".0") for _, output, _ in calls)  # not made up: `48/2` prints 24.0
-    for example, (_, output, boxed) in zip(examples, calls):
+    for example, (_, _output, boxed) in zip(examples, calls):
         ids, mask = example["input_ids"], example["assistant_masks"]
         assert len(ids) == len(mask) and mask[0] == 0 and mask[-1] == 1
         # targets: the assistant's call and answer; not the prompt, not the tool's output

@@ -113,7 +113,9 @@ def test_every_marker_is_a_skip_with_a_reason():
                 continue
             following = next((j for j in range(line, len(lines)) if lines[j].strip()), None)
             if following is None or (path, following + 1) not in attached:
-                problems.append(f"{path.relative_to(REPO)}:{line}: the skip marker is not right before a ```python block")
+                problems.append(
+                    f"{path.relative_to(REPO)}:{line}: the skip marker is not right before a ```python block"
+                )
     assert not problems, "\n".join(problems)
 
 

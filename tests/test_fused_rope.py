@@ -59,8 +59,10 @@ def rel_err(a, b):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,cos_batch,seq,heads,head_dim,transposed",
-                         [(2, 2, 13, 5, 64, False), (1, 1, 7, 3, 16, True), (3, 1, 5, 17, 128, False)])
+@pytest.mark.parametrize(
+    "batch,cos_batch,seq,heads,head_dim,transposed",
+    [(2, 2, 13, 5, 64, False), (1, 1, 7, 3, 16, True), (3, 1, 5, 17, 128, False)],
+)
 def test_kernel_matches_fp64_forward_and_backward(dtype, batch, cos_batch, seq, heads, head_dim, transposed):
     x = projected(batch, seq, heads, head_dim, dtype, seed=1).requires_grad_()
     cos, sin = angles(cos_batch, seq, head_dim // 2, dtype, seed=2, transposed=transposed)
@@ -125,8 +127,9 @@ def test_patched_tiny_gptoss_matches_stock(restore_rope):
     # the angles as the transformers versions that build them with a transposed matmul (5.17) pass them
     rotary = model.model.rotary_emb
     real_rotary_forward = rotary.forward
-    rotary.forward = lambda *a, **kw: tuple(t.transpose(1, 2).contiguous().transpose(1, 2)
-                                            for t in real_rotary_forward(*a, **kw))
+    rotary.forward = lambda *a, **kw: tuple(
+        t.transpose(1, 2).contiguous().transpose(1, 2) for t in real_rotary_forward(*a, **kw)
+    )
     calls = []
     real_apply = fused_layers._FusedRotary.apply
     fused_layers._FusedRotary.apply = lambda *a: calls.append(1) or real_apply(*a)

@@ -95,7 +95,9 @@ def test_patched_stack_matches_eager_bf16(reference_model):
 def test_generate_matches_eager(reference_model):
     ids, mask = padded_batch()
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
-    eager = load(reference_model, "eager", "eager", torch.float32).generate(ids[:, :80], attention_mask=mask[:, :80], **kwargs)
+    eager = load(reference_model, "eager", "eager", torch.float32).generate(
+        ids[:, :80], attention_mask=mask[:, :80], **kwargs
+    )
     ours = load(reference_model, KERNEL, "memory_efficient", torch.float32).generate(
         ids[:, :80], attention_mask=mask[:, :80], **kwargs
     )

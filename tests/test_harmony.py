@@ -103,9 +103,17 @@ def T(text):
 
 def test_special_token_ids(tok, enc):
     released = {
-        "<|startoftext|>": 199998, "<|endoftext|>": ENDOFTEXT, "<|return|>": RETURN, "<|constrain|>": CONSTRAIN,
-        "<|channel|>": CHANNEL, "<|start|>": START, "<|end|>": END, "<|message|>": MESSAGE, "<|call|>": CALL,
-        "<|reserved_200000|>": 200000, "<|reserved_201087|>": 201087,
+        "<|startoftext|>": 199998,
+        "<|endoftext|>": ENDOFTEXT,
+        "<|return|>": RETURN,
+        "<|constrain|>": CONSTRAIN,
+        "<|channel|>": CHANNEL,
+        "<|start|>": START,
+        "<|end|>": END,
+        "<|message|>": MESSAGE,
+        "<|call|>": CALL,
+        "<|reserved_200000|>": 200000,
+        "<|reserved_201087|>": 201087,
     }
     for name, i in released.items():
         assert tok.convert_tokens_to_ids(name) == i
@@ -164,7 +172,9 @@ def test_offline_in_fresh_cache_without_network(tmp_path):
         """
     )
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "TIKTOKEN_ENCODINGS_BASE"}
-    env.update(HF_GPTOSS_RL_CACHE=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    env.update(
+        HF_GPTOSS_RL_CACHE=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9"
+    )
     prefix = []
     unshare = shutil.which("unshare")
     if unshare:
@@ -172,7 +182,9 @@ def test_offline_in_fresh_cache_without_network(tmp_path):
             if subprocess.run(candidate + ["true"], capture_output=True).returncode == 0:
                 prefix = candidate
                 break
-    out = subprocess.run(prefix + [sys.executable, "-c", script, harmony.__file__], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        prefix + [sys.executable, "-c", script, harmony.__file__], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
     assert (tmp_path / "cache" / "tiktoken" / "o200k_base.tiktoken").is_file()
 
@@ -182,10 +194,16 @@ def test_offline_in_fresh_cache_without_network(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _harmony_prefix(effort=ReasoningEffort.HIGH, instructions="Answer with \\boxed{}.", tools=(CODE_TOOL, WEATHER_TOOL)):
+def _harmony_prefix(
+    effort=ReasoningEffort.HIGH, instructions="Answer with \\boxed{}.", tools=(CODE_TOOL, WEATHER_TOOL)
+):
     system = SystemContent.new().with_reasoning_effort(effort)
-    developer = DeveloperContent.new().with_instructions(instructions).with_function_tools(
-        [ToolDescription.new(t["name"], t["description"], parameters=t["parameters"]) for t in tools]
+    developer = (
+        DeveloperContent.new()
+        .with_instructions(instructions)
+        .with_function_tools(
+            [ToolDescription.new(t["name"], t["description"], parameters=t["parameters"]) for t in tools]
+        )
     )
     return [
         Message.from_role_and_content(Role.SYSTEM, system),
@@ -196,7 +214,10 @@ def _harmony_prefix(effort=ReasoningEffort.HIGH, instructions="Answer with \\box
 
 def test_render_prompt_matches_openai_harmony(enc):
     ids = render_prompt(
-        [{"role": "system", "content": "Answer with \\boxed{}."}, {"role": "user", "content": "What is 2 + 2? Use the tool."}],
+        [
+            {"role": "system", "content": "Answer with \\boxed{}."},
+            {"role": "user", "content": "What is 2 + 2? Use the tool."},
+        ],
         tools=[CODE_TOOL, {"type": "function", "function": WEATHER_TOOL}],
         reasoning_effort="high",
     )
@@ -208,7 +229,9 @@ def test_render_prompt_matches_openai_harmony(enc):
     # developer_instructions= and a leading developer message are the same thing
     same = render_prompt(
         [{"role": "user", "content": "What is 2 + 2? Use the tool."}],
-        tools=[CODE_TOOL, WEATHER_TOOL], reasoning_effort="high", developer_instructions="Answer with \\boxed{}.",
+        tools=[CODE_TOOL, WEATHER_TOOL],
+        reasoning_effort="high",
+        developer_instructions="Answer with \\boxed{}.",
     )
     assert same == ids
 
@@ -216,10 +239,14 @@ def test_render_prompt_matches_openai_harmony(enc):
 @pytest.mark.parametrize("effort", ["low", "medium", "high"])
 def test_render_prompt_reasoning_effort_without_tools(enc, effort):
     ids = render_prompt([{"role": "user", "content": "hi"}], reasoning_effort=effort)
-    conv = Conversation.from_messages([
-        Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort[effort.upper()])),
-        Message.from_role_and_content(Role.USER, "hi"),
-    ])
+    conv = Conversation.from_messages(
+        [
+            Message.from_role_and_content(
+                Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort[effort.upper()])
+            ),
+            Message.from_role_and_content(Role.USER, "hi"),
+        ]
+    )
     assert ids == list(enc.render_conversation_for_completion(conv, Role.ASSISTANT))
     assert f"Reasoning: {effort}" in enc.decode(ids) and "<|start|>developer" not in enc.decode(ids)
 
@@ -227,20 +254,31 @@ def test_render_prompt_reasoning_effort_without_tools(enc, effort):
 def test_agent_loop_concatenation_equals_harmony_where_they_overlap(enc):
     """prompt + sampled call (recipient in header, as re-rendered) + render_tool_result == harmony's rendering; with
     the model's own placement the tool result and the rest are unchanged."""
-    call_header = Message.from_role_and_content(Role.ASSISTANT, '{"code": "print(2 + 2)"}').with_channel(
-        "commentary").with_recipient("functions.code_interpreter").with_content_type("<|constrain|>json")
+    call_header = (
+        Message.from_role_and_content(Role.ASSISTANT, '{"code": "print(2 + 2)"}')
+        .with_channel("commentary")
+        .with_recipient("functions.code_interpreter")
+        .with_content_type("<|constrain|>json")
+    )
     analysis = Message.from_role_and_content(Role.ASSISTANT, "I should run code.").with_channel("analysis")
-    result = Message.from_author_and_content(Author.new(Role.TOOL, "functions.code_interpreter"), "4\n").with_channel(
-        "commentary").with_recipient("assistant")
+    result = (
+        Message.from_author_and_content(Author.new(Role.TOOL, "functions.code_interpreter"), "4\n")
+        .with_channel("commentary")
+        .with_recipient("assistant")
+    )
     conv = Conversation.from_messages(_harmony_prefix() + [analysis, call_header, result])
     full = list(enc.render_conversation_for_completion(conv, Role.ASSISTANT))
 
     prompt = render_prompt(
-        [{"role": "system", "content": "Answer with \\boxed{}."}, {"role": "user", "content": "What is 2 + 2? Use the tool."}],
-        tools=[CODE_TOOL, WEATHER_TOOL], reasoning_effort="high",
+        [
+            {"role": "system", "content": "Answer with \\boxed{}."},
+            {"role": "user", "content": "What is 2 + 2? Use the tool."},
+        ],
+        tools=[CODE_TOOL, WEATHER_TOOL],
+        reasoning_effort="high",
     )
     assert full[: len(prompt)] == prompt
-    sampled = full[len(prompt): full.index(CALL) + 1]  # what a model following the template form would sample
+    sampled = full[len(prompt) : full.index(CALL) + 1]  # what a model following the template form would sample
     tool_msg = render_tool_result("code_interpreter", "4\n")
     assert prompt + sampled + tool_msg == full
     assert enc.decode(tool_msg) == (
@@ -254,11 +292,15 @@ def test_agent_loop_concatenation_equals_harmony_where_they_overlap(enc):
         [
             {"role": "system", "content": "Answer with \\boxed{}."},
             {"role": "user", "content": "What is 2 + 2? Use the tool."},
-            {"role": "assistant", "thinking": "I should run code.",
-             "tool_calls": [{"name": "code_interpreter", "arguments": {"code": "print(2 + 2)"}}]},
+            {
+                "role": "assistant",
+                "thinking": "I should run code.",
+                "tool_calls": [{"name": "code_interpreter", "arguments": {"code": "print(2 + 2)"}}],
+            },
             {"role": "tool", "name": "code_interpreter", "content": "4\n"},
         ],
-        tools=[CODE_TOOL, WEATHER_TOOL], reasoning_effort="high",
+        tools=[CODE_TOOL, WEATHER_TOOL],
+        reasoning_effort="high",
     )
     assert history == full
 
@@ -275,7 +317,16 @@ def model_form_call(name="code_interpreter", args='{"code": "print(2 + 2)"}'):
 
 def header_form_call(name="code_interpreter", args='{"code": "print(2 + 2)"}'):
     """The placement re-rendering produces: recipient in the header before <|channel|>."""
-    return T(f" to=functions.{name}") + [CHANNEL] + T("commentary ") + [CONSTRAIN] + T("json") + [MESSAGE] + T(args) + [CALL]
+    return (
+        T(f" to=functions.{name}")
+        + [CHANNEL]
+        + T("commentary ")
+        + [CONSTRAIN]
+        + T("json")
+        + [MESSAGE]
+        + T(args)
+        + [CALL]
+    )
 
 
 def analysis(text="Let me compute."):
@@ -305,7 +356,13 @@ CALL_FORMS = {
     "model": model_form_call(),
     "header": header_form_call(),
     # no space before <|constrain|>
-    "model-tight": [CHANNEL] + T("commentary to=functions.code_interpreter") + [CONSTRAIN] + T("json") + [MESSAGE] + T(ARGS) + [CALL],
+    "model-tight": [CHANNEL]
+    + T("commentary to=functions.code_interpreter")
+    + [CONSTRAIN]
+    + T("json")
+    + [MESSAGE]
+    + T(ARGS)
+    + [CALL],
     # TRL's template form: plain "json" content type, recipient in the header
     "template": T(" to=functions.code_interpreter") + [CHANNEL] + T("commentary json") + [MESSAGE] + T(ARGS) + [CALL],
     # no content type at all
@@ -328,8 +385,15 @@ def test_parse_tool_call_placements_agree_with_harmony(enc, form, first):
 
 
 def test_parse_final_answer_agrees_with_harmony(enc):
-    sampled = analysis("The tool said 4.") + next_message() + [CHANNEL] + T("final") + [MESSAGE] + T(
-        "The answer is \\boxed{4}.") + [RETURN]
+    sampled = (
+        analysis("The tool said 4.")
+        + next_message()
+        + [CHANNEL]
+        + T("final")
+        + [MESSAGE]
+        + T("The answer is \\boxed{4}.")
+        + [RETURN]
+    )
     turn = parse_assistant_turn(sampled)
     assert turn.error is None and turn.stop == "return" and turn.tool_call is None
     assert turn.final == "The answer is \\boxed{4}." and turn.analysis == "The tool said 4."
@@ -341,13 +405,15 @@ def test_parse_harmony_rendered_training_turn(enc):
     messages = _harmony_prefix() + [
         Message.from_role_and_content(Role.ASSISTANT, "Think.").with_channel("analysis"),
         Message.from_role_and_content(Role.ASSISTANT, "Calling.").with_channel("commentary"),
-        Message.from_role_and_content(Role.ASSISTANT, '{"city": "Paris"}').with_channel("commentary").with_recipient(
-            "functions.get_weather").with_content_type("<|constrain|>json"),
+        Message.from_role_and_content(Role.ASSISTANT, '{"city": "Paris"}')
+        .with_channel("commentary")
+        .with_recipient("functions.get_weather")
+        .with_content_type("<|constrain|>json"),
     ]
     prefix = list(enc.render_conversation_for_completion(Conversation.from_messages(messages[:3]), Role.ASSISTANT))
     full = list(enc.render_conversation_for_training(Conversation.from_messages(messages)))
     assert full[: len(prefix)] == prefix
-    sampled = full[len(prefix):]
+    sampled = full[len(prefix) :]
     turn = parse_assistant_turn(sampled)
     assert turn.error is None and turn.stop == "call"
     assert turn.tool_call.name == "get_weather" and json.loads(turn.tool_call.arguments) == {"city": "Paris"}
@@ -374,7 +440,10 @@ def test_parse_garbage_never_raises():
     rng = random.Random(0)
     specials = [START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL, ENDOFTEXT, 200100, 201087, 201088, 10**9, -5]
     for _ in range(300):
-        ids = [rng.choice(specials) if rng.random() < 0.3 else rng.randrange(0, 199998) for _ in range(rng.randrange(0, 40))]
+        ids = [
+            rng.choice(specials) if rng.random() < 0.3 else rng.randrange(0, 199998)
+            for _ in range(rng.randrange(0, 40))
+        ]
         turn = parse_assistant_turn(ids)
         assert turn.stop in (None, "end", "call", "return")
 

@@ -45,7 +45,9 @@ def test_values_and_gradients_match_fp64(temperature, with_bias, chunk_size, bac
     targets = torch.randint(0, v, (n,))
     g_lp, g_h = torch.randn(n), torch.randn(n)
 
-    logps, entropy = chunked_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, chunk_size=chunk_size)
+    logps, entropy = chunked_logprobs(
+        hidden, weight, targets, bias=bias, temperature=temperature, chunk_size=chunk_size
+    )
     ((logps * g_lp).sum() + (entropy * g_h).sum()).backward()
     grads = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
 
@@ -137,8 +139,12 @@ def test_fused_kernels_match_torch_path(grads, frozen_head, monkeypatch):
         weight = weight0.to(dtype, copy=True).requires_grad_(not frozen_head)
         bias = bias0.to(dtype, copy=True).requires_grad_(not frozen_head)
         logps, entropy = chunked_logprobs(hidden, weight, targets, bias=bias, temperature=0.9, chunk_size=4)
-        loss = {"logps": (logps * g_lp).sum(), "entropy": (entropy * g_h).sum(),
-                "both": (logps * g_lp).sum() + (entropy * g_h).sum(), "none": 0 * logps.sum()}[grads]
+        loss = {
+            "logps": (logps * g_lp).sum(),
+            "entropy": (entropy * g_h).sum(),
+            "both": (logps * g_lp).sum() + (entropy * g_h).sum(),
+            "none": 0 * logps.sum(),
+        }[grads]
         loss.backward()
         results[name] = [logps, entropy, hidden.grad] + ([] if frozen_head else [weight.grad, bias.grad])
     assert torch.isfinite(results["triton"][2]).all()
@@ -156,7 +162,9 @@ def test_fused_kernel_bad_logits_raise():
     if logprobs._logprobs_triton is None:
         pytest.skip("triton is not importable")
     with pytest.raises(ValueError, match="float32"):
-        logprobs._logprobs_triton.row_stats(torch.zeros(2, 8, dtype=torch.float64), None, torch.zeros(2, dtype=torch.long), 1.0)
+        logprobs._logprobs_triton.row_stats(
+            torch.zeros(2, 8, dtype=torch.float64), None, torch.zeros(2, dtype=torch.long), 1.0
+        )
     with pytest.raises(ValueError, match="targets"):
         logprobs._logprobs_triton.row_stats(torch.zeros(2, 8), None, torch.zeros(3, dtype=torch.long), 1.0)
 

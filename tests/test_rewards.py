@@ -32,8 +32,17 @@ def test_extract_boxed(text, expected):
 
 @pytest.mark.parametrize(
     "answer, truth",
-    [("0.5", "1/2"), (r"\frac{1}{2}", "0.5"), (r"\dfrac{3}{4}", "0.75"), ("1,000", "1000"), ("72.0", "72"),
-     ("x = 3", "3"), (r"\sqrt{2}", "2^{1/2}"), ("50\\%", "0.5"), ("(1,2)", "(1, 2)")],
+    [
+        ("0.5", "1/2"),
+        (r"\frac{1}{2}", "0.5"),
+        (r"\dfrac{3}{4}", "0.75"),
+        ("1,000", "1000"),
+        ("72.0", "72"),
+        ("x = 3", "3"),
+        (r"\sqrt{2}", "2^{1/2}"),
+        ("50\\%", "0.5"),
+        ("(1,2)", "(1, 2)"),
+    ],
 )
 def test_equivalent_answers(answer, truth):
     assert is_equivalent(answer, truth)
@@ -57,7 +66,9 @@ def _T(text):
 def test_final_channel_only():
     """A boxed answer in the analysis channel earns nothing; the same answer in the final channel does."""
     analysis = [CHANNEL] + _T("analysis") + [MESSAGE] + _T(r"So it is \boxed{4}.") + [END, START] + _T("assistant")
-    only_reasoning = parse_assistant_turn(analysis + [CHANNEL] + _T("final") + [MESSAGE] + _T("It is four-ish.") + [RETURN])
+    only_reasoning = parse_assistant_turn(
+        analysis + [CHANNEL] + _T("final") + [MESSAGE] + _T("It is four-ish.") + [RETURN]
+    )
     assert r"\boxed{4}" in only_reasoning.analysis
     assert math_reward(only_reasoning.final, "4") == 0.0
     answered = parse_assistant_turn(analysis + [CHANNEL] + _T("final") + [MESSAGE] + _T(r"\boxed{4}") + [RETURN])

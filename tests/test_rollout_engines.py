@@ -60,17 +60,23 @@ def test_greedy_and_top_k_1_follow_argmax(model):
     greedy, topk1 = gather(
         engine,
         [prompt, prompt],
-        [SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=()),
-         SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, stop_token_ids=())],
+        [
+            SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=()),
+            SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, stop_token_ids=()),
+        ],
     )
     ids = list(prompt)
     for _ in range(10):
         with torch.no_grad():
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert greedy.output_ids == ids[len(prompt):] == topk1.output_ids
+    assert greedy.output_ids == ids[len(prompt) :] == topk1.output_ids
     # temperature 0: unscaled log-probs; top-k never renormalises the reported log-probs
-    torch.testing.assert_close(torch.tensor(greedy.logprobs, dtype=torch.float64),
-                               teacher_forced_logprobs(model, prompt, greedy.output_ids, 1.0), rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        torch.tensor(greedy.logprobs, dtype=torch.float64),
+        teacher_forced_logprobs(model, prompt, greedy.output_ids, 1.0),
+        rtol=0,
+        atol=2e-5,
+    )
     assert max(topk1.logprobs) < -1e-3
     engine.shutdown()
 
@@ -174,8 +180,12 @@ def test_bad_inputs_are_rejected(model):
         engine.submit([VOCAB], sampling)
     with pytest.raises(TypeError):
         engine.submit([1], {"max_new_tokens": 2})
-    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=2, temperature=-1), dict(max_new_tokens=2, top_p=0),
-                dict(max_new_tokens=2, top_k=0)):
+    for bad in (
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=2, temperature=-1),
+        dict(max_new_tokens=2, top_p=0),
+        dict(max_new_tokens=2, top_k=0),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="log-probs"):
@@ -216,8 +226,14 @@ class _StubTokenizerManager:
     async def generate_item(self, **kwargs):
         self._bind("generate")
         ids = [5, 6]
-        return {"output_ids": ids, "meta_info": {"finish_reason": {"type": "length"}, "weight_version": self.version,
-                                                  "output_token_logprobs": [[-0.1, t, None] for t in ids]}}
+        return {
+            "output_ids": ids,
+            "meta_info": {
+                "finish_reason": {"type": "length"},
+                "weight_version": self.version,
+                "output_token_logprobs": [[-0.1, t, None] for t in ids],
+            },
+        }
 
     async def begin_weight_update(self, obj, request):
         self._bind("begin")
@@ -278,7 +294,9 @@ def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse):
     _stub_sglang(monkeypatch)
     tm = _StubTokenizerManager(refuse=refuse)
     stub = SimpleNamespace(
-        tokenizer_manager=tm, server_args=SimpleNamespace(tp_size=2), shutdown=lambda: None,
+        tokenizer_manager=tm,
+        server_args=SimpleNamespace(tp_size=2),
+        shutdown=lambda: None,
         async_generate=lambda **kw: tm.generate_item(**kw),
     )
     engine = SGLangOfflineEngine(engine=stub)

@@ -13,11 +13,11 @@ import fcntl
 import json
 import os
 import resource
+import shutil
 import signal
+import socket
 import stat
 import struct
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -136,8 +136,12 @@ def test_runs_code_and_reports_isolation(sandbox):
 
 
 def test_numpy_and_sympy_work_inside(sandbox):
-    r = run(sandbox, "import numpy as np, sympy as sp\nprint(int(np.arange(10).sum()), sp.factorint(360))",
-            memory_mb=1024, timeout_s=20)
+    r = run(
+        sandbox,
+        "import numpy as np, sympy as sp\nprint(int(np.arange(10).sum()), sp.factorint(360))",
+        memory_mb=1024,
+        timeout_s=20,
+    )
     assert r.exit_code == 0, r.stderr
     assert r.stdout.strip() == "45 {2: 3, 3: 2, 5: 1}"
 
@@ -168,9 +172,11 @@ def test_sleeping_and_setsid_escapees_are_killed(sandbox):
 def test_cancelled_run_is_killed(sandbox):
     """A caller's own timeout (asyncio.wait_for around run_code) must kill the whole tree too."""
     marker = f"MARKER-{os.getpid()}-{time.monotonic_ns()}"
-    code = ("import subprocess, sys, time\n"
-            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
-            "time.sleep(60)")
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+        "time.sleep(60)"
+    )
 
     async def main():
         with pytest.raises(asyncio.TimeoutError):
@@ -203,7 +209,9 @@ def test_without_namespaces_subreaper_and_landlock_still_contain(no_namespace_sa
         assert "PermissionError" in r.stdout
     assert "CONNECTED" not in r.stdout and r.exit_code == 0, r
     assert_contained(r, workdir_of(r))
-    hung = run(sb, PRINT_CWD + "if os.fork() == 0:\n    os.setsid()\n    while True: pass\nwhile True: pass", timeout_s=1)
+    hung = run(
+        sb, PRINT_CWD + "if os.fork() == 0:\n    os.setsid()\n    while True: pass\nwhile True: pass", timeout_s=1
+    )
     assert hung.timed_out
     assert_contained(hung, workdir_of(hung))
 
@@ -211,32 +219,41 @@ def test_without_namespaces_subreaper_and_landlock_still_contain(no_namespace_sa
 def test_fork_bomb_is_contained(sandbox):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # counted forks: at most max_processes tasks at once (the program itself included)
-    counted = run(sandbox, PRINT_CWD + (
-        "import time\nn = 0\n"
-        "for _ in range(100):\n"
-        "    try:\n"
-        "        if os.fork() == 0:\n"
-        "            time.sleep(5); os._exit(0)\n"
-        "        n += 1\n"
-        "    except OSError:\n"
-        "        break\n"
-        "print('forked', n, flush=True)\n"
-    ))
+    counted = run(
+        sandbox,
+        PRINT_CWD
+        + (
+            "import time\nn = 0\n"
+            "for _ in range(100):\n"
+            "    try:\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(5); os._exit(0)\n"
+            "        n += 1\n"
+            "    except OSError:\n"
+            "        break\n"
+            "print('forked', n, flush=True)\n"
+        ),
+    )
     assert counted.isolation["process_limit"] in ("pids-cgroup", "rlimit-nproc")
     forked = int(counted.stdout.split("forked")[1])
     assert 0 <= forked <= MAX_PROCS - 1, counted
     assert_contained(counted, workdir_of(counted))
     # a real fork bomb
-    bomb = run(sandbox, PRINT_CWD + "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=2)
+    bomb = run(
+        sandbox, PRINT_CWD + "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=2
+    )
     assert bomb.timed_out
     assert_contained(bomb, workdir_of(bomb))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024  # KiB
 
 
 def test_threads_count_against_the_process_limit(sandbox):
-    r = run(sandbox, "import threading, time\nn = 0\ntry:\n    for _ in range(50):\n"
-                     "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start(); n += 1\n"
-                     "except RuntimeError:\n    pass\nprint(n)")
+    r = run(
+        sandbox,
+        "import threading, time\nn = 0\ntry:\n    for _ in range(50):\n"
+        "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start(); n += 1\n"
+        "except RuntimeError:\n    pass\nprint(n)",
+    )
     assert int(r.stdout) <= MAX_PROCS - 1
 
 
@@ -275,8 +292,11 @@ def test_memory_cgroup_limits_the_whole_tree(sandbox):
 def test_gigabytes_of_output_are_cut(sandbox):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.monotonic()
-    r = run(sandbox, PRINT_CWD + "chunk = 'x' * 2**20\nfor _ in range(4096):\n    sys.stdout.write(chunk)",
-            max_output_bytes=100_000)
+    r = run(
+        sandbox,
+        PRINT_CWD + "chunk = 'x' * 2**20\nfor _ in range(4096):\n    sys.stdout.write(chunk)",
+        max_output_bytes=100_000,
+    )
     assert r.truncated and len(r.stdout.encode()) <= 100_000 and not r.timed_out
     err = run(sandbox, "import sys\nwhile True:\n    sys.stderr.write('e' * 65536)", max_output_bytes=50_000)
     assert err.truncated and len(err.stderr) <= 50_000
@@ -376,11 +396,14 @@ def _ids(result: SandboxResult) -> list[int]:
 def test_root_caller_never_runs_the_program_as_uid_0(sandbox):
     """The installation here keeps the interpreter in a 0700 folder (a pyenv under /root) or not: either way the
     program runs as an unprivileged uid/gid with no supplementary groups and no capabilities."""
-    r = run(sandbox, WHO_AM_I + "out = []\nfor f in (lambda: os.setuid(0), lambda: os.nice(-5), "
-                     "lambda: os.chroot('.'), lambda: os.mknod('dev', 0o600 | 0o020000, os.makedev(1, 3)), "
-                     "lambda: open('/proc/sysrq-trigger', 'w'), lambda: os.chown('main.py', 0, 0)):\n"
-                     "    try:\n        f(); out.append('ALLOWED')\n    except OSError as e:\n"
-                     "        out.append(type(e).__name__)\nprint(out)")
+    r = run(
+        sandbox,
+        WHO_AM_I + "out = []\nfor f in (lambda: os.setuid(0), lambda: os.nice(-5), "
+        "lambda: os.chroot('.'), lambda: os.mknod('dev', 0o600 | 0o020000, os.makedev(1, 3)), "
+        "lambda: open('/proc/sysrq-trigger', 'w'), lambda: os.chown('main.py', 0, 0)):\n"
+        "    try:\n        f(); out.append('ALLOWED')\n    except OSError as e:\n"
+        "        out.append(type(e).__name__)\nprint(out)",
+    )
     assert r.exit_code == 0, r
     ids = _ids(r)
     assert 0 not in ids and len(set(ids)) == 1, r.stdout  # one fresh uid == gid, no groups
@@ -409,8 +432,12 @@ def test_interpreter_in_a_private_folder_is_exposed_read_only():
         pytest.skip(f"the interpreter ({sys.executable}) is already reachable by every uid here: nothing to expose")
     blocker, paths = sb._expose[0]
     visible = os.path.relpath(paths[0], blocker).split(os.sep)[0]
-    r = run(sb, WHO_AM_I + f"import numpy\nprint(sorted(os.listdir({blocker!r})))\n"
-                f"try:\n    open({paths[0] + '/x'!r}, 'w')\nexcept OSError as e:\n    print(e.errno)", memory_mb=512)
+    r = run(
+        sb,
+        WHO_AM_I + f"import numpy\nprint(sorted(os.listdir({blocker!r})))\n"
+        f"try:\n    open({paths[0] + '/x'!r}, 'w')\nexcept OSError as e:\n    print(e.errno)",
+        memory_mb=512,
+    )
     assert r.exit_code == 0, r
     assert 0 not in _ids(r)
     assert r.stdout.splitlines()[1] == str([visible]) and r.stdout.splitlines()[2] == str(errno.EROFS)
@@ -430,7 +457,9 @@ def test_refuses_when_the_uid_cannot_reach_the_interpreter(monkeypatch):
         LocalSandbox()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK), reason="needs root and a system python")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK), reason="needs root and a system python"
+)
 def test_unprivileged_uid_mode_with_rlimit_nproc():
     """Root with an interpreter any uid can run: switch to a fresh uid, where RLIMIT_NPROC alone stops a fork bomb."""
     from trl_ext.tools.sandbox import _world_accessible
@@ -438,13 +467,19 @@ def test_unprivileged_uid_mode_with_rlimit_nproc():
     if not _world_accessible("/usr/bin/python3"):
         pytest.skip("/usr/bin/python3 is not reachable by an unprivileged uid")
     sb = LocalSandbox(python="/usr/bin/python3", max_processes=MAX_PROCS, use_cgroups=False)
-    r = run(sb, PRINT_CWD + "print('UID', os.getuid(), flush=True)\nwhile True:\n    try:\n        os.fork()\n"
-                            "    except OSError:\n        pass", timeout_s=2)
+    r = run(
+        sb,
+        PRINT_CWD + "print('UID', os.getuid(), flush=True)\nwhile True:\n    try:\n        os.fork()\n"
+        "    except OSError:\n        pass",
+        timeout_s=2,
+    )
     assert r.timed_out and r.isolation["privileges"].startswith("uid ") and "UID 0" not in r.stdout
     assert_contained(r, workdir_of(r))
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to become an unprivileged user")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to become an unprivileged user"
+)
 @pytest.mark.parametrize("namespaces", [True, False])
 def test_unprivileged_caller(tmp_path, namespaces):
     """The sandbox started by an unprivileged user: inside a user namespace it runs (no cgroups, RLIMIT_NPROC counted
@@ -468,7 +503,11 @@ def test_unprivileged_caller(tmp_path, namespaces):
     )
     out = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", script],
-        capture_output=True, text=True, timeout=60, cwd="/tmp", env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/tmp",
+        env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"},
     )
     if not namespaces:
         # the program would run as the caller's uid, owning the caller's files: refused, with the fixes named
@@ -500,6 +539,7 @@ def test_concurrent_runs(sandbox):
 def test_reusable_across_event_loops(sandbox):
     """Trainers may call asyncio.run once per step: the same sandbox must work in each new loop."""
     for _ in range(2):
+
         async def main():
             return await asyncio.gather(*[sandbox.run_code("print('ok')", **LIMITS) for _ in range(3)])
 
@@ -544,8 +584,16 @@ def _host_state(path: Path) -> tuple:
     except OSError:
         xattrs = None
     # (not atime: reading the file here for the comparison updates it)
-    return (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink, xattrs,
-            sorted(os.listdir(path)) if stat.S_ISDIR(st.st_mode) else path.read_bytes())
+    return (
+        st.st_mode,
+        st.st_uid,
+        st.st_gid,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+        st.st_nlink,
+        xattrs,
+        sorted(os.listdir(path)) if stat.S_ISDIR(st.st_mode) else path.read_bytes(),
+    )
 
 
 TAMPER = """
@@ -658,9 +706,12 @@ def test_only_a_few_devices_and_its_own_processes_are_visible():
     """Even with Landlock off: /dev holds only null, zero, random and urandom (no GPU, /dev/shm, fuse or ptys; a
     read-only mount alone would not stop writes to a device), and /proc shows the sandbox's pid namespace only."""
     sb = LocalSandbox(isolate_filesystem=False, max_processes=MAX_PROCS)
-    r = run(sb, "import os\nprint(sorted(os.listdir('/dev')))\n"
-                "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
-                "open('/dev/null', 'w').write('x')\nprint(len(open('/dev/urandom', 'rb').read(8)))")
+    r = run(
+        sb,
+        "import os\nprint(sorted(os.listdir('/dev')))\n"
+        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "open('/dev/null', 'w').write('x')\nprint(len(open('/dev/urandom', 'rb').read(8)))",
+    )
     assert r.exit_code == 0 and r.isolation["proc"] == "own pid namespace", r
     devices, pids, random_bytes = r.stdout.splitlines()
     assert devices == str(["null", "random", "urandom", "zero"]) and random_bytes == "8"
@@ -671,7 +722,9 @@ def test_only_a_few_devices_and_its_own_processes_are_visible():
 # Cleanup: never raises into the result, never leaves a working directory behind
 # ---------------------------------------------------------------------------------------------------------------------
 
-HOSTILE_TREE = PRINT_CWD + """
+HOSTILE_TREE = (
+    PRINT_CWD
+    + """
 import fcntl, socket, struct
 base = os.getcwd()
 os.mkdir("deep"); os.chdir("deep")
@@ -694,6 +747,7 @@ except OSError as e:
 os.symlink("/etc/passwd", "link")
 print("built", flush=True)
 """
+)
 
 
 def test_hostile_trees_are_cleaned_up(sandbox):
@@ -829,15 +883,21 @@ def test_cleanup_failure_is_reported_not_raised(sandbox, monkeypatch):
 
 def test_disk_quota_is_enforced_and_reported():
     sb = LocalSandbox(max_processes=MAX_PROCS, max_disk_mb=8, max_file_mb=4, max_disk_files=64)
-    r = run(sb, PRINT_CWD + "n = 0\ntry:\n    for i in range(100):\n"
-                "        open(f'f{i}', 'wb').write(b'x' * 3 * 2**20); n += 1\n"
-                "except OSError as e:\n    print('stopped', n, e.errno)")
+    r = run(
+        sb,
+        PRINT_CWD + "n = 0\ntry:\n    for i in range(100):\n"
+        "        open(f'f{i}', 'wb').write(b'x' * 3 * 2**20); n += 1\n"
+        "except OSError as e:\n    print('stopped', n, e.errno)",
+    )
     assert r.disk_full and r.isolation["disk_quota"] == 8 * 2**20
     assert f"stopped 2 {errno.ENOSPC}" in r.stdout, r.stdout  # 3 files of 3 MiB do not fit in 8 MiB
     text = CodeInterpreterTool(sb).format_result(r)
     assert "[disk quota of 8 MiB for the working directory exceeded (size or number of files)]" in text
-    files = run(sb, "import os\ntry:\n    for i in range(1000):\n        os.mkdir(f'd{i}')\n"
-                    "except OSError as e:\n    print('stopped', e.errno)")
+    files = run(
+        sb,
+        "import os\ntry:\n    for i in range(1000):\n        os.mkdir(f'd{i}')\n"
+        "except OSError as e:\n    print('stopped', e.errno)",
+    )
     assert files.disk_full and f"stopped {errno.ENOSPC}" in files.stdout
     fine = run(sb, "open('small', 'w').write('x')")
     assert not fine.disk_full and fine.exit_code == 0
@@ -885,17 +945,22 @@ def test_memory_kill_is_told_apart(sandbox):
     (self-kill and timeout: test_contract_exit_status_timeout_and_self_kill)."""
     tool = CodeInterpreterTool(sandbox, memory_mb=256, timeout_s=10)
     # three processes fill the run's memory cgroup (256 MiB + 16 MiB quota + 64 MiB): the OOM killer acts in it
-    hog = run(sandbox, (
-        "import os, time\n"
-        "for _ in range(3):\n"
-        "    if os.fork() == 0:\n"
-        "        b = bytearray(200 * 2**20)\n"
-        "        for j in range(0, len(b), 4096):\n            b[j] = 1\n"
-        "        time.sleep(1); os._exit(0)\n"
-        "b = bytearray(200 * 2**20)\n"
-        "for j in range(0, len(b), 4096):\n    b[j] = 1\n"
-        "for _ in range(3):\n    os.wait()\n"
-        "print('survived')"), timeout_s=10)
+    hog = run(
+        sandbox,
+        (
+            "import os, time\n"
+            "for _ in range(3):\n"
+            "    if os.fork() == 0:\n"
+            "        b = bytearray(200 * 2**20)\n"
+            "        for j in range(0, len(b), 4096):\n            b[j] = 1\n"
+            "        time.sleep(1); os._exit(0)\n"
+            "b = bytearray(200 * 2**20)\n"
+            "for j in range(0, len(b), 4096):\n    b[j] = 1\n"
+            "for _ in range(3):\n    os.wait()\n"
+            "print('survived')"
+        ),
+        timeout_s=10,
+    )
     if hog.isolation.get("memory_limit") != "cgroup+rlimit-as":
         pytest.skip("no memory cgroup here: memory is limited per process only (RLIMIT_AS -> MemoryError)")
     assert hog.oom_kills >= 1 and not hog.timed_out, hog
@@ -965,16 +1030,32 @@ class _FusionHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
             return
         sb = LocalSandbox(max_processes=MAX_PROCS, max_disk_mb=16)
-        r = asyncio.run(sb.run_code(body["code"], timeout_s=body["run_timeout"], memory_mb=body["memory_limit_MB"],
-                                    max_output_bytes=1 << 20))
+        r = asyncio.run(
+            sb.run_code(
+                body["code"], timeout_s=body["run_timeout"], memory_mb=body["memory_limit_MB"], max_output_bytes=1 << 20
+            )
+        )
         if r.error:
             return self._send(200, {"status": "SandboxError", "message": r.error, "run_result": None})
-        run_result = {"status": "TimeLimitExceeded" if r.timed_out else "Finished", "execution_time": r.duration_s,
-                      "return_code": None if r.timed_out else (-r.signal if r.signal else r.exit_code),
-                      "stdout": r.stdout, "stderr": r.stderr}
+        run_result = {
+            "status": "TimeLimitExceeded" if r.timed_out else "Finished",
+            "execution_time": r.duration_s,
+            "return_code": None if r.timed_out else (-r.signal if r.signal else r.exit_code),
+            "stdout": r.stdout,
+            "stderr": r.stderr,
+        }
         ok = run_result["status"] == "Finished" and run_result["return_code"] == 0
-        self._send(200, {"status": "Success" if ok else "Failed", "message": "", "compile_result": None,
-                         "run_result": run_result, "executor_pod_name": None, "files": {}})
+        self._send(
+            200,
+            {
+                "status": "Success" if ok else "Failed",
+                "message": "",
+                "compile_result": None,
+                "run_result": run_result,
+                "executor_pod_name": None,
+                "files": {},
+            },
+        )
 
     def _send(self, code, payload):
         data = json.dumps(payload).encode()
@@ -1015,8 +1096,16 @@ def test_fusion_request_and_result(fusion_server):
     assert (r.stdout, r.stderr, r.exit_code, r.timed_out, r.error) == ("42\n", "w\n", 2, False, None)
     path, body = fusion_server.requests[0]
     assert path == "/run_code"
-    assert body == {"code": body["code"], "language": "python", "run_timeout": 5.0, "compile_timeout": 5.0,
-                    "memory_limit_MB": 256, "stdin": "", "files": {}, "fetch_files": []}
+    assert body == {
+        "code": body["code"],
+        "language": "python",
+        "run_timeout": 5.0,
+        "compile_timeout": 5.0,
+        "memory_limit_MB": 256,
+        "stdin": "",
+        "files": {},
+        "fetch_files": [],
+    }
     with pytest.raises(ValueError, match="http"):
         SandboxFusionBackend("127.0.0.1:8080")
     with pytest.raises(ValueError, match="max_concurrency"):
@@ -1128,9 +1217,14 @@ def test_contract_queue_is_not_run_time(backend_factory):
 
     async def main():
         try:
-            return await asyncio.gather(*[backend.run_code("import time\ntime.sleep(0.5)\nprint('ran')",
-                                                           timeout_s=1.5, memory_mb=256, max_output_bytes=100)
-                                          for _ in range(4)])
+            return await asyncio.gather(
+                *[
+                    backend.run_code(
+                        "import time\ntime.sleep(0.5)\nprint('ran')", timeout_s=1.5, memory_mb=256, max_output_bytes=100
+                    )
+                    for _ in range(4)
+                ]
+            )
         finally:
             await backend.aclose()
 
@@ -1146,7 +1240,8 @@ def test_contract_queue_bound(backend_factory):
         try:
             return await asyncio.gather(
                 backend.run_code("import time\ntime.sleep(1.2)", timeout_s=5, memory_mb=256, max_output_bytes=100),
-                backend.run_code("print('ran')", timeout_s=5, memory_mb=256, max_output_bytes=100))
+                backend.run_code("print('ran')", timeout_s=5, memory_mb=256, max_output_bytes=100),
+            )
         finally:
             await backend.aclose()
 

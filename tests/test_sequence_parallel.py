@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 # pytest puts tests/ on sys.path (no __init__.py here), and spawned ranks inherit the parent's sys.path, so they
 # import the worker by this same module name.
 import sequence_parallel_worker as sp_worker
+import torch
+import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.multiprocess
 

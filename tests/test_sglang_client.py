@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from fake_sglang_server import Fault, FakeSGLangServer
+from fake_sglang_server import FakeSGLangServer, Fault
 from transformers import GptOssForCausalLM
 
 from hf_gptoss_rl.testing import tiny_gptoss_config
@@ -126,8 +126,13 @@ def test_generate_speaks_the_native_api(server, model):
     payload = server.last_generate_payload
     assert payload["return_logprob"] is True and payload["logprob_start_len"] == -1 and "lora_path" not in payload
     assert payload["sampling_params"] == {
-        "max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [200 % VOCAB],
-        "skip_special_tokens": False, "no_stop_trim": True,
+        "max_new_tokens": 8,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop_token_ids": [200 % VOCAB],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
     }
     for i, out in enumerate(outs):
         assert out.output_ids == greedy_reference(model, [1, 2, 3 + i])
@@ -333,8 +338,12 @@ def test_trajectory_turns_stay_on_one_server_and_cached_tokens_are_logged(make_s
     caplog.set_level(logging.INFO, logger="trl_ext.rollout.sglang")
     stats = asyncio.run(main())
     for k in range(6):  # every request of trajectory k went to the same server
-        hosts = {i for i, s in enumerate(servers) for (_, p, b) in s.requests
-                 if p == "/generate" and b["input_ids"][:4] == [1, 2, 3, k]}
+        hosts = {
+            i
+            for i, s in enumerate(servers)
+            for (_, p, b) in s.requests
+            if p == "/generate" and b["input_ids"][:4] == [1, 2, 3, k]
+        }
         assert len(hosts) == 1
     assert min(s.request_counts["/generate"] for s in servers) >= 3  # trajectories are spread
     # turns 2 and 3 reuse the trajectory's prefix on its server
@@ -388,8 +397,12 @@ def test_flush_cache_retries_while_busy(server):
 
 
 def test_buckets_are_aligned_and_round_trip():
-    named = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.randn(5)), ("c", torch.ones(2, dtype=torch.int64)),
-             ("d", torch.randn(4, 4))]
+    named = [
+        ("a", torch.arange(3, dtype=torch.bfloat16)),
+        ("b", torch.randn(5)),
+        ("c", torch.ones(2, dtype=torch.int64)),
+        ("d", torch.randn(4, 4)),
+    ]
     buckets = plan_buckets(named, bucket_bytes=64)
     assert sorted(n for b in buckets for n, _ in b) == ["a", "b", "c", "d"]
     for bucket in buckets:
@@ -409,7 +422,7 @@ def test_one_payload_per_tp_rank():
     payloads = serialize_per_rank(named, 3)
     assert len(payloads) == 3 and all(isinstance(p, str) for p in payloads)
     for p in payloads:
-        (name, t), = ForkingPickler.loads(base64.b64decode(p))
+        ((name, t),) = ForkingPickler.loads(base64.b64decode(p))
         assert name == "w" and torch.equal(t, named[0][1])
     with pytest.raises(ValueError, match="tp_size"):
         serialize_per_rank(named, 0)
@@ -445,15 +458,31 @@ def test_cuda_payloads_carry_the_device_uuid_and_only_globals_sglang_unpickles(m
 
     def fake_cuda_reduce(tensor):
         if tensor.dtype == torch.float16:  # stands for "a CUDA tensor"
-            return reductions.rebuild_cuda_tensor, (torch.Tensor, (2,), (1,), 0, torch.UntypedStorage, torch.float16,
-                                                    3, b"handle", 4, 0, b"ref", 0, b"event", False)
+            return reductions.rebuild_cuda_tensor, (
+                torch.Tensor,
+                (2,),
+                (1,),
+                0,
+                torch.UntypedStorage,
+                torch.float16,
+                3,
+                b"handle",
+                4,
+                0,
+                b"ref",
+                0,
+                b"event",
+                False,
+            )
         return original(tensor)
 
     monkeypatch.setattr(reductions, "reduce_tensor", fake_cuda_reduce)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-uuid-of-{i}"))
     payloads = serialize_per_rank([("cuda_w", torch.zeros(2, dtype=torch.float16)), ("cpu_w", torch.ones(3))], 2)
     rebuilt = {}
-    stand_in = {("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): lambda *a: rebuilt.setdefault("args", a)}
+    stand_in = {
+        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): lambda *a: rebuilt.setdefault("args", a)
+    }
     (cuda_item, cpu_item), seen = _load_recording_globals(payloads[1], stand_in)
     assert cuda_item[0] == "cuda_w" and rebuilt["args"][6] == "GPU-uuid-of-3"  # the device travels as its UUID
     assert cpu_item[0] == "cpu_w" and torch.equal(cpu_item[1], torch.ones(3))
@@ -475,8 +504,15 @@ def test_weight_sync_changes_outputs(make_server, model, sync_mode, version, tmp
     prompt = [9, 8, 7]
 
     async def main():
-        c = client(server.url, sync_mode=sync_mode, weight_dir=str(tmp_path / "w"), model_config=model.config,
-                   max_shard_size=200_000, bucket_bytes=50_000, verify=("version", "checksum"))
+        c = client(
+            server.url,
+            sync_mode=sync_mode,
+            weight_dir=str(tmp_path / "w"),
+            model_config=model.config,
+            max_shard_size=200_000,
+            bucket_bytes=50_000,
+            verify=("version", "checksum"),
+        )
         before = await c.generate(prompt, GREEDY)
         await c.update_weights(new_state.items(), version=5)
         after = await c.generate(prompt, GREEDY)
@@ -574,8 +610,13 @@ def test_in_place_pause_sends_no_flush_and_versions_agree(server, model):
     time.sleep(0.3)
     httpx.post(server.url + "/pause_generation", json={"mode": "in_place"})
     httpx.post(server.url + "/begin_weight_update", json={})
-    r = httpx.post(server.url + "/update_weights_from_tensor", json={
-        "serialized_named_tensors": serialize_per_rank(list(model.state_dict().items()), 1), "weight_version": "9"})
+    r = httpx.post(
+        server.url + "/update_weights_from_tensor",
+        json={
+            "serialized_named_tensors": serialize_per_rank(list(model.state_dict().items()), 1),
+            "weight_version": "9",
+        },
+    )
     httpx.post(server.url + "/end_weight_update", json={})
     httpx.post(server.url + "/continue_generation", json={})
     runner.join()
@@ -682,7 +723,9 @@ def _lora_policy():
     from peft import LoraConfig, get_peft_model
 
     base = make_model(0)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
     with torch.no_grad():
         g = torch.Generator().manual_seed(3)
         for name, p in peft_model.named_parameters():
@@ -699,8 +742,13 @@ def test_lora_adapter_sync(make_server, sync_mode, tmp_path):
     merged = make_model(0)
     with torch.no_grad():
         policy.merge_adapter()
-        merged.load_state_dict({k.removeprefix("base_model.model.").replace(".base_layer", ""): v
-                                for k, v in policy.state_dict().items() if "lora_" not in k})
+        merged.load_state_dict(
+            {
+                k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+                for k, v in policy.state_dict().items()
+                if "lora_" not in k
+            }
+        )
         policy.unmerge_adapter()
     prompt = [7, 7, 1]
     full = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
@@ -758,8 +806,13 @@ def test_client_requests_match_sglang_schemas(sglang_schemas, make_server, model
             for mode in ("disk", "tensor"):
                 servers = [make_server(version, enable_lora=True) for _ in range(2)]
                 used.extend(servers)
-                c = client([s.url for s in servers], sync_mode=mode, weight_dir=str(tmp_path / version / mode),
-                           verify=("version", "checksum", "logprobs"), api_key="k")
+                c = client(
+                    [s.url for s in servers],
+                    sync_mode=mode,
+                    weight_dir=str(tmp_path / version / mode),
+                    verify=("version", "checksum", "logprobs"),
+                    api_key="k",
+                )
                 await c.generate([1, 2], SamplingParams(max_new_tokens=3, min_p=0.1, repetition_penalty=1.1))
                 target = make_model(0)
                 target.load_state_dict(perturbed_state(model, seed=len(mode)))
@@ -787,9 +840,17 @@ def test_weight_sync_distributed_gloo(model, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]))
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("fake_sglang_server.py")), "--model-path", str(model_dir),
-         "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            str(Path(__file__).with_name("fake_sglang_server.py")),
+            "--model-path",
+            str(model_dir),
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     new_state = perturbed_state(model, seed=2)
     target = make_model(0)
@@ -797,8 +858,13 @@ def test_weight_sync_distributed_gloo(model, tmp_path):
     prompt = [11, 12, 13]
 
     async def main():
-        c = client(f"http://127.0.0.1:{port}", sync_mode="distributed", dist_backend="gloo", bucket_bytes=100_000,
-                   ready_timeout_s=120)
+        c = client(
+            f"http://127.0.0.1:{port}",
+            sync_mode="distributed",
+            dist_backend="gloo",
+            bucket_bytes=100_000,
+            ready_timeout_s=120,
+        )
         before = await c.generate(prompt, GREEDY)
         await c.update_weights(new_state.items(), version=3)
         after = await c.generate(prompt, GREEDY)
@@ -844,10 +910,26 @@ def _trainer_kwargs(tmp_path, model, urls, **overrides):
     from trl_ext import AgenticGRPOConfig
 
     args = dict(
-        output_dir=str(tmp_path), max_steps=1, learning_rate=1e-2, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=12, max_turns=1, beta=0.0, loss_type="dapo", logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, bf16=False, seed=0, rollout_concurrency=4, disable_tqdm=True,
-        rollout_backend="sglang", sglang_urls=urls, sglang_ready_timeout_s=30,
+        output_dir=str(tmp_path),
+        max_steps=1,
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        max_turns=1,
+        beta=0.0,
+        loss_type="dapo",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        rollout_concurrency=4,
+        disable_tqdm=True,
+        rollout_backend="sglang",
+        sglang_urls=urls,
+        sglang_ready_timeout_s=30,
     )
     args.update(overrides)
     rows = [{"prompt": [{"role": "user", "content": f"Say hi ({i})"}]} for i in range(4)]
@@ -886,9 +968,15 @@ def test_trainer_syncs_the_lora_adapter_and_verifies_it(tmp_path, sglang_schemas
 
     model = _tiny_policy()
     servers = [_serve(model, sglang_schemas, enable_lora=True) for _ in range(2)]
-    kwargs = _trainer_kwargs(tmp_path, model, [s.url for s in servers], weight_sync_lora=True,
-                             weight_sync_mode="tensor", weight_sync_verify=["version", "logprobs"],
-                             weight_sync_probe_atol=1e-3)
+    kwargs = _trainer_kwargs(
+        tmp_path,
+        model,
+        [s.url for s in servers],
+        weight_sync_lora=True,
+        weight_sync_mode="tensor",
+        weight_sync_verify=["version", "logprobs"],
+        weight_sync_probe_atol=1e-3,
+    )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     try:
         trainer = AgenticGRPOTrainer(**kwargs, peft_config=lora)

@@ -43,8 +43,10 @@ def test_function_tool_schema_from_type_hints_and_docstring():
         "description": "Add two integers.",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"type": "integer", "description": "the first addend"},
-                           "b": {"type": "integer", "description": "the second addend"}},
+            "properties": {
+                "a": {"type": "integer", "description": "the first addend"},
+                "b": {"type": "integer", "description": "the second addend"},
+            },
             "required": ["a"],
         },
     }
@@ -56,15 +58,24 @@ def test_function_tool_calls_sync_and_async():
     assert call(FunctionTool(add), {"a": 1}) == "3"
     assert call(FunctionTool(add), {"a": 1, "b": 5}) == "6"
     assert call(FunctionTool(lookup), {"city": "Paris"}) == '{"city": "Paris", "population": 3}'
-    custom = FunctionTool(lambda text: text.upper(), name="shout", description="Upper-case text.",
-                          parameters={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
+    custom = FunctionTool(
+        lambda text: text.upper(),
+        name="shout",
+        description="Upper-case text.",
+        parameters={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    )
     assert call(custom, {"text": "hi"}) == "HI"
 
 
 @pytest.mark.parametrize(
     "arguments, message",
-    [({}, "missing required argument"), ({"a": 1, "c": 3}, "unknown argument"), ({"a": "1"}, "must be integer"),
-     ({"a": True}, "must be integer"), ([1, 2], "must be a JSON object")],
+    [
+        ({}, "missing required argument"),
+        ({"a": 1, "c": 3}, "unknown argument"),
+        ({"a": "1"}, "must be integer"),
+        ({"a": True}, "must be integer"),
+        ([1, 2], "must be a JSON object"),
+    ],
 )
 def test_function_tool_rejects_bad_arguments(arguments, message):
     with pytest.raises(ToolError, match=message):
@@ -157,21 +168,40 @@ def test_code_interpreter_formats_results():
     [
         (SandboxResult("", "", 3, False, False), "[exit status 3]"),
         (SandboxResult("", "", 0, False, False), "[no output]"),
-        (SandboxResult("", "", None, False, False, signal=9, killed_by="memory_limit", oom_kills=1),
-         "[process killed: memory limit of 300 MiB exceeded]"),
-        (SandboxResult("", "", None, False, False, signal=9, killed_by="program"),
-         "[process terminated by SIGKILL, raised by the program itself (not a sandbox limit)]"),
-        (SandboxResult("", "", None, False, False, signal=11, killed_by="program"),
-         "[process terminated by SIGSEGV, raised by the program itself (not a sandbox limit)]"),
+        (
+            SandboxResult("", "", None, False, False, signal=9, killed_by="memory_limit", oom_kills=1),
+            "[process killed: memory limit of 300 MiB exceeded]",
+        ),
+        (
+            SandboxResult("", "", None, False, False, signal=9, killed_by="program"),
+            "[process terminated by SIGKILL, raised by the program itself (not a sandbox limit)]",
+        ),
+        (
+            SandboxResult("", "", None, False, False, signal=11, killed_by="program"),
+            "[process terminated by SIGSEGV, raised by the program itself (not a sandbox limit)]",
+        ),
         (SandboxResult("", "", None, False, False, signal=9, killed_by="unknown"), "[process terminated by SIGKILL]"),
-        (SandboxResult("p", "", None, True, False, signal=24, killed_by="cpu_limit"),
-         "p\n[process killed: CPU time limit of 5 s reached]"),
-        (SandboxResult("", "", 0, False, False, oom_kills=2),
-         "[2 process(es) of the program killed: memory limit of 300 MiB exceeded]"),
-        (SandboxResult("", "OSError: [Errno 28] No space left on device\n", 1, False, False, disk_full=True,
-                       isolation={"disk_quota": 8 * 2**20}),
-         "OSError: [Errno 28] No space left on device\n[disk quota of 8 MiB for the working directory exceeded "
-         "(size or number of files)]\n[exit status 1]"),
+        (
+            SandboxResult("p", "", None, True, False, signal=24, killed_by="cpu_limit"),
+            "p\n[process killed: CPU time limit of 5 s reached]",
+        ),
+        (
+            SandboxResult("", "", 0, False, False, oom_kills=2),
+            "[2 process(es) of the program killed: memory limit of 300 MiB exceeded]",
+        ),
+        (
+            SandboxResult(
+                "",
+                "OSError: [Errno 28] No space left on device\n",
+                1,
+                False,
+                False,
+                disk_full=True,
+                isolation={"disk_quota": 8 * 2**20},
+            ),
+            "OSError: [Errno 28] No space left on device\n[disk quota of 8 MiB for the working directory exceeded "
+            "(size or number of files)]\n[exit status 1]",
+        ),
     ],
     ids=["exit", "silent", "memory", "self-kill", "crash", "unknown-signal", "cpu", "child-oom", "disk"],
 )
@@ -213,8 +243,11 @@ def test_agent_loop_tool_timeout_ignores_the_sandbox_queue():
 
     tool = CodeInterpreterTool(LocalSandbox(max_processes=4, max_concurrency=1), timeout_s=10, memory_mb=256)
     loop = AgentLoop(None, [tool], sampling=SamplingParams(max_new_tokens=8), tool_timeout_s=1.5)
-    call_ = SimpleNamespace(name="code_interpreter", recipient="functions.code_interpreter",
-                            parsed_arguments=lambda: {"code": "import time\ntime.sleep(0.4)\nprint('ran')"})
+    call_ = SimpleNamespace(
+        name="code_interpreter",
+        recipient="functions.code_interpreter",
+        parsed_arguments=lambda: {"code": "import time\ntime.sleep(0.4)\nprint('ran')"},
+    )
 
     async def main():
         return await asyncio.gather(*[loop._run_tool(call_) for _ in range(5)])
@@ -222,8 +255,11 @@ def test_agent_loop_tool_timeout_ignores_the_sandbox_queue():
     t = time.monotonic()
     assert asyncio.run(main()) == [("ran\n", None)] * 5
     assert time.monotonic() - t > 2.0  # so the last call waited longer than tool_timeout_s
-    hung = SimpleNamespace(name="code_interpreter", recipient="functions.code_interpreter",
-                           parsed_arguments=lambda: {"code": "while True: pass"})
+    hung = SimpleNamespace(
+        name="code_interpreter",
+        recipient="functions.code_interpreter",
+        parsed_arguments=lambda: {"code": "while True: pass"},
+    )
     result, error = asyncio.run(loop._run_tool(hung))
     assert error is None and result == "[execution timed out after 1.5 s]"  # the program's run, bounded by the loop
 
@@ -235,7 +271,8 @@ def test_code_interpreter_on_local_sandbox():
     out = call(tool, {"code": "1 / 0"})
     assert "ZeroDivisionError" in out and out.startswith("Traceback") and out.endswith("[exit status 1]")
     assert "[execution timed out after 1 s]" in asyncio.run(
-        CodeInterpreterTool(LocalSandbox(), timeout_s=1)({"code": "while True: pass"}))
+        CodeInterpreterTool(LocalSandbox(), timeout_s=1)({"code": "while True: pass"})
+    )
     flood = call(tool, {"code": "print('z' * 100000)"})
     assert flood.startswith("z" * 200) and "output truncated to 200 characters" in flood and len(flood) < 300
 

@@ -242,7 +242,9 @@ def test_token_truncate_weights_match_hand_computation(tmp_path, tokenizer):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     with torch.no_grad():
-        train_logps, _ = causal_lm_token_logprobs(reference, ids, attn, logits_to_keep=inputs["completion_ids"].shape[1])
+        train_logps, _ = causal_lm_token_logprobs(
+            reference, ids, attn, logits_to_keep=inputs["completion_ids"].shape[1]
+        )
     mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
     expected = torch.ones_like(train_logps)
     ratio = torch.exp(train_logps - inputs["sampling_per_token_logps"])
@@ -259,7 +261,9 @@ def test_token_truncate_weights_match_hand_computation(tmp_path, tokenizer):
         expected[mask].mean().item(), rel=1e-5
     )
     logp_diff = (train_logps - inputs["sampling_per_token_logps"]).abs()[mask]
-    assert _logged(trainer, "sampling/sampling_logp_difference/max")[0] == pytest.approx(logp_diff.max().item(), rel=1e-4)
+    assert _logged(trainer, "sampling/sampling_logp_difference/max")[0] == pytest.approx(
+        logp_diff.max().item(), rel=1e-4
+    )
     assert 0 < _logged(trainer, "mismatch/frac_is_truncated")[0] < 1
     # the weight reaches the gradient: d loss / d logp = -A * w / N on policy tokens (DAPO, ratio 1)
     logps = trainer.forwards[0]
@@ -298,6 +302,7 @@ def test_resume_continues_identically(tmp_path, tokenizer):
     # (padded log-prob forwards) and 1.66e-6 (packed)
     for name, tensor in straight.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor, rtol=0, atol=5e-6)
+
     def after_resume(trainer, key):  # the resumed history starts with the checkpoint's steps 1-2
         return [h[key] for h in trainer.state.log_history if key in h and h["step"] > 2]
 

@@ -231,9 +231,7 @@ def test_chat_template_kwargs_for_harmony(tmp_path, tokenizer):
 
 def test_chat_template_kwargs_for_other_models(tmp_path):
     """A non-GPT-OSS model is rendered with its own chat template and `chat_template_kwargs`, as TRL does."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from transformers import PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     template_tok = PreTrainedTokenizerFast(  # the o200k vocabulary, with a chat template this time
         tokenizer_object=load_gptoss_tokenizer().backend_tokenizer, eos_token="<|return|>", pad_token="<|endoftext|>"

@@ -256,8 +256,13 @@ class AgenticGRPOConfig(GRPOConfig):
                 "weight_sync_lora needs weight_sync_mode 'disk' or 'tensor': SGLang loads adapters from a path or from "
                 "tensors, not over NCCL."
             )
-        for name in ("weight_sync_probe_atol", "weight_sync_bucket_mb", "sglang_timeout_s", "sglang_ready_timeout_s",
-                     "sglang_log_every_s"):
+        for name in (
+            "weight_sync_probe_atol",
+            "weight_sync_bucket_mb",
+            "sglang_timeout_s",
+            "sglang_ready_timeout_s",
+            "sglang_log_every_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
         if self.sglang_retry_deadline_s < 0:

@@ -671,7 +671,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return logps, entropies, aux_loss
 
     def _packed_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
         compute_aux_loss=False,
     ):
         """TRL's `_get_per_token_logps_and_entropies` with each chunk of rows packed into one row without padding.

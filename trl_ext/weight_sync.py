@@ -140,7 +140,10 @@ def export_lora_adapter(model, adapter_name: str = "default") -> LoRAAdapter:
     if not isinstance(model, PeftModel):
         raise WeightSyncError("LoRA weight sync needs a PEFT model (peft_config); use merged sync otherwise")
     config = model.peft_config[adapter_name]
-    if getattr(config, "peft_type", None) is not None and str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
+    if (
+        getattr(config, "peft_type", None) is not None
+        and str(getattr(config.peft_type, "value", config.peft_type)) != "LORA"
+    ):
         raise WeightSyncError(f"LoRA weight sync supports LoRA adapters only, got {config.peft_type}")
     config_dict = config.to_dict()
     for key, value in list(config_dict.items()):  # JSON: sets -> sorted lists, enums -> values
@@ -447,7 +450,9 @@ class SGLangHTTPWeightSync:
 
     async def _post(self, url: str, path: str, payload: dict, *, retries: int | None = None, ok_404: bool = False):
         """POST and check SGLang's ``success``; returns the answer (None for an accepted 404 when ``ok_404``)."""
-        answer = await self.engine._request("POST", url, path, payload, retries=retries, ok_statuses=(404,) if ok_404 else ())
+        answer = await self.engine._request(
+            "POST", url, path, payload, retries=retries, ok_statuses=(404,) if ok_404 else ()
+        )
         if answer is _NOT_FOUND:
             return None
         if isinstance(answer, dict) and answer.get("success") is False:
@@ -522,7 +527,8 @@ class SGLangHTTPWeightSync:
         engine = self.engine
         infos = await asyncio.gather(*(engine._request("GET", s.url, "/model_info") for s in states))
         wrong = {
-            s.url: (i or {}).get("weight_version") for s, i in zip(states, infos)
+            s.url: (i or {}).get("weight_version")
+            for s, i in zip(states, infos)
             if str((i or {}).get("weight_version")) != str(version)
         }
         if wrong:
@@ -533,9 +539,7 @@ class SGLangHTTPWeightSync:
             await self._verify_checksums(states, version)
 
     async def checksums(self, states: list[ServerState]) -> dict[str, dict]:
-        answers = await asyncio.gather(
-            *(self._post(s.url, "/weights_checker", {"action": "checksum"}) for s in states)
-        )
+        answers = await asyncio.gather(*(self._post(s.url, "/weights_checker", {"action": "checksum"}) for s in states))
         return {s.url: (a or {}) for s, a in zip(states, answers)}
 
     async def _verify_checksums(self, states: list[ServerState], version) -> None:
@@ -561,7 +565,11 @@ class SGLangHTTPWeightSync:
                 if unchanged:
                     logger.warning(
                         "%s: %d parameters unchanged by the sync to version %s (first: %s); a name the server "
-                        "does not know is skipped silently by SGLang", url, len(unchanged), version, unchanged[:5],
+                        "does not know is skipped silently by SGLang",
+                        url,
+                        len(unchanged),
+                        version,
+                        unchanged[:5],
                     )
         by_layout: dict[tuple, list[tuple[str, str]]] = {}
         for s in states:
@@ -692,7 +700,11 @@ class SGLangHTTPWeightSync:
             for s in states:
                 if await self._begin(s):
                     sessions.append(s)
-            device = torch.device("cuda", torch.cuda.current_device()) if engine.dist_backend == "nccl" else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if engine.dist_backend == "nccl"
+                else torch.device("cpu")
+            )
             buckets = plan_buckets(named, engine.bucket_bytes)
             for k, bucket in enumerate(buckets):
                 flat, meta = flatten_bucket(bucket, device=device)
@@ -740,12 +752,16 @@ class SGLangHTTPWeightSync:
         engine = self.engine
         name = f"{engine.lora_name}-v{version}"
         if engine.sync_mode == "distributed":
-            raise WeightSyncError("LoRA sync supports weight_sync_mode 'disk' or 'tensor' (SGLang loads adapters "
-                                  "from a path or from tensors, not over NCCL)")
+            raise WeightSyncError(
+                "LoRA sync supports weight_sync_mode 'disk' or 'tensor' (SGLang loads adapters "
+                "from a path or from tensors, not over NCCL)"
+            )
         for s in states:
             if not s.enable_lora:
-                raise WeightSyncError(f"{s.url} was not launched with --enable-lora; LoRA sync needs it "
-                                      "(--enable-lora --max-lora-rank R --lora-target-modules ...)")
+                raise WeightSyncError(
+                    f"{s.url} was not launched with --enable-lora; LoRA sync needs it "
+                    "(--enable-lora --max-lora-rank R --lora-target-modules ...)"
+                )
         if engine.sync_mode == "disk":
             out_dir = engine._weights_dir() / name
             await asyncio.to_thread(_write_adapter, out_dir, adapter)
@@ -768,7 +784,9 @@ class SGLangHTTPWeightSync:
                 await self._post(s.url, path, payload_for(s), retries=0)
                 self._lora_names[s.url], old = name, self._lora_names.get(s.url)
                 # the adapter carries no version of its own: tag the server so /model_info and meta_info agree
-                await self._post(s.url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+                await self._post(
+                    s.url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+                )
                 loaded.add(s.url)
                 if old and old != name:
                     try:
@@ -814,7 +832,9 @@ def _write_adapter(out_dir: Path, adapter: LoRAAdapter) -> None:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    save_file({k: v.to("cpu").contiguous() for k, v in adapter.named_tensors}, str(out_dir / "adapter_model.safetensors"))
+    save_file(
+        {k: v.to("cpu").contiguous() for k, v in adapter.named_tensors}, str(out_dir / "adapter_model.safetensors")
+    )
     (out_dir / "adapter_config.json").write_text(json.dumps(adapter.config_dict))
 
 

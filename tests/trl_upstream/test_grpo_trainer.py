@@ -295,8 +295,6 @@ def test_missing_prompt_column_fails_at_construction(tiny_models, tmp_path):
 def test_signature_is_trls():
     ours = list(inspect.signature(AgenticGRPOTrainer.__init__).parameters.values())
     theirs = list(inspect.signature(GRPOTrainer.__init__).parameters.values())
-    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
-        (p.name, p.kind, p.default) for p in theirs
-    ]
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs) :])
     assert [p.name for p in ours[len(theirs) :]] == ["rollout_engine"]

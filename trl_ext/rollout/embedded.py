@@ -130,7 +130,7 @@ class EmbeddedEngine(RolloutEngine):
     @classmethod
     def from_policy(
         cls, policy_model: torch.nn.Module, attn_implementation: str | None = None, **kwargs
-    ) -> "EmbeddedEngine":
+    ) -> EmbeddedEngine:
         """An engine on an independent copy of ``policy_model`` (same device and dtype).
 
         The copy shares no storage with the policy: until `update_weights` is called it keeps sampling from

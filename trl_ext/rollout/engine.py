@@ -23,9 +23,7 @@ class RolloutEngine(ABC):
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         """Sample a continuation of ``input_ids`` (stop token kept in ``output_ids``)."""
 
-    async def generate_batch(
-        self, prompts: list[list[int]], sampling: SamplingParams
-    ) -> list[GenerationOutput]:
+    async def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerationOutput]:
         """Sample one continuation per prompt, concurrently; order preserved."""
         return list(await asyncio.gather(*(self.generate(p, sampling) for p in prompts)))
 
@@ -45,7 +43,7 @@ class RolloutEngine(ABC):
     def weight_version(self) -> int | str | None:
         """Version of the weights currently served (None before the first sync)."""
 
-    async def __aenter__(self) -> "RolloutEngine":
+    async def __aenter__(self) -> RolloutEngine:
         return self
 
     async def __aexit__(self, *exc) -> None:

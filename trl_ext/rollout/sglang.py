@@ -100,7 +100,12 @@ def sampling_params_payload(sampling: SamplingParams) -> dict:
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
-    for key, off in (("min_p", 0.0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+    for key, off in (
+        ("min_p", 0.0),
+        ("repetition_penalty", 1.0),
+        ("frequency_penalty", 0.0),
+        ("presence_penalty", 0.0),
+    ):
         value = getattr(sampling, key, off)
         if value != off:
             payload[key] = value
@@ -133,8 +138,9 @@ def parse_generate_item(item: dict) -> GenerationOutput:
     if ids is None or entries is None:
         if reason == "abort":
             return GenerationOutput([], [], "abort", _parse_version(meta.get("weight_version")))
-        raise SGLangResponseError("/generate answer lacks output_ids or meta_info.output_token_logprobs "
-                                  "(send return_logprob=true)")
+        raise SGLangResponseError(
+            "/generate answer lacks output_ids or meta_info.output_token_logprobs (send return_logprob=true)"
+        )
     ids = [int(t) for t in ids]
     logprobs = []
     for entry in entries:
@@ -245,9 +251,13 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"verify: unknown checks {sorted(unknown)} (choose from {VERIFY_MODES})")
         if max_concurrency < 1 or (max_retries is not None and max_retries < 0):
             raise ValueError("max_concurrency must be >= 1 and max_retries >= 0")
-        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
-                            ("ready_timeout_s", ready_timeout_s), ("log_every_s", log_every_s),
-                            ("dist_timeout_s", dist_timeout_s)):
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("ready_timeout_s", ready_timeout_s),
+            ("log_every_s", log_every_s),
+            ("dist_timeout_s", dist_timeout_s),
+        ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if retry_deadline_s < 0:
@@ -332,7 +342,9 @@ class SGLangEngine(RolloutEngine):
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
-                limits=httpx.Limits(max_connections=self.max_concurrency + 16, max_keepalive_connections=self.max_concurrency),
+                limits=httpx.Limits(
+                    max_connections=self.max_concurrency + 16, max_keepalive_connections=self.max_concurrency
+                ),
                 headers=headers,
                 trust_env=False,
             )
@@ -395,7 +407,13 @@ class SGLangEngine(RolloutEngine):
             raise _RequestDeadline(f"no complete answer within timeout_s={self.timeout_s:g} s") from exc
 
     async def _request(
-        self, method: str, url: str, path: str, payload: dict | None = None, *, retries: int | None = None,
+        self,
+        method: str,
+        url: str,
+        path: str,
+        payload: dict | None = None,
+        *,
+        retries: int | None = None,
         ok_statuses: tuple[int, ...] = (),
     ):
         """One HTTP call with retries on transport errors, timeouts and 5xx. Returns parsed JSON (or text).
@@ -430,8 +448,15 @@ class SGLangEngine(RolloutEngine):
                         f"{url}{path} failed after {attempt + 1} attempt(s) in {loop.time() - started:.1f} s: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
-                logger.warning("SGLang %s%s: %s: %s (attempt %d, retrying in %.1f s)",
-                               url, path, type(exc).__name__, exc, attempt + 1, pause)
+                logger.warning(
+                    "SGLang %s%s: %s: %s (attempt %d, retrying in %.1f s)",
+                    url,
+                    path,
+                    type(exc).__name__,
+                    exc,
+                    attempt + 1,
+                    pause,
+                )
                 self.stats["retries"] += 1
                 attempt += 1
                 await asyncio.sleep(pause)
@@ -479,6 +504,7 @@ class SGLangEngine(RolloutEngine):
         delay = 0.05
         logger.info("waiting for SGLang servers %s (up to %.0f s)", ", ".join(self.base_urls), budget)
         while pending:
+
             async def probe(url: str) -> tuple[str, bool]:
                 try:
                     resp = await asyncio.wait_for(
@@ -508,7 +534,9 @@ class SGLangEngine(RolloutEngine):
             if now >= next_log:
                 logger.warning(
                     "still waiting for SGLang server(s) after %.0f s (deadline %.0f s): %s",
-                    now - start, budget, "; ".join(f"{u}: {last[u]}" for u in sorted(pending)),
+                    now - start,
+                    budget,
+                    "; ".join(f"{u}: {last[u]}" for u in sorted(pending)),
                 )
                 next_log = now + self.log_every_s
             await asyncio.sleep(min(delay, max(0.0, deadline - now)))
@@ -562,8 +590,13 @@ class SGLangEngine(RolloutEngine):
             logger.log(
                 logging.WARNING if stalled else logging.INFO,
                 "SGLang rollouts: %d done, %d in flight (%s), %d retries, %d aborted, %.0f%% of prompt tokens cached%s",
-                s["done"], inflight, ", ".join(f"{u}: {n}" for u, n in self._inflight.items()), s["retries"],
-                s["aborts"], 100 * cached, f"; none finished in the last {self.log_every_s:g} s" if stalled else "",
+                s["done"],
+                inflight,
+                ", ".join(f"{u}: {n}" for u, n in self._inflight.items()),
+                s["retries"],
+                s["aborts"],
+                100 * cached,
+                f"; none finished in the last {self.log_every_s:g} s" if stalled else "",
             )
 
     async def _generate(self, ids: list[int], sampling: SamplingParams, affinity: dict) -> GenerationOutput:
@@ -605,16 +638,27 @@ class SGLangEngine(RolloutEngine):
                     except ValueError as exc:
                         raise SGLangResponseError(f"/generate answer is not JSON: {resp.text[:200]}") from exc
                     out = parse_generate_item(item)
-                except (httpx.TransportError, httpx.TimeoutException, _RequestDeadline, _RetryableStatus,
-                        SGLangResponseError) as exc:
+                except (
+                    httpx.TransportError,
+                    httpx.TimeoutException,
+                    _RequestDeadline,
+                    _RetryableStatus,
+                    SGLangResponseError,
+                ) as exc:
                     pause = self._may_retry(attempt, started, loop)
                     if pause is None:
                         raise SGLangError(
                             f"{url}/generate failed after {attempt + 1} attempt(s) in {loop.time() - started:.1f} s "
                             f"(retry_deadline_s={self.retry_deadline_s:g}): {type(exc).__name__}: {exc}"
                         ) from exc
-                    logger.warning("SGLang /generate on %s: %s: %s (attempt %d, retrying in %.1f s)",
-                                   url, type(exc).__name__, exc, attempt + 1, pause)
+                    logger.warning(
+                        "SGLang /generate on %s: %s: %s (attempt %d, retrying in %.1f s)",
+                        url,
+                        type(exc).__name__,
+                        exc,
+                        attempt + 1,
+                        pause,
+                    )
                     self.stats["retries"] += 1
                     attempt += 1
                     if len(self.base_urls) > 1:  # leave the failing server to the others
@@ -640,7 +684,9 @@ class SGLangEngine(RolloutEngine):
                 logger.warning(
                     "%s served weight_version %r, but the engine synced version %r (did the server restart?); the "
                     "trajectory records the served version and the next sync reloads the server",
-                    url, out.weight_version, self._version,
+                    url,
+                    out.weight_version,
+                    self._version,
                 )
         return out
 
@@ -702,7 +748,9 @@ class SGLangEngine(RolloutEngine):
 
     async def _verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> None:
         if len(reference) != len(probe_ids) - 1:
-            raise ValueError(f"reference must have len(probe_ids) - 1 = {len(probe_ids) - 1} log-probs, got {len(reference)}")
+            raise ValueError(
+                f"reference must have len(probe_ids) - 1 = {len(probe_ids) - 1} log-probs, got {len(reference)}"
+            )
         payload = {
             "input_ids": probe_ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
@@ -752,8 +800,12 @@ class SGLangEngine(RolloutEngine):
         if self._sync.group is not None:
             try:
                 await asyncio.gather(
-                    *(self._request("POST", u, "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0)
-                      for u in self.base_urls)
+                    *(
+                        self._request(
+                            "POST", u, "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0
+                        )
+                        for u in self.base_urls
+                    )
                 )
             except SGLangError as exc:
                 logger.warning("destroy_weights_update_group: %s", exc)
@@ -814,8 +866,9 @@ class SGLangOfflineEngine(RolloutEngine):
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         ids = validate_input_ids(input_ids)
-        kwargs = dict(input_ids=ids, sampling_params=sampling_params_payload(sampling), return_logprob=True,
-                      logprob_start_len=-1)
+        kwargs = dict(
+            input_ids=ids, sampling_params=sampling_params_payload(sampling), return_logprob=True, logprob_start_len=-1
+        )
         if self._lora_name is not None:
             kwargs["lora_path"] = self._lora_name
         item = await self._on_loop(self._engine.async_generate(**kwargs))
@@ -823,8 +876,13 @@ class SGLangOfflineEngine(RolloutEngine):
 
     async def _call(self, what: str, coro) -> None:
         result = await self._on_loop(coro)
-        success, message = (result[0], result[1]) if isinstance(result, tuple) else (
-            getattr(result, "success", None), getattr(result, "error_message", None) or getattr(result, "message", None)
+        success, message = (
+            (result[0], result[1])
+            if isinstance(result, tuple)
+            else (
+                getattr(result, "success", None),
+                getattr(result, "error_message", None) or getattr(result, "message", None),
+            )
         )
         if not success:
             raise WeightSyncError(f"sglang.Engine {what} failed: {message}")
@@ -867,7 +925,8 @@ class SGLangOfflineEngine(RolloutEngine):
         tp_size = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
         name = f"{self.lora_name}-v{version}"
         req = io_struct.LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=name, config_dict=adapter.config_dict,
+            lora_name=name,
+            config_dict=adapter.config_dict,
             serialized_named_tensors=serialize_per_rank(dict(adapter.named_tensors), tp_size),
         )
         await self._call("load_lora_adapter_from_tensors", tm.load_lora_adapter_from_tensors(req, None))
@@ -876,20 +935,27 @@ class SGLangOfflineEngine(RolloutEngine):
         # (``TokenizerControlMixin.update_weight_version``); 0.5.17 records it synchronously
         # (``_update_weight_version_if_provided``, what its ``/update_weight_version`` route amounts to)
         if hasattr(tm, "update_weight_version"):
-            await self._on_loop(tm.update_weight_version(io_struct.UpdateWeightVersionReqInput(
-                new_version=str(version), abort_all_requests=False)))
+            await self._on_loop(
+                tm.update_weight_version(
+                    io_struct.UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
+                )
+            )
         else:
             tm._update_weight_version_if_provided(str(version))
         if old is not None:
-            await self._call("unload_lora_adapter",
-                             tm.unload_lora_adapter(io_struct.UnloadLoRAAdapterReqInput(lora_name=old), None))
+            await self._call(
+                "unload_lora_adapter", tm.unload_lora_adapter(io_struct.UnloadLoRAAdapterReqInput(lora_name=old), None)
+            )
         self._check_version(version)
         self._version = version
 
     def _check_version(self, version) -> None:
         tm = self._engine.tokenizer_manager
-        served = tm.config_value("weight_version") if hasattr(tm, "config_value") else getattr(
-            getattr(tm, "server_args", None), "weight_version", None)
+        served = (
+            tm.config_value("weight_version")
+            if hasattr(tm, "config_value")
+            else getattr(getattr(tm, "server_args", None), "weight_version", None)
+        )
         if served is not None and str(served) != str(version):
             raise WeightSyncError(f"sglang.Engine reports weight_version {served!r} after the sync to {version!r}")
 

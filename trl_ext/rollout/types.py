@@ -147,9 +147,7 @@ class GenerationOutput:
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
-            raise ValueError(
-                f"GenerationOutput: {len(self.output_ids)} output ids but {len(self.logprobs)} log-probs"
-            )
+            raise ValueError(f"GenerationOutput: {len(self.output_ids)} output ids but {len(self.logprobs)} log-probs")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
 

@@ -76,8 +76,17 @@ def _readonly_tree(path):
     chmod, chown, utime, xattr, link, rename, create and delete whoever the caller is: Landlock has no right for
     metadata, and a program owning a file could otherwise change it."""
     attr = struct.pack("=QQQQ", MOUNT_ATTR_RDONLY, 0, 0, 0)
-    _check(libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(AT_RECURSIVE),
-                        ctypes.create_string_buffer(attr, 32), ctypes.c_size_t(32)), f"mount_setattr({path}, RDONLY)")
+    _check(
+        libc.syscall(
+            SYS_MOUNT_SETATTR,
+            ctypes.c_int(AT_FDCWD),
+            path.encode(),
+            ctypes.c_uint(AT_RECURSIVE),
+            ctypes.create_string_buffer(attr, 32),
+            ctypes.c_size_t(32),
+        ),
+        f"mount_setattr({path}, RDONLY)",
+    )
 
 
 def _expose(blocker, paths):
@@ -147,8 +156,13 @@ def build_filesystem(cfg, code):
     _readonly_tree("/")
     uid = cfg["uid"] if cfg["uid"] is not None else os.getuid()
     gid = cfg["gid"] if cfg["gid"] is not None else os.getgid()
-    _mount("tmpfs", cfg["workdir"], "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={mnt['size']},nr_inodes={mnt['inodes']},mode=0700,uid={uid},gid={gid}")
+    _mount(
+        "tmpfs",
+        cfg["workdir"],
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={mnt['size']},nr_inodes={mnt['inodes']},mode=0700,uid={uid},gid={gid}",
+    )
     main = os.path.join(cfg["workdir"], "main.py")
     fd = os.open(main, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -159,7 +173,9 @@ def build_filesystem(cfg, code):
 
 
 def landlock_abi():
-    ret = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    ret = libc.syscall(
+        SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION)
+    )
     return int(ret) if ret > 0 else 0
 
 
@@ -180,8 +196,10 @@ def apply_landlock(read_paths, write_paths, deny_tcp, scope):
     scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if (scope and abi >= 6) else 0
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     attr = ctypes.create_string_buffer(struct.pack("=QQQ", fs_all, net, scoped)[:size], size)
-    ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(size), ctypes.c_uint32(0)),
-                     "landlock_create_ruleset")
+    ruleset = _check(
+        libc.syscall(SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(size), ctypes.c_uint32(0)),
+        "landlock_create_ruleset",
+    )
     read_rights = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
     rules = [(p, read_rights) for p in read_paths] + [(p, fs_all) for p in write_paths]
     granted = []
@@ -195,12 +213,22 @@ def apply_landlock(read_paths, write_paths, deny_tcp, scope):
                 rights &= FS_FILE_RIGHTS
             rights &= fs_all
             rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)
-            _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
-                                rule, ctypes.c_uint32(0)), f"landlock_add_rule({path})")
+            _check(
+                libc.syscall(
+                    SYS_LANDLOCK_ADD_RULE,
+                    ctypes.c_int(ruleset),
+                    ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                    rule,
+                    ctypes.c_uint32(0),
+                ),
+                f"landlock_add_rule({path})",
+            )
             granted.append(path)
         finally:
             os.close(fd)
-    _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self")
+    _check(
+        libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self"
+    )
     os.close(ruleset)
     return {"abi": abi, "tcp_denied": bool(net), "scoped": bool(scoped), "paths": granted}
 
@@ -218,15 +246,54 @@ BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x
 AF_UNIX, EPERM, EACCES, ENOSYS = 1, 1, 13, 38
 CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 _SECCOMP_ARCH = {  # machine: AUDIT_ARCH_*, then syscall numbers
-    "x86_64": dict(arch=0xC000003E, socket=41, clone=56, clone3=435, unshare=272, setns=308, bpf=321,
-                   perf_event_open=298, userfaultfd=323, keyctl=250, add_key=248, request_key=249,
-                   io_uring_setup=425, io_uring_enter=426, io_uring_register=427),
-    "aarch64": dict(arch=0xC00000B7, socket=198, clone=220, clone3=435, unshare=97, setns=268, bpf=280,
-                    perf_event_open=241, userfaultfd=282, keyctl=219, add_key=217, request_key=218,
-                    io_uring_setup=425, io_uring_enter=426, io_uring_register=427),
+    "x86_64": dict(
+        arch=0xC000003E,
+        socket=41,
+        clone=56,
+        clone3=435,
+        unshare=272,
+        setns=308,
+        bpf=321,
+        perf_event_open=298,
+        userfaultfd=323,
+        keyctl=250,
+        add_key=248,
+        request_key=249,
+        io_uring_setup=425,
+        io_uring_enter=426,
+        io_uring_register=427,
+    ),
+    "aarch64": dict(
+        arch=0xC00000B7,
+        socket=198,
+        clone=220,
+        clone3=435,
+        unshare=97,
+        setns=268,
+        bpf=280,
+        perf_event_open=241,
+        userfaultfd=282,
+        keyctl=219,
+        add_key=217,
+        request_key=218,
+        io_uring_setup=425,
+        io_uring_enter=426,
+        io_uring_register=427,
+    ),
 }
-_SECCOMP_DENIED = ("unshare", "setns", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
-                   "io_uring_setup", "io_uring_enter", "io_uring_register")
+_SECCOMP_DENIED = (
+    "unshare",
+    "setns",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+)
 
 
 def apply_seccomp():
@@ -240,34 +307,36 @@ def apply_seccomp():
 
     deny = SECCOMP_RET_ERRNO | EPERM
     program = [
-        ins(BPF_LD_W_ABS, 0, 0, 4),                               # A = arch
-        ins(BPF_JEQ_K, 1, 0, nr["arch"]),                         # native ABI? skip the refusal
-        ins(BPF_RET_K, 0, 0, deny),                               # foreign ABI: refuse
-        ins(BPF_LD_W_ABS, 0, 0, 0),                               # A = syscall number
-        ins(BPF_JGE_K, 0, 1, 0x40000000),                         # x32 ABI bit set?
-        ins(BPF_RET_K, 0, 0, deny),                               #   refuse
-        ins(BPF_JEQ_K, 0, 1, nr["clone3"]),                       # clone3?
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | ENOSYS),         #   "not implemented": glibc falls back to clone
+        ins(BPF_LD_W_ABS, 0, 0, 4),  # A = arch
+        ins(BPF_JEQ_K, 1, 0, nr["arch"]),  # native ABI? skip the refusal
+        ins(BPF_RET_K, 0, 0, deny),  # foreign ABI: refuse
+        ins(BPF_LD_W_ABS, 0, 0, 0),  # A = syscall number
+        ins(BPF_JGE_K, 0, 1, 0x40000000),  # x32 ABI bit set?
+        ins(BPF_RET_K, 0, 0, deny),  #   refuse
+        ins(BPF_JEQ_K, 0, 1, nr["clone3"]),  # clone3?
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | ENOSYS),  #   "not implemented": glibc falls back to clone
     ]
     for name in _SECCOMP_DENIED:
         program += [ins(BPF_JEQ_K, 0, 1, nr[name]), ins(BPF_RET_K, 0, 0, deny)]
     program += [
-        ins(BPF_JEQ_K, 0, 4, nr["socket"]),                       # socket? else to the clone check
-        ins(BPF_LD_W_ABS, 0, 0, 16),                              #   A = low 32 bits of args[0] (domain)
-        ins(BPF_JEQ_K, 0, 1, AF_UNIX),                            #   AF_UNIX?
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),         #     refuse
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  #     other families: allow
-        ins(BPF_JEQ_K, 0, 4, nr["clone"]),                        # clone? else allow
-        ins(BPF_LD_W_ABS, 0, 0, 16),                              #   A = low 32 bits of args[0] (flags)
-        ins(BPF_JSET_K, 0, 1, CLONE_NEW_ANY),                     #   any CLONE_NEW* flag?
-        ins(BPF_RET_K, 0, 0, deny),                               #     refuse
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  #     plain fork / thread: allow
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),                  # everything else: allow
+        ins(BPF_JEQ_K, 0, 4, nr["socket"]),  # socket? else to the clone check
+        ins(BPF_LD_W_ABS, 0, 0, 16),  #   A = low 32 bits of args[0] (domain)
+        ins(BPF_JEQ_K, 0, 1, AF_UNIX),  #   AF_UNIX?
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),  #     refuse
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),  #     other families: allow
+        ins(BPF_JEQ_K, 0, 4, nr["clone"]),  # clone? else allow
+        ins(BPF_LD_W_ABS, 0, 0, 16),  #   A = low 32 bits of args[0] (flags)
+        ins(BPF_JSET_K, 0, 1, CLONE_NEW_ANY),  #   any CLONE_NEW* flag?
+        ins(BPF_RET_K, 0, 0, deny),  #     refuse
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),  #     plain fork / thread: allow
+        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),  # everything else: allow
     ]
     filters = ctypes.create_string_buffer(b"".join(program))
     fprog = struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(filters))
-    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.create_string_buffer(fprog, 16), 0, 0),
-           "prctl(PR_SET_SECCOMP)")
+    _check(
+        libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.create_string_buffer(fprog, 16), 0, 0),
+        "prctl(PR_SET_SECCOMP)",
+    )
     return "no AF_UNIX sockets, io_uring, new namespaces, bpf, perf events, userfaultfd or keyrings; native ABI only"
 
 
@@ -345,8 +414,9 @@ def user_process(cfg, status_fd, report):
         report["landlock"] = None
         if cfg["landlock"]:
             try:
-                report["landlock"] = apply_landlock(cfg["read_paths"], [cfg["workdir"]] + cfg["write_paths"],
-                                                    deny_tcp=True, scope=True)
+                report["landlock"] = apply_landlock(
+                    cfg["read_paths"], [cfg["workdir"]] + cfg["write_paths"], deny_tcp=True, scope=True
+                )
             except OSError as e:
                 report["landlock_error"] = str(e)
         try:
@@ -366,11 +436,17 @@ def user_process(cfg, status_fd, report):
         else:
             report["network"] = "netns" if report.get("netns") else "landlock-tcp"
         if cfg.get("require_isolation"):
-            missing = [name for name, ok in (("network", report["network"] != "python-guard"),
-                                             ("filesystem", report["landlock"] is not None),
-                                             ("unix socket", report.get("seccomp") is not None),
-                                             ("process limit", report["process_limit"] is not None),
-                                             ("disk quota", report.get("disk_quota") is not None)) if not ok]
+            missing = [
+                name
+                for name, ok in (
+                    ("network", report["network"] != "python-guard"),
+                    ("filesystem", report["landlock"] is not None),
+                    ("unix socket", report.get("seccomp") is not None),
+                    ("process limit", report["process_limit"] is not None),
+                    ("disk quota", report.get("disk_quota") is not None),
+                )
+                if not ok
+            ]
             if missing:
                 raise OSError(f"require_isolation: no {', '.join(missing)} isolation in place")
         os.write(status_fd, (json.dumps({"stage": "setup", **report}) + "\n").encode())
@@ -596,8 +672,12 @@ def run_init(cfg, status_fd, report):
     if report.get("disk_quota"):
         try:  # the tmpfs is only visible in this mount namespace: measure it before it goes
             st = os.statvfs(cfg["workdir"])
-            disk = {"used": (st.f_blocks - st.f_bfree) * st.f_frsize, "size": st.f_blocks * st.f_frsize,
-                    "files_left": st.f_ffree, "full": st.f_bavail * st.f_frsize < 65536 or st.f_favail == 0}
+            disk = {
+                "used": (st.f_blocks - st.f_bfree) * st.f_frsize,
+                "size": st.f_blocks * st.f_frsize,
+                "files_left": st.f_ffree,
+                "full": st.f_bavail * st.f_frsize < 65536 or st.f_favail == 0,
+            }
         except OSError:
             pass
     os.write(status_fd, (json.dumps({"stage": "exit", "status": user_status, "disk": disk}) + "\n").encode())

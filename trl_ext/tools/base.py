@@ -7,7 +7,8 @@ import functools
 import inspect
 import json
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["ToolError", "Tool", "FunctionTool"]
 
@@ -138,7 +139,7 @@ class FunctionTool(Tool):
             raise ValueError("FunctionTool needs a name= for callables without __name__")
         self.description = description if description is not None else (schema or {}).get("description", "")
         self.parameters = parameters if parameters is not None else schema["parameters"]
-        self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
     async def __call__(self, arguments: dict) -> str:
         arguments = self.validate_arguments(arguments)

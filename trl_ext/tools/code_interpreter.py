@@ -147,8 +147,9 @@ class CodeInterpreterTool(Tool):
             else:
                 notes.append(f"[process terminated by {sig}]")
         if result.oom_kills and killed_by != "memory_limit":
-            notes.append(f"[{result.oom_kills} process(es) of the program killed: memory limit of {self.memory_mb} "
-                         "MiB exceeded]")
+            notes.append(
+                f"[{result.oom_kills} process(es) of the program killed: memory limit of {self.memory_mb} MiB exceeded]"
+            )
         if result.disk_full:
             quota = result.isolation.get("disk_quota")
             size = f" of {quota / 2**20:g} MiB" if quota else ""

@@ -180,13 +180,18 @@ def _blocker(path: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(euid: int) -> dict:
     """What this machine allows (namespaces, a private read-only mount tree with a tmpfs, Landlock), asked once per
     process and uid from a throwaway launcher process."""
     try:
-        out = subprocess.run([sys.executable, "-I", "-S", _LAUNCHER, "--probe"], capture_output=True, text=True,
-                             timeout=30, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        out = subprocess.run(
+            [sys.executable, "-I", "-S", _LAUNCHER, "--probe"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         return {"mount": False, "mount_error": f"probe failed: {type(e).__name__}: {e}"}
@@ -344,7 +349,7 @@ def sweep_stale(tmpdir: str | None = None, *, min_age_s: float = 3600.0) -> list
         entries = []
     now = time.time()
     for name in entries:
-        owner = name[len(_WORKDIR_PREFIX):].split("_", 1)[0]
+        owner = name[len(_WORKDIR_PREFIX) :].split("_", 1)[0]
         if not (name.startswith(_WORKDIR_PREFIX) and owner.isdigit()) or _pid_alive(int(owner)):
             continue
         path = os.path.join(tmpdir, name)
@@ -395,7 +400,7 @@ class _Cgroups:
         removed = []
         for folder in self.parents.values():
             for stale in Path(folder).parent.glob(_WORKDIR_PREFIX + "*"):
-                owner = stale.name[len(_WORKDIR_PREFIX):]
+                owner = stale.name[len(_WORKDIR_PREFIX) :]
                 if not owner.isdigit() or _pid_alive(int(owner)):
                     continue
                 try:
@@ -553,19 +558,25 @@ class LocalSandbox(SandboxBackend):
         if not sys.platform.startswith("linux"):
             raise RuntimeError("LocalSandbox needs Linux (namespaces, rlimits, Landlock); use SandboxFusionBackend")
         if max_processes < 1 or max_file_mb < 1 or max_disk_mb < 1 or max_disk_files < 16 or max_open_files < 16:
-            raise ValueError("max_processes, max_file_mb and max_disk_mb must be >= 1, max_disk_files and "
-                             "max_open_files >= 16")
+            raise ValueError(
+                "max_processes, max_file_mb and max_disk_mb must be >= 1, max_disk_files and max_open_files >= 16"
+            )
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s must be positive, got {queue_timeout_s}")
-        if sandbox_uid is not None and (isinstance(sandbox_uid, bool) or not isinstance(sandbox_uid, int)
-                                        or sandbox_uid <= 0):
-            raise ValueError(f"sandbox_uid must be None (a fresh uid per run) or a uid > 0, got {sandbox_uid!r}: "
-                             "programs never run as uid 0")
+        if sandbox_uid is not None and (
+            isinstance(sandbox_uid, bool) or not isinstance(sandbox_uid, int) or sandbox_uid <= 0
+        ):
+            raise ValueError(
+                f"sandbox_uid must be None (a fresh uid per run) or a uid > 0, got {sandbox_uid!r}: "
+                "programs never run as uid 0"
+            )
         if sandbox_uid is not None and os.geteuid() != 0:
-            raise ValueError(f"sandbox_uid={sandbox_uid} needs a root caller: a non-root caller's programs run as its "
-                             "own uid inside a user namespace")
+            raise ValueError(
+                f"sandbox_uid={sandbox_uid} needs a root caller: a non-root caller's programs run as its "
+                "own uid inside a user namespace"
+            )
         self.python = python or sys.executable
         if not os.access(self.python, os.X_OK):
             raise ValueError(f"python={self.python!r} is not an executable file")
@@ -615,8 +626,10 @@ class LocalSandbox(SandboxBackend):
             for p in needed + [tempfile.gettempdir()]:
                 blocker = _blocker(p)
                 if blocker == "/":
-                    raise RuntimeError(f"LocalSandbox: / cannot be traversed by other users; the sandbox uid could "
-                                       "not run anything. Fix: chmod o+x /")
+                    raise RuntimeError(
+                        "LocalSandbox: / cannot be traversed by other users; the sandbox uid could "
+                        "not run anything. Fix: chmod o+x /"
+                    )
                 if blocker is not None:
                     groups.setdefault(blocker, []).append(os.path.realpath(p))
             for blocker, paths in sorted(groups.items()):
@@ -629,15 +642,21 @@ class LocalSandbox(SandboxBackend):
         problems = [(t, why) for t in targets if (why := _reachable(t, exposed)) is not None]
         if problems:
             target, why = problems[0]
-            how = ("" if self._mount else
-                   f" There is no mount namespace to make it reachable ({support.get('mount_error')}).")
+            how = (
+                ""
+                if self._mount
+                else f" There is no mount namespace to make it reachable ({support.get('mount_error')})."
+            )
             raise RuntimeError(
                 f"LocalSandbox will not run model code as uid 0 (it could chmod, utime or set xattrs on any root-owned "
                 f"file), and the unprivileged sandbox uid cannot use {target}: {why}.{how} Fix: make it readable by "
                 f"other users (chmod o+rX on it and o+x on its parent folders), pass python= an interpreter every user "
                 f"can run (e.g. /usr/bin/python3 with the packages the programs need)"
-                + (", or allow mount namespaces (use_namespaces=True; in a container: unshare must be permitted)."
-                   if not self._mount else ".")
+                + (
+                    ", or allow mount namespaces (use_namespaces=True; in a container: unshare must be permitted)."
+                    if not self._mount
+                    else "."
+                )
             )
         if not self._mount and not os.access(tempfile.gettempdir(), os.W_OK):
             raise RuntimeError(f"LocalSandbox: the temporary folder {tempfile.gettempdir()} is not writable")
@@ -646,7 +665,9 @@ class LocalSandbox(SandboxBackend):
         """The interpreter's installation (prefixes, stdlib, site-packages) of ``self.python``."""
         if os.path.realpath(self.python) == os.path.realpath(sys.executable):
             paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-            paths.update(v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib"))
+            paths.update(
+                v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")
+            )
         else:
             paths = set()
         for exe in (os.path.abspath(self.python), os.path.realpath(self.python)):  # a venv, and what it links to
@@ -655,8 +676,19 @@ class LocalSandbox(SandboxBackend):
         return sorted(p for p in paths if p != os.sep)  # never the whole filesystem
 
     def _read_paths(self) -> list[str]:
-        system = ["/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives",
-                  "/sys/devices/system/cpu", "/dev/urandom", "/dev/random", "/dev/zero"]
+        system = [
+            "/usr",
+            "/lib",
+            "/lib64",
+            "/bin",
+            "/etc/ld.so.cache",
+            "/etc/localtime",
+            "/etc/alternatives",
+            "/sys/devices/system/cpu",
+            "/dev/urandom",
+            "/dev/random",
+            "/dev/zero",
+        ]
         return self._runtime_dirs() + system + self.extra_readable_paths
 
     async def run_code(
@@ -673,9 +705,16 @@ class LocalSandbox(SandboxBackend):
         try:  # the queue has its own bound: waiting for a slot never eats into the program's timeout_s
             await asyncio.wait_for(self._semaphore.acquire(), timeout=self.queue_timeout_s)
         except asyncio.TimeoutError:
-            return SandboxResult("", "", None, False, False, queued_s=time.monotonic() - queued,
-                                 error=f"no sandbox slot became free within queue_timeout_s={self.queue_timeout_s:g} s "
-                                       f"(max_concurrency={self.max_concurrency}); the program did not run")
+            return SandboxResult(
+                "",
+                "",
+                None,
+                False,
+                False,
+                queued_s=time.monotonic() - queued,
+                error=f"no sandbox slot became free within queue_timeout_s={self.queue_timeout_s:g} s "
+                f"(max_concurrency={self.max_concurrency}); the program did not run",
+            )
         queued_s = time.monotonic() - queued
         try:
             result = await self._run(code, float(timeout_s), int(memory_mb), int(max_output_bytes))
@@ -745,7 +784,8 @@ class LocalSandbox(SandboxBackend):
                 "uid": uid,
                 "gid": gid,
                 "mount": {"size": self.max_disk_bytes, "inodes": self.max_disk_files, "expose": self._expose}
-                if self._mount else None,
+                if self._mount
+                else None,
                 "namespaces": self.use_namespaces,
                 "landlock": self.isolate_filesystem,
                 "require_isolation": self.require_isolation,
@@ -754,7 +794,11 @@ class LocalSandbox(SandboxBackend):
                 "guard": _NETWORK_GUARD,
             }
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", _LAUNCHER, json.dumps(config),
+                sys.executable,
+                "-I",
+                "-S",
+                _LAUNCHER,
+                json.dumps(config),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -781,7 +825,10 @@ class LocalSandbox(SandboxBackend):
                         overflow.set()
                         return
 
-            readers = [asyncio.ensure_future(pump(proc.stdout, stdout)), asyncio.ensure_future(pump(proc.stderr, stderr))]
+            readers = [
+                asyncio.ensure_future(pump(proc.stdout, stdout)),
+                asyncio.ensure_future(pump(proc.stderr, stderr)),
+            ]
             finished = asyncio.ensure_future(asyncio.gather(*readers, proc.wait()))
             overflowed = asyncio.ensure_future(overflow.wait())
             tasks += [*readers, finished, overflowed]
@@ -883,7 +930,7 @@ class LocalSandbox(SandboxBackend):
             logger.warning("sandbox working directory not fully removed: %s", leftover)
         return oom_kills, leftover
 
-    async def _stop(self, proc: asyncio.subprocess.Process, status: "_StatusPipe | None", cgroups: list[str]) -> None:
+    async def _stop(self, proc: asyncio.subprocess.Process, status: _StatusPipe | None, cgroups: list[str]) -> None:
         """Stop a run: SIGTERM init (a child subreaper: it SIGKILLs every descendant, even ones that left the
         process group, then exits, which also empties its pid namespace); after a grace period SIGKILL the process
         group (launcher, init) and whatever is left in the run's cgroups."""

@@ -52,9 +52,16 @@ class SandboxFusionBackend(SandboxBackend):
     ):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL, got {url!r}")
-        if max_concurrency < 1 or max_retries < 0 or backoff_s < 0 or not (request_timeout_s > 0 and queue_timeout_s > 0):
-            raise ValueError("max_concurrency must be >= 1, max_retries and backoff_s >= 0, request_timeout_s and "
-                             "queue_timeout_s > 0")
+        if (
+            max_concurrency < 1
+            or max_retries < 0
+            or backoff_s < 0
+            or not (request_timeout_s > 0 and queue_timeout_s > 0)
+        ):
+            raise ValueError(
+                "max_concurrency must be >= 1, max_retries and backoff_s >= 0, request_timeout_s and "
+                "queue_timeout_s > 0"
+            )
         url = url.rstrip("/")
         self.endpoint = url if url.endswith("/run_code") else url + "/run_code"
         self.max_retries = max_retries
@@ -107,8 +114,11 @@ class SandboxFusionBackend(SandboxBackend):
         try:  # the queue has its own bound: waiting for a slot never eats into the program's timeout_s
             await asyncio.wait_for(self._semaphore.acquire(), timeout=self.queue_timeout_s)
         except asyncio.TimeoutError:
-            result = self._failure(f"no slot became free within queue_timeout_s={self.queue_timeout_s:g} s "
-                                   f"(max_concurrency={self.max_concurrency}); the program was not sent", queued)
+            result = self._failure(
+                f"no slot became free within queue_timeout_s={self.queue_timeout_s:g} s "
+                f"(max_concurrency={self.max_concurrency}); the program was not sent",
+                queued,
+            )
             result.queued_s, result.duration_s = result.duration_s, 0.0
             return result
         queued_s = time.monotonic() - queued
@@ -150,8 +160,16 @@ class SandboxFusionBackend(SandboxBackend):
 
     @staticmethod
     def _failure(message: str, start: float) -> SandboxResult:
-        return SandboxResult("", "", None, False, False, duration_s=time.monotonic() - start, error=message,
-                             isolation={"backend": "sandbox_fusion"})
+        return SandboxResult(
+            "",
+            "",
+            None,
+            False,
+            False,
+            duration_s=time.monotonic() - start,
+            error=message,
+            isolation={"backend": "sandbox_fusion"},
+        )
 
     @staticmethod
     def _result(body: dict, max_output_bytes: int, start: float) -> SandboxResult:

@@ -48,8 +48,23 @@ def test_compile_in_subprocess():
     if not INTERPRETED:
         pytest.skip("this process compiles the kernels itself")
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-                             str(Path(__file__).resolve())], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not gpu",
+            str(Path(__file__).resolve()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " skipped" in result.stdout, result.stdout[-2000:]
 
@@ -67,8 +82,14 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
     if "maxnreg" in cfg:  # a compile option only
         options["maxnreg"] = cfg["maxnreg"]
     consts = dict(GROUP=8, HEAD_DIM=head_dim, **{k: v for k, v in cfg.items() if k != "maxnreg"})
-    descs = {"q_desc": desc(block_q), "do_desc": desc(block_q), "k_desc": desc(block_k), "v_desc": desc(block_k),
-             "lse_desc": row_vector(block_q), "delta_desc": row_vector(block_q)}
+    descs = {
+        "q_desc": desc(block_q),
+        "do_desc": desc(block_q),
+        "k_desc": desc(block_k),
+        "v_desc": desc(block_k),
+        "lse_desc": row_vector(block_q),
+        "delta_desc": row_vector(block_q),
+    }
     signature = {}
     for name in fn.arg_names:
         if name in consts:
@@ -85,16 +106,23 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    src = gluon_runtime.GluonASTSource(fn=fn, signature=signature,
-                                       constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    src = gluon_runtime.GluonASTSource(
+        fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}
+    )
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-@pytest.mark.parametrize("kernel, options", [
-    ("gluon_dkdv", {}), ("gluon_dkdv", dict(STAGES=3)), ("gluon_dq", dict(HAS_SINK=True)),
-    ("gluon_dq", dict(HAS_SINK=False, STAGES=3)),
-    ("gluon_fwd", dict(HAS_SINK=True)), ("gluon_fwd", dict(HAS_SINK=False, STAGES=3)),
-])
+@pytest.mark.parametrize(
+    "kernel, options",
+    [
+        ("gluon_dkdv", {}),
+        ("gluon_dkdv", dict(STAGES=3)),
+        ("gluon_dq", dict(HAS_SINK=True)),
+        ("gluon_dq", dict(HAS_SINK=False, STAGES=3)),
+        ("gluon_fwd", dict(HAS_SINK=True)),
+        ("gluon_fwd", dict(HAS_SINK=False, STAGES=3)),
+    ],
+)
 def test_gluon_kernels_compile_for_sm90(tk, gk, kernel, options):
     cfg = dict(tk.CONFIGS[(kernel, 64)], **options)
     fn = {"gluon_dkdv": gk._dkdv_kernel, "gluon_dq": gk._dq_kernel, "gluon_fwd": gk._fwd_ws_kernel}[kernel]
@@ -112,8 +140,9 @@ def test_gluon_kernels_compile_for_sm90(tk, gk, kernel, options):
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
-                                   text=True, check=True).stdout
+            usage = subprocess.run(
+                [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+            ).stdout
         stack = re.search(r"STACK:(\d+)", usage)
         # under a register cap (maxnreg) ptxas versions differ by a register or two: triton 3.6's spills nothing
         # at 168, 3.9's 8 bytes; a real spill (a cap too tight, 150+ bytes at 152 registers) must still fail

@@ -51,7 +51,7 @@ def eager_sink_attention(q, k, v, sinks, scale, causal, window):
     if window[1] >= 0:
         visible &= pos_k <= pos_q + window[1]
     scores = scores.masked_fill(~visible, -math.inf)
-    sink_col = (sinks.double() if sinks is not None else torch.full((num_heads,), -math.inf, dtype=torch.float64))
+    sink_col = sinks.double() if sinks is not None else torch.full((num_heads,), -math.inf, dtype=torch.float64)
     logits = torch.cat([scores, sink_col.view(-1, 1, 1).expand(-1, len_q, 1)], dim=-1)
     probs = torch.softmax(logits, dim=-1)[..., :-1].nan_to_num(0.0)  # a row with nothing visible -> 0
     return torch.einsum("hqk,khd->qhd", probs, v)
@@ -221,17 +221,23 @@ def _qkv(t=8, hq=4, hkv=2, d=64, dtype=torch.float32):
 BAD_INPUTS = {
     "sink shape": (lambda q, k, v, cu: dict(s_aux=torch.zeros(3)), "s_aux .*shape"),
     "head_dim mismatch": (lambda q, k, v, cu: dict(k=k[..., :32], v=v[..., :32]), "head_dim"),
-    "head_dim too large": (lambda q, k, v, cu: dict(q=torch.randn(8, 4, 264), k=torch.randn(8, 2, 264),
-                                                    v=torch.randn(8, 2, 264)), "head_dim"),  # fmt: skip
+    "head_dim too large": (
+        lambda q, k, v, cu: dict(q=torch.randn(8, 4, 264), k=torch.randn(8, 2, 264), v=torch.randn(8, 2, 264)),
+        "head_dim",
+    ),  # fmt: skip
     "dtype mismatch": (lambda q, k, v, cu: dict(k=k.bfloat16()), "share a dtype"),
     "float64": (lambda q, k, v, cu: dict(q=q.double(), k=k.double(), v=v.double()), "float16, bfloat16 or float32"),
     "layout 4-D to varlen": (lambda q, k, v, cu: dict(q=q.unsqueeze(0)), r"\[total_tokens, heads, head_dim\]"),
-    "non-contiguous head_dim": (lambda q, k, v, cu: dict(q=q.transpose(0, 2).contiguous().transpose(0, 2)),
-                                "contiguous last"),  # fmt: skip
+    "non-contiguous head_dim": (
+        lambda q, k, v, cu: dict(q=q.transpose(0, 2).contiguous().transpose(0, 2)),
+        "contiguous last",
+    ),  # fmt: skip
     "heads not divisible": (lambda q, k, v, cu: dict(k=torch.randn(8, 3, 64), v=torch.randn(8, 3, 64)), "multiple"),
     "cu_seqlens int64": (lambda q, k, v, cu: dict(cu_seqlens_q=cu.long()), "int32"),
-    "cu_seqlens lengths differ": (lambda q, k, v, cu: dict(cu_seqlens_k=torch.tensor([0, 4, 8, 8], dtype=torch.int32)),
-                                  "same length"),  # fmt: skip
+    "cu_seqlens lengths differ": (
+        lambda q, k, v, cu: dict(cu_seqlens_k=torch.tensor([0, 4, 8, 8], dtype=torch.int32)),
+        "same length",
+    ),  # fmt: skip
     "device mismatch": (lambda q, k, v, cu: dict(v=v.to("meta")), "device|meta"),
     "dropout": (lambda q, k, v, cu: dict(dropout_p=0.1), "dropout"),
     "softcap": (lambda q, k, v, cu: dict(softcap=30.0), "softcap"),
@@ -338,8 +344,9 @@ def test_deterministic_argument(kernel, backend):
     sinks = torch.randn(4, requires_grad=True)
     grads = []
     for deterministic in (True, False, True):
-        out = kernel.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True, s_aux=sinks,
-                                            deterministic=deterministic, backend=backend)
+        out = kernel.flash_attn_varlen_func(
+            q, k, v, cu, cu, 13, 13, causal=True, s_aux=sinks, deterministic=deterministic, backend=backend
+        )
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v, sinks)))
     for first, other in zip(grads[0], grads[1]):
         assert torch.equal(first, other)

@@ -48,8 +48,9 @@ def _load_kernels(interpret: bool):
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
-        spec = importlib.util.spec_from_file_location(name, PACKAGE_DIR / "__init__.py",
-                                                      submodule_search_locations=[str(PACKAGE_DIR)])
+        spec = importlib.util.spec_from_file_location(
+            name, PACKAGE_DIR / "__init__.py", submodule_search_locations=[str(PACKAGE_DIR)]
+        )
         package = importlib.util.module_from_spec(spec)
         sys.modules[name] = package
         spec.loader.exec_module(package)
@@ -74,8 +75,23 @@ def test_interpreter_in_subprocess():
     if INTERPRETED:
         pytest.skip("this process runs the interpreter tests itself")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-                             str(Path(__file__).resolve())], env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not gpu",
+            str(Path(__file__).resolve()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
@@ -88,7 +104,7 @@ def reference(q, k, v, sinks, cu_q, cu_k, scale, causal, window_left, window_rig
     group = q.shape[1] // k.shape[1]
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
-        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        qs, ks, vs = q[cu_q[b] : cu_q[b + 1]], k[cu_k[b] : cu_k[b + 1]], v[cu_k[b] : cu_k[b + 1]]
         lq, lk = qs.shape[0], ks.shape[0]
         kr, vr = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)  # [lk, Hq, D]
         scores = scale * torch.einsum("ihd,jhd->hij", qs, kr)
@@ -122,8 +138,9 @@ def rel_err(x, ref):
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def make_case(seqlens_q, seqlens_k, hq, hkv, d, dtype=torch.float32, sink_scale=1.0, with_sink=True, seed=0,
-              device="cpu"):
+def make_case(
+    seqlens_q, seqlens_k, hq, hkv, d, dtype=torch.float32, sink_scale=1.0, with_sink=True, seed=0, device="cpu"
+):
     g = torch.Generator().manual_seed(seed)
     tq, tk_ = sum(seqlens_q), sum(seqlens_k)
     q = torch.randn(tq, hq, d, generator=g)
@@ -134,22 +151,67 @@ def make_case(seqlens_q, seqlens_k, hq, hkv, d, dtype=torch.float32, sink_scale=
     cu_q = torch.tensor([0, *torch.tensor(seqlens_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(seqlens_k).cumsum(0).tolist()], dtype=torch.int32)
     to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
-    return dict(q=to(q), k=to(k), v=to(v), dout=to(dout), sinks=None if sinks is None else sinks.to(device),
-                cu_q=cu_q.to(device), cu_k=cu_k.to(device), max_q=max(seqlens_q), max_k=max(seqlens_k))
+    return dict(
+        q=to(q),
+        k=to(k),
+        v=to(v),
+        dout=to(dout),
+        sinks=None if sinks is None else sinks.to(device),
+        cu_q=cu_q.to(device),
+        cu_k=cu_k.to(device),
+        max_q=max(seqlens_q),
+        max_k=max(seqlens_k),
+    )
 
 
 def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4, scale=None):
     q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = tk.sink_attention_forward(q, k, v, sinks, case["cu_q"], case["cu_k"], case["max_q"], case["max_k"],
-                                         scale, causal, window_left, window_right)
-    dq, dk, dv, dsink = tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, case["cu_q"], case["cu_k"],
-                                                   case["max_q"], case["max_k"], scale, causal, window_left,
-                                                   window_right)
+    out, lse = tk.sink_attention_forward(
+        q,
+        k,
+        v,
+        sinks,
+        case["cu_q"],
+        case["cu_k"],
+        case["max_q"],
+        case["max_k"],
+        scale,
+        causal,
+        window_left,
+        window_right,
+    )
+    dq, dk, dv, dsink = tk.sink_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        sinks,
+        case["cu_q"],
+        case["cu_k"],
+        case["max_q"],
+        case["max_k"],
+        scale,
+        causal,
+        window_left,
+        window_right,
+    )
     cu_q, cu_k = case["cu_q"].tolist(), case["cu_k"].tolist()
-    r_out, r_lse, r_dq, r_dk, r_dv, r_dsink = reference(q.cpu(), k.cpu(), v.cpu(), None if sinks is None else
-                                                        sinks.cpu(), cu_q, cu_k, scale, causal, window_left,
-                                                        window_right, dout.cpu())
+    r_out, r_lse, r_dq, r_dk, r_dv, r_dsink = reference(
+        q.cpu(),
+        k.cpu(),
+        v.cpu(),
+        None if sinks is None else sinks.cpu(),
+        cu_q,
+        cu_k,
+        scale,
+        causal,
+        window_left,
+        window_right,
+        dout.cpu(),
+    )
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
     for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -180,12 +242,12 @@ def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4,
 @pytest.mark.parametrize(
     "seqlens, hq, hkv, d, causal, window",
     [
-        ([37], 2, 2, 64, True, (-1, -1)),                # GQA 1, odd length, full causal
-        ([33, 17, 40], 4, 1, 64, True, (-1, -1)),        # varlen, GQA 4
-        ([41], 8, 1, 64, True, (7, 0)),                  # GQA 8, window much smaller than S
-        ([29, 35], 2, 1, 128, True, (100, 0)),           # head_dim 128, window larger than S
-        ([34], 2, 2, 64, False, (-1, -1)),               # non-causal
-        ([38, 21], 2, 1, 64, False, (5, 9)),             # two-sided window, non-causal
+        ([37], 2, 2, 64, True, (-1, -1)),  # GQA 1, odd length, full causal
+        ([33, 17, 40], 4, 1, 64, True, (-1, -1)),  # varlen, GQA 4
+        ([41], 8, 1, 64, True, (7, 0)),  # GQA 8, window much smaller than S
+        ([29, 35], 2, 1, 128, True, (100, 0)),  # head_dim 128, window larger than S
+        ([34], 2, 2, 64, False, (-1, -1)),  # non-causal
+        ([38, 21], 2, 1, 64, False, (5, 9)),  # two-sided window, non-causal
     ],
 )
 def test_matches_fp64(tk, seqlens, hq, hkv, d, causal, window):
@@ -218,6 +280,7 @@ class _GluonStub:
             if name == self.fail:
                 raise RuntimeError("stub compile error")
             self.calls.append(name)
+
         return launch
 
 
@@ -324,14 +387,15 @@ def test_strided_views_and_deterministic(tk):
     g = torch.Generator().manual_seed(7)
     t, hq, hkv, d = 30, 4, 2, 64
     qkv = torch.randn(t, hq + 2 * hkv, d, generator=g)
-    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
     case = make_case([t], [t], hq, hkv, d, seed=7)
     case.update(q=q, k=k, v=v)
     _, first = run_and_compare(tk, case, True)
     cu = case["cu_q"]
     out, lse = first[0], first[1]
-    again = tk.sink_attention_backward(case["dout"], q, k, v, out, lse, case["sinks"], cu, cu, t, t,
-                                       d ** -0.5, True, -1, -1)
+    again = tk.sink_attention_backward(
+        case["dout"], q, k, v, out, lse, case["sinks"], cu, cu, t, t, d**-0.5, True, -1, -1
+    )
     for a, b in zip(first[2:], again):
         assert torch.equal(a, b)
 
@@ -379,9 +443,9 @@ def interpreter_bf16_dot(tk, monkeypatch):
 @pytest.mark.parametrize(
     "seqlens_q, seqlens_k, hq, hkv, window",
     [
-        ([37, 20], [37, 20], 4, 1, (-1, -1)),   # varlen, GQA 4, full causal
-        ([41], [41], 8, 1, (7, 0)),             # GQA 8, sliding window
-        ([5, 19], [37, 19], 4, 2, (9, 0)),      # decode-style len_q < len_k with a window
+        ([37, 20], [37, 20], 4, 1, (-1, -1)),  # varlen, GQA 4, full causal
+        ([41], [41], 8, 1, (7, 0)),  # GQA 8, sliding window
+        ([5, 19], [37, 19], 4, 2, (9, 0)),  # decode-style len_q < len_k with a window
     ],
 )
 def test_bf16_matches_fp64(tk, interpreter_bf16_dot, seqlens_q, seqlens_k, hq, hkv, window):
@@ -397,8 +461,10 @@ def test_bf16_matches_fp64(tk, interpreter_bf16_dot, seqlens_q, seqlens_k, hq, h
 # CUDA (compiled kernels), bf16 and fp32
 # ----------------------------------------------------------------------------------------------------------
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="the Gluon kernels need an sm_90 GPU")
+SM90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the Gluon kernels need an sm_90 GPU",
+)
 # (seqlens_q, seqlens_k, hq, hkv, causal, window)
 GPU_CASES = [
     ([700, 1029, 64], [700, 1029, 64], 16, 2, True, (-1, -1)),  # varlen, GQA 8, partial tiles
@@ -482,10 +548,13 @@ def test_cuda_gluon_kernels(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, c
 
 @pytest.mark.gpu
 @SM90
-@pytest.mark.parametrize("seqlens_q, seqlens_k, causal, window", [
-    ([700, 1029, 64], [700, 1029, 64], True, (-1, -1)),
-    ([5, 1, 300], [37, 23, 300], True, (-1, -1)),
-])
+@pytest.mark.parametrize(
+    "seqlens_q, seqlens_k, causal, window",
+    [
+        ([700, 1029, 64], [700, 1029, 64], True, (-1, -1)),
+        ([5, 1, 300], [37, 23, 300], True, (-1, -1)),
+    ],
+)
 def test_cuda_gluon_deeper_pipelines(monkeypatch, seqlens_q, seqlens_k, causal, window):
     # STAGES is a table entry: the kernels must stay correct at other depths
     tk_cuda = _load_kernels(interpret=False)

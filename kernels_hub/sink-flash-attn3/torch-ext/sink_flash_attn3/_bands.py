@@ -28,8 +28,7 @@ def key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M:
 
 
 @triton.jit
-def query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+def query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query blocks that see keys [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi, hi) as above; the full
     blocks have every row valid (< len_q) and seeing every key of the block."""
     n_max = tl.minimum(start_n + BLOCK_N, len_k) - 1

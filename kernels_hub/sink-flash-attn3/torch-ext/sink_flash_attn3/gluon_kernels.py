@@ -37,8 +37,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._bands import key_block_ranges as _key_block_ranges
@@ -64,9 +69,29 @@ def _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b):
 
 
 @gluon.jit
-def _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, step, total,
-                  num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _dkdv_request(
+    q_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    bars,
+    step,
+    total,
+    num_m,
+    lo,
+    q_start,
+    rows_start,
+    off_kh,
+    stride_rows,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """TMA request of step ``step``'s Q and dO tiles and their rows' LSE and D into buffer ``step % STAGES``
     (nothing past the last step)."""
     if step < total:
@@ -84,10 +109,33 @@ def _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_sm
 
 
 @gluon.jit(do_not_specialize=["stride_rows"])
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, cu_seqlens_q, cu_seqlens_k,
-                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rows, qk_scale, sm_scale, win_left,
-                 win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _dkdv_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    DK,
+    DV,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_rows,
+    qk_scale,
+    sm_scale,
+    win_left,
+    win_right,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """dK, dV of one (KV head, key block), looping over the group's query heads and the visible query blocks."""
     off_kh = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -101,10 +149,12 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, 
     dtype: gl.constexpr = q_desc.dtype
 
     # S^T / dP^T tiles [BLOCK_N, BLOCK_M] and the dK / dV accumulators [BLOCK_N, HEAD_DIM]: warps stacked along keys
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # vectors over queries
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over keys
@@ -126,15 +176,35 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, 
     _tma_load(k_desc, [k_start + start_n, col], kv_bar, k_smem)
     _tma_load(v_desc, [k_start + start_n, col], kv_bar, v_smem)
 
-    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right,
-                                                   BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
     num_m = gl.cdiv(hi - lo, BLOCK_M)
     total = GROUP * num_m  # steps: (query head g of the group, query block), heads outermost
     # Q / dO tiles are requested STAGES - 1 steps early (a buffer is free once the MMAs of its step retired)
     AHEAD: gl.constexpr = STAGES - 1
     for i in gl.static_range(AHEAD):
-        _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, i, total,
-                      num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP, HEAD_DIM, BLOCK_M, STAGES)
+        _dkdv_request(
+            q_desc,
+            do_desc,
+            lse_desc,
+            delta_desc,
+            q_smem,
+            do_smem,
+            lse_smem,
+            delta_smem,
+            bars,
+            i,
+            total,
+            num_m,
+            lo,
+            q_start,
+            rows_start,
+            off_kh,
+            stride_rows,
+            GROUP,
+            HEAD_DIM,
+            BLOCK_M,
+            STAGES,
+        )
 
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
     offs_m0 = gl.arange(0, BLOCK_M, layout=col_layout)
@@ -148,9 +218,29 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, 
         g = step // num_m
         start_m = lo + (step - g * num_m) * BLOCK_M
         buf = step % STAGES
-        _dkdv_request(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars,
-                      step + AHEAD, total, num_m, lo, q_start, rows_start, off_kh, stride_rows, GROUP, HEAD_DIM,
-                      BLOCK_M, STAGES)
+        _dkdv_request(
+            q_desc,
+            do_desc,
+            lse_desc,
+            delta_desc,
+            q_smem,
+            do_smem,
+            lse_smem,
+            delta_smem,
+            bars,
+            step + AHEAD,
+            total,
+            num_m,
+            lo,
+            q_start,
+            rows_start,
+            off_kh,
+            stride_rows,
+            GROUP,
+            HEAD_DIM,
+            BLOCK_M,
+            STAGES,
+        )
         mbarrier.wait(bars.index(buf), (step // STAGES) % 2)
         q_tile = q_smem.index(buf)
         do_tile = do_smem.index(buf)
@@ -163,13 +253,15 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, 
         pT = gl.exp2(sT * qk_scale - lse_smem.index(buf).load(col_layout)[None, :])
         if (start_m < full_lo) | (start_m >= full_hi):  # edge block: causal / window mask, rows past len_q
             row_pos = start_m + offs_m0 + shift
-            visible = ((offs_n[:, None] >= row_pos[None, :] - win_left)
-                       & (offs_n[:, None] <= row_pos[None, :] + win_right)
-                       & (start_m + offs_m0 < len_q)[None, :])
+            visible = (
+                (offs_n[:, None] >= row_pos[None, :] - win_left)
+                & (offs_n[:, None] <= row_pos[None, :] + win_right)
+                & (start_m + offs_m0 < len_q)[None, :]
+            )
             pT = gl.where(visible, pT, 0.0)
         pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         dsT = pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])
         dsT16 = dsT.to(dtype)
         dsT_op = gl.convert_layout(dsT16, a_layout)
@@ -187,15 +279,18 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, 
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     out_ok = (out_rows < len_k)[:, None]
     rows64 = (k_start + out_rows).to(gl.int64)[:, None]
-    gl.store(DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :], dk.to(DK.dtype.element_ty),
-             mask=out_ok)
-    gl.store(DV + rows64 * stride_dvt + off_kh * stride_dvh + out_cols[None, :], dv.to(DV.dtype.element_ty),
-             mask=out_ok)
+    gl.store(
+        DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :], dk.to(DK.dtype.element_ty), mask=out_ok
+    )
+    gl.store(
+        DV + rows64 * stride_dvt + off_kh * stride_dvh + out_cols[None, :], dv.to(DV.dtype.element_ty), mask=out_ok
+    )
 
 
 @gluon.jit
-def _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step, num_n, row0, col, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):
+def _dq_request(
+    k_desc, v_desc, k_smem, v_smem, bars, step, num_n, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr
+):
     """TMA request of step ``step``'s K and V tiles into buffer ``step % STAGES`` (nothing past the last step)."""
     if step < num_n:
         buf = step % STAGES
@@ -205,10 +300,34 @@ def _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step, num_n, row0, col, BL
 
 
 @gluon.jit(do_not_specialize=["stride_rows", "stride_part"])
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, Sinks, DSinkPart, cu_seqlens_q, cu_seqlens_k,
-               stride_dqt, stride_dqh, stride_rows, stride_part, qk_scale, sm_scale, win_left, win_right,
-               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, HAS_SINK: gl.constexpr, num_warps: gl.constexpr):
+def _dq_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    Lse2,
+    Delta,
+    DQ,
+    Sinks,
+    DSinkPart,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_dqt,
+    stride_dqh,
+    stride_rows,
+    stride_part,
+    qk_scale,
+    sm_scale,
+    win_left,
+    win_right,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """dQ of one (query head, query block), looping over the visible key blocks.  With a sink, also this block's share
     of dsink_h = -sum_i exp(s_h - LSE_i) D_i, with D_i = sum_j P_ij dP_ij taken from the fp32 tiles (D from the bf16
     output, as dS uses it, carries the output's rounding), into its own slot of ``DSinkPart``."""
@@ -223,10 +342,12 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, Sinks, DSinkPar
     off_kh = off_h // GROUP
     dtype: gl.constexpr = q_desc.dtype
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over queries
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # vectors over keys
@@ -245,8 +366,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, Sinks, DSinkPar
     _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], q_bar, q_smem)
     _tma_load(do_desc, [q_start + start_m, off_h * HEAD_DIM], q_bar, do_smem)
 
-    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
-                                                 BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
     num_n = gl.cdiv(hi - lo, BLOCK_N)
     kv_col = off_kh * HEAD_DIM
     AHEAD: gl.constexpr = STAGES - 1  # as in _dkdv_kernel
@@ -268,8 +388,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, Sinks, DSinkPar
     for step in range(num_n):
         start_n = lo + step * BLOCK_N
         buf = step % STAGES
-        _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step + AHEAD, num_n, k_start + lo, kv_col, BLOCK_N,
-                    STAGES)
+        _dq_request(k_desc, v_desc, k_smem, v_smem, bars, step + AHEAD, num_n, k_start + lo, kv_col, BLOCK_N, STAGES)
         mbarrier.wait(bars.index(buf), (step // STAGES) % 2)
         k_tile = k_smem.index(buf)
         s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -278,11 +397,13 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, Sinks, DSinkPar
         p = gl.exp2(s * qk_scale - lse2[:, None])
         if (start_n < full_lo) | (start_n >= full_hi):  # edge block (keys past len_k are masked here too)
             offs_n = start_n + offs_n0
-            visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
-                       & (offs_n[None, :] <= row_pos[:, None] + win_right)
-                       & (offs_n[None, :] < len_k))
+            visible = (
+                (offs_n[None, :] >= row_pos[:, None] - win_left)
+                & (offs_n[None, :] <= row_pos[:, None] + win_right)
+                & (offs_n[None, :] < len_k)
+            )
             p = gl.where(visible, p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         if HAS_SINK:
             pdp += gl.sum(p * dp, axis=1)
         ds = p * (dp - delta[:, None])
@@ -302,25 +423,29 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, Lse2, Delta, DQ, Sinks, DSinkPar
     dq = dq * sm_scale
     out_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    gl.store(DQ + (q_start + out_rows).to(gl.int64)[:, None] * stride_dqt + off_h * stride_dqh + out_cols[None, :],
-             dq.to(DQ.dtype.element_ty), mask=(out_rows < len_q)[:, None])
+    gl.store(
+        DQ + (q_start + out_rows).to(gl.int64)[:, None] * stride_dqt + off_h * stride_dqh + out_cols[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=(out_rows < len_q)[:, None],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _fwd_softmax(s, m_i, l_i, start_n, offs_n0, row_pos, len_k, full_lo, full_hi, win_left, win_right,
-                 qk_scale):
+def _fwd_softmax(s, m_i, l_i, start_n, offs_n0, row_pos, len_k, full_lo, full_hi, win_left, win_right, qk_scale):
     """Online softmax of one score tile, base 2: (P, the rescale factor of the accumulator, new max, new sum).
 
     As in triton_kernels._fwd_inner: the scale goes into the max and the exponent (one FMA per score), and the max
     never drops below its start (sink, or a finite floor), so a fully masked row never computes -inf - (-inf)."""
     if (start_n < full_lo) | (start_n >= full_hi):  # edge block: causal / window mask, keys past len_k
         offs_n = start_n + offs_n0
-        visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
-                   & (offs_n[None, :] <= row_pos[:, None] + win_right)
-                   & (offs_n[None, :] < len_k))
+        visible = (
+            (offs_n[None, :] >= row_pos[:, None] - win_left)
+            & (offs_n[None, :] <= row_pos[:, None] + win_right)
+            & (offs_n[None, :] < len_k)
+        )
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
@@ -342,8 +467,24 @@ def _fwd_softmax_start(Sinks, off_h, HAS_SINK: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
-               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, row_layout: gl.constexpr):
+def _fwd_store(
+    acc,
+    m_i,
+    l_i,
+    Out,
+    Lse,
+    off_h,
+    q_start,
+    len_q,
+    start_m,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    o_layout: gl.constexpr,
+    row_layout: gl.constexpr,
+):
     """Normalised output and natural-log LSE of query rows [start_m, start_m + BLOCK_M) (rows past len_q skipped).
     l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -353,8 +494,11 @@ def _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_o
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
+    gl.store(
+        Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=(offs_m < len_q)[:, None],
+    )
     lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
 
@@ -366,22 +510,41 @@ def _to_16bit_pairs(x, dtype: gl.constexpr):
     forward's P V product with a half swap (PRMT) per register, 32 extra instructions per key block in two of the
     three consumers (sm_90 SASS, triton 3.6)."""
     if dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
     else:
         gl.static_assert(dtype == gl.float16, "16-bit P: bfloat16 or float16")
-        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
-                                         is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2
+        )
 
 
 @gluon.jit
-def _fwd_ws_producer(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr):
+def _fwd_ws_producer(
+    loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr
+):
     """The load warp of ``_fwd_ws_kernel``: every consumer's Q tile, then K_j and V_j into buffer j % STAGES once
     all consumers released that buffer's previous use (its u-th use waits for the (u-1)-th completion of the
     buffer's ``empty`` barrier, which counts one arrival per consumer)."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row0, q_col, kv_row0,
-     kv_col, num_n) = loads
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        q_row0,
+        q_col,
+        kv_row0,
+        kv_col,
+        num_n,
+    ) = loads
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
         _tma_load(q_desc, [q_row0 + c * BLOCK_M, q_col], q_bar, q_smem.index(c))
@@ -399,23 +562,57 @@ def _fwd_ws_producer(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES
 
 
 @gluon.jit
-def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr,
-                     STAGES: gl.constexpr):
+def _fwd_ws_consumer(
+    shared,
+    C: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Consumer warpgroup C of ``_fwd_ws_kernel``: query rows [start_m0 + C * BLOCK_M, + BLOCK_M), every key block of
     the program, with FlashAttention-3's in-warpgroup overlap (the softmax of key block j+1 runs while P_j V_j is on
     the tensor cores).  The consumers issue their products in turn (mbarriers ``turn``, round robin), so one's
     softmax runs while the others' products hold the tensor cores."""
-    (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Sinks, Out, Lse, off_h, q_start, len_q,
-     len_k, start_m0, lo, num_n, stride_ot, stride_oh, stride_lse_h, qk_scale, win_left, win_right) = shared
+    (
+        q_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        turn,
+        Sinks,
+        Out,
+        Lse,
+        off_h,
+        q_start,
+        len_q,
+        len_k,
+        start_m0,
+        lo,
+        num_n,
+        stride_ot,
+        stride_oh,
+        stride_lse_h,
+        qk_scale,
+        win_left,
+        win_right,
+    ) = shared
     NUM_WARPS: gl.constexpr = 4
     start_m = start_m0 + C * BLOCK_M
     shift = len_k - len_q
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -436,10 +633,11 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr,
         mbarrier.wait(turn.index(C), 0)
         s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left,
-                                          win_right, qk_scale)
+        p, alpha, m_i, l_i = _fwd_softmax(
+            s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left, win_right, qk_scale
+        )
         p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
         for j in range(num_n - 1):
             buf = j % STAGES
@@ -450,10 +648,22 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr,
             s = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
             mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_{j+1} retired; P_j V_j may still run
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_{j+1} retired; P_j V_j may still run
             mbarrier.arrive(k_empty.index(nxt), count=1)
-            p, alpha, m_i, l_i = _fwd_softmax(s, m_i, l_i, lo + (j + 1) * BLOCK_N, offs_n0, row_pos, len_k,
-                                              full_lo, full_hi, win_left, win_right, qk_scale)
+            p, alpha, m_i, l_i = _fwd_softmax(
+                s,
+                m_i,
+                l_i,
+                lo + (j + 1) * BLOCK_N,
+                offs_n0,
+                row_pos,
+                len_k,
+                full_lo,
+                full_hi,
+                win_left,
+                win_right,
+                qk_scale,
+            )
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             mbarrier.arrive(v_empty.index(buf), count=1)
             acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
@@ -462,15 +672,52 @@ def _fwd_ws_consumer(shared, C: gl.constexpr, CONSUMERS: gl.constexpr,
         mbarrier.wait(v_ready.index(last), ((num_n - 1) // STAGES) % 2)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _fwd_store(acc, m_i, l_i, Out, Lse, off_h, q_start, len_q, start_m, stride_ot, stride_oh, stride_lse_h,
-               BLOCK_M, HEAD_DIM, o_layout, row_layout)
+    _fwd_store(
+        acc,
+        m_i,
+        l_i,
+        Out,
+        Lse,
+        off_h,
+        q_start,
+        len_q,
+        start_m,
+        stride_ot,
+        stride_oh,
+        stride_lse_h,
+        BLOCK_M,
+        HEAD_DIM,
+        o_layout,
+        row_layout,
+    )
 
 
 @gluon.jit(do_not_specialize=["stride_lse_h"])
-def _fwd_ws_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
-                   stride_lse_h, qk_scale, win_left, win_right, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, STAGES: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _fwd_ws_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    Sinks,
+    Out,
+    Lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    qk_scale,
+    win_left,
+    win_right,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Forward with a load warp and three consumer warpgroups of BLOCK_M query rows of one head per program (FA4's
     sm_90 forward at head_dim 64: 3 x 64 rows, 128-key tiles).  The load warp alone issues TMA, so the consumers run no
     CTA barriers; K and V have their own ready / empty barriers, so S_{j+1} can start before V_j lands."""
@@ -502,22 +749,66 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seq
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
     # the key blocks seen by any of the program's rows
-    lo, _, _, hi = _key_block_ranges(start_m0, len_q, len_k, shift, win_left, win_right, CONSUMERS * BLOCK_M,
-                                     BLOCK_N)
+    lo, _, _, hi = _key_block_ranges(start_m0, len_q, len_k, shift, win_left, win_right, CONSUMERS * BLOCK_M, BLOCK_N)
     num_n = gl.cdiv(hi - lo, BLOCK_N)
     kv_col = (off_h // GROUP) * HEAD_DIM
     # runtime arguments travel as one tuple; the constexprs stay separate arguments (a tuple would make them tensors)
-    shared = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, Sinks, Out, Lse, off_h,
-              q_start, len_q, len_k, start_m0, lo, num_n, stride_ot, stride_oh, stride_lse_h, qk_scale, win_left,
-              win_right)
-    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-             q_start + start_m0, off_h * HEAD_DIM, k_start + lo, kv_col, num_n)
-    gl.warp_specialize([
-        (_fwd_ws_consumer, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-        (_fwd_ws_consumer, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-        (_fwd_ws_consumer, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-        (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
-    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    shared = (
+        q_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        turn,
+        Sinks,
+        Out,
+        Lse,
+        off_h,
+        q_start,
+        len_q,
+        len_k,
+        start_m0,
+        lo,
+        num_n,
+        stride_ot,
+        stride_oh,
+        stride_lse_h,
+        qk_scale,
+        win_left,
+        win_right,
+    )
+    loads = (
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        q_start + start_m0,
+        off_h * HEAD_DIM,
+        k_start + lo,
+        kv_col,
+        num_n,
+    )
+    gl.warp_specialize(
+        [
+            (_fwd_ws_consumer, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_consumer, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_consumer, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
+            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+        ],
+        [4, 4, 1],
+        [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+    )
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Host side (the caller, triton_kernels.py, checks the scope and passes the launch configuration)
@@ -525,7 +816,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seq
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_layout(block: tuple, dtype: torch.dtype):
     """The NVMMA shared-memory layout of a TMA tile (cached: building it costs more than the descriptor)."""
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
@@ -547,8 +838,29 @@ def _launch_options(config: dict) -> tuple[int, int, dict]:
     return cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg
 
 
-def backward(q, k, v, dout, lse2, delta, sinks, dsink_partials, dq_out, dk, dv, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, qk_scale, sm_scale, win_left, win_right, dkdv_config, dq_config):
+def backward(
+    q,
+    k,
+    v,
+    dout,
+    lse2,
+    delta,
+    sinks,
+    dsink_partials,
+    dq_out,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    qk_scale,
+    sm_scale,
+    win_left,
+    win_right,
+    dkdv_config,
+    dq_config,
+):
     """dK, dV into ``dk``, ``dv`` (``_dkdv_kernel``), then dQ into ``dq_out`` (``_dq_kernel``); see
     ``triton_kernels.sink_attention_backward`` for the contract.  ``lse2`` and ``delta`` are the per-row vectors
     ``[H, stride_rows]`` laid out by ``_bands.row_vector_start``.  The two kernels share their Q / K / V / dO
@@ -568,19 +880,63 @@ def backward(q, k, v, dout, lse2, delta, sinks, dsink_partials, dq_out, dk, dv, 
 
     if int(max_seqlen_k) > 0:
         _dkdv_kernel[(H_kv, triton.cdiv(int(max_seqlen_k), bn), num_seqs)](
-            desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm), _row_vector(lse2, bm), _row_vector(delta, bm), dk,
-            dv, cu_seqlens_q, cu_seqlens_k, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse2.stride(0),
-            qk_scale, sm_scale, win_left, win_right, GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, **cfg)
+            desc(q, bm),
+            desc(k, bn),
+            desc(v, bn),
+            desc(dout, bm),
+            _row_vector(lse2, bm),
+            _row_vector(delta, bm),
+            dk,
+            dv,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            lse2.stride(0),
+            qk_scale,
+            sm_scale,
+            win_left,
+            win_right,
+            GROUP=H_q // H_kv,
+            HEAD_DIM=D,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            **cfg,
+        )
     else:
         dk.zero_()
         dv.zero_()
     bm, bn, cfg = _launch_options(dq_config)
     has_sink = sinks is not None
     _dq_kernel[(H_q, triton.cdiv(int(max_seqlen_q), bm), num_seqs)](
-        desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm), lse2, delta, dq_out, sinks if has_sink else lse2,
-        dsink_partials if has_sink else lse2, cu_seqlens_q, cu_seqlens_k, dq_out.stride(0), dq_out.stride(1),
-        lse2.stride(0), dsink_partials.stride(0) if has_sink else 0, qk_scale, sm_scale, win_left, win_right,
-        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
+        desc(q, bm),
+        desc(k, bn),
+        desc(v, bn),
+        desc(dout, bm),
+        lse2,
+        delta,
+        dq_out,
+        sinks if has_sink else lse2,
+        dsink_partials if has_sink else lse2,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        dq_out.stride(0),
+        dq_out.stride(1),
+        lse2.stride(0),
+        dsink_partials.stride(0) if has_sink else 0,
+        qk_scale,
+        sm_scale,
+        win_left,
+        win_right,
+        GROUP=H_q // H_kv,
+        HEAD_DIM=D,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        HAS_SINK=has_sink,
+        **cfg,
+    )
 
 
 def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right, config):
@@ -590,6 +946,24 @@ def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_s
     grid = (H_q, triton.cdiv(int(max_seqlen_q), 3 * bm), cu_seqlens_q.numel() - 1)
     has_sink = sinks is not None
     _fwd_ws_kernel[grid](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), sinks if has_sink else lse, out, lse,
-        cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), lse.stride(0), qk_scale, win_left, win_right,
-        GROUP=H_q // k.shape[1], HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SINK=has_sink, **cfg)
+        _descriptor(q, bm),
+        _descriptor(k, bn),
+        _descriptor(v, bn),
+        sinks if has_sink else lse,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        qk_scale,
+        win_left,
+        win_right,
+        GROUP=H_q // k.shape[1],
+        HEAD_DIM=D,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        HAS_SINK=has_sink,
+        **cfg,
+    )

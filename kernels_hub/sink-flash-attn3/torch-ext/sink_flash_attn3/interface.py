@@ -92,22 +92,76 @@ def _backend_module(backend: str) -> ModuleType:
     return module
 
 
-def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-             window_left, window_right, backend):
+def _forward(
+    q,
+    k,
+    v,
+    sinks,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    backend,
+):
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()  # the backends take fp32 sink logits
     return _backend_module(backend).sink_attention_forward(
-        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-        window_right)
+        q,
+        k,
+        v,
+        sinks,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_left,
+        window_right,
+    )
 
 
-def _backward_impl(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, causal, window_left, window_right, backend):
+def _backward_impl(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    sinks,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    backend,
+):
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()
     return _backend_module(backend).sink_attention_backward(
-        dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-        causal, window_left, window_right)
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        sinks,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_left,
+        window_right,
+    )
 
 
 def _tokens_major(t: torch.Tensor) -> torch.Tensor:
@@ -123,8 +177,9 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
-        out, lse = _forward(_tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k,
-                            *params)
+        out, lse = _forward(
+            _tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params
+        )
         out = out.view(q.shape)
         ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
         ctx.params = params
@@ -134,8 +189,18 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv, dsink = _backward_impl(_tokens_major(dout), _tokens_major(q), _tokens_major(k), _tokens_major(v),
-                                           _tokens_major(out), lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params)
+        dq, dk, dv, dsink = _backward_impl(
+            _tokens_major(dout),
+            _tokens_major(q),
+            _tokens_major(k),
+            _tokens_major(v),
+            _tokens_major(out),
+            lse,
+            sinks,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            *ctx.params,
+        )
         if dsink is not None and dsink.dtype != sinks.dtype:
             dsink = dsink.to(sinks.dtype)  # the sink gradient in the sink's own dtype
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink, None, None, None
@@ -147,8 +212,9 @@ def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
     # torch.compile traces the op, and so do dispatch modes (selective activation checkpointing's caching mode,
     # FlopCounterMode, fake tensors): they see ops, never the inside of an autograd.Function.
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        out, lse = _fwd_op(_tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k,
-                           *params)
+        out, lse = _fwd_op(
+            _tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params
+        )
         return out.view(q.shape), lse
     return _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params)
 
@@ -192,8 +258,21 @@ def _fwd_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``out [Tq, Hq, D]`` (q's dtype) and the sink-inclusive ``lse [Hq, Tq]`` (fp32)."""
-    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                    window_left, window_right, backend)
+    return _forward(
+        q,
+        k,
+        v,
+        sinks,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_left,
+        window_right,
+        backend,
+    )
 
 
 @_fwd_op.register_fake
@@ -223,8 +302,24 @@ def _bwd_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``dq, dk, dv`` (input dtypes) and ``dsink [Hq]`` fp32 (an empty tensor without sinks)."""
-    dq, dk, dv, dsink = _backward_impl(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, softmax_scale, causal, window_left, window_right, backend)
+    dq, dk, dv, dsink = _backward_impl(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        sinks,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_left,
+        window_right,
+        backend,
+    )
     if dsink is None:  # custom ops return tensors only: an empty tensor stands for "no sink gradient"
         dsink = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dsink
@@ -482,7 +577,14 @@ def flash_attn_varlen_func(
         return_attn_probs, varlen=True,
     )  # fmt: skip
     scale = _softmax_scale(softmax_scale, q.shape[-1])
-    params = (_as_int(max_seqlen_q), _as_int(max_seqlen_k), scale, bool(causal), window_left, window_right,
-              _select_backend(q, backend))
+    params = (
+        _as_int(max_seqlen_q),
+        _as_int(max_seqlen_k),
+        scale,
+        bool(causal),
+        window_left,
+        window_right,
+        _select_backend(q, backend),
+    )
     out, lse = _attention(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, params)
     return (out, lse) if return_softmax_lse else out

@@ -171,9 +171,11 @@ def sink_attention_backward(
             delta = (do_chunk * o_chunk).sum(-1).permute(1, 2, 0)  # D_i: [Hkv, G, c]
             dprobs = torch.einsum("qhgd,khd->hgqk", do_chunk, v_seq)
             dscores = probs * (dprobs - delta.unsqueeze(-1))
-            dq[rows] = (torch.einsum("hgqk,khd->qhgd", dscores, k_seq) * softmax_scale).reshape(
-                c1 - c0, num_heads, head_dim
-            ).to(q.dtype)
+            dq[rows] = (
+                (torch.einsum("hgqk,khd->qhgd", dscores, k_seq) * softmax_scale)
+                .reshape(c1 - c0, num_heads, head_dim)
+                .to(q.dtype)
+            )
             dk[k0:k1] += torch.einsum("hgqk,qhgd->khd", dscores, q_chunk) * softmax_scale
             dv[k0:k1] += torch.einsum("hgqk,qhgd->khd", probs, do_chunk)
             if sink is not None:

@@ -83,8 +83,9 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ("dkdv", 128): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
     ("dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dq", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-    ("gluon_fwd", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, CONSUMER_REGS=160, PRODUCER_REGS=24,
-                            maxnreg=128),
+    ("gluon_fwd", 64): dict(
+        BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, CONSUMER_REGS=160, PRODUCER_REGS=24, maxnreg=128
+    ),
     ("gluon_dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, maxnreg=168),
     ("gluon_dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2),
 }
@@ -140,13 +141,17 @@ def _gluon_kernels():
         except Exception as exc:  # noqa: BLE001 - a Triton without Gluon, or with a Gluon API this code predates
             _GLUON["module"] = None
             _GLUON["error"] = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"sink_flash_attn3: the Gluon kernels cannot be imported with triton {triton.__version__} "
-                          f"({_GLUON['error']}); the Triton kernels run instead (slower on sm_90). Set "
-                          f"{GLUON_ENV_VAR}=0 to choose that explicitly.", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"sink_flash_attn3: the Gluon kernels cannot be imported with triton {triton.__version__} "
+                f"({_GLUON['error']}); the Triton kernels run instead (slower on sm_90). Set "
+                f"{GLUON_ENV_VAR}=0 to choose that explicitly.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
     return _GLUON["module"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -182,8 +187,14 @@ def _plan(q, k, v, windowed: bool, max_seqlen_q: int, max_seqlen_k: int) -> _Pla
     """Which kernels run for these inputs: the one dispatch rule of the forward and the backward."""
     tma = _tma_ok(q, k, v)
     half = q.dtype in (torch.float16, torch.bfloat16)
-    gluon = (tma and half and _device_capability(q.device) == (9, 0) and ("gluon_dkdv", q.shape[2]) in CONFIGS
-             and gluon_enabled() and _gluon_kernels() is not None)
+    gluon = (
+        tma
+        and half
+        and _device_capability(q.device) == (9, 0)
+        and ("gluon_dkdv", q.shape[2]) in CONFIGS
+        and gluon_enabled()
+        and _gluon_kernels() is not None
+    )
     if gluon and not windowed and max_seqlen_q >= _GLUON_FWD_MIN_SEQLEN:
         fwd = "gluon_fwd"
     else:
@@ -199,9 +210,11 @@ def _run_gluon(name: str, *args) -> None:
     try:
         getattr(_GLUON["module"], name)(*args)
     except Exception as exc:
-        raise RuntimeError(f"sink_flash_attn3: the Gluon {name} kernel failed with triton {triton.__version__} "
-                           f"({type(exc).__name__}: {exc}); set {GLUON_ENV_VAR}=0 to run the Triton kernels "
-                           "instead") from exc
+        raise RuntimeError(
+            f"sink_flash_attn3: the Gluon {name} kernel failed with triton {triton.__version__} "
+            f"({type(exc).__name__}: {exc}); set {GLUON_ENV_VAR}=0 to run the Triton kernels "
+            "instead"
+        ) from exc
 
 
 _SIDE_STREAMS: dict = {}
@@ -217,13 +230,17 @@ def _side_stream(device: torch.device):
 def _check_inputs(tensors) -> None:
     for name, t in tensors:
         if t.dim() != 3 or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be [tokens, heads, head_dim] with a contiguous last dim, "
-                             f"got shape {tuple(t.shape)} strides {t.stride()}")
+            raise ValueError(
+                f"{name} must be [tokens, heads, head_dim] with a contiguous last dim, "
+                f"got shape {tuple(t.shape)} strides {t.stride()}"
+            )
     q = tensors[0][1]
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and not _INTERPRETER_BF16:
-        raise TypeError("sink_flash_attn3: the Triton kernels cannot run bf16 on CPU: Triton's interpreter "
-                        "multiplies raw bf16 bits in tl.dot (triton-lang/triton#11584); use the PyTorch backend "
-                        "(backend='torch') or float16/float32 inputs")
+        raise TypeError(
+            "sink_flash_attn3: the Triton kernels cannot run bf16 on CPU: Triton's interpreter "
+            "multiplies raw bf16 bits in tl.dot (triton-lang/triton#11584); use the PyTorch backend "
+            "(backend='torch') or float16/float32 inputs"
+        )
 
 
 def _row_descriptor(t: torch.Tensor, block_rows: int):
@@ -261,9 +278,33 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_row, desc_col, stride_kt, stride_vt,
-               offs_n0, offs_d, row_pos, lo, hi, len_k, win_left, win_right, qk_scale, BLOCK_N: tl.constexpr,
-               MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    k_desc,
+    v_desc,
+    desc_row,
+    desc_col,
+    stride_kt,
+    stride_vt,
+    offs_n0,
+    offs_d,
+    row_pos,
+    lo,
+    hi,
+    len_k,
+    win_left,
+    win_right,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     # 64-bit pointers built once, then advanced by a 32-bit step per block
     k_ptrs = k_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
     v_ptrs = v_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
@@ -278,9 +319,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_row, desc_
             k = tl.load(k_ptrs)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK:
-            visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
-                       & (offs_n[None, :] <= row_pos[:, None] + win_right)
-                       & (offs_n[None, :] < len_k))
+            visible = (
+                (offs_n[None, :] >= row_pos[:, None] - win_left)
+                & (offs_n[None, :] <= row_pos[:, None] + win_right)
+                & (offs_n[None, :] < len_k)
+            )
             qk = tl.where(visible, qk, float("-inf"))
         # online softmax in base 2 (scores s * log2(e)); the scale is applied to the row max and inside the
         # exponent, so each score costs one FMA instead of a multiply and a subtract (qk_scale > 0 keeps the max).
@@ -304,11 +347,37 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_row, desc_
 
 
 @triton.jit(do_not_specialize=["stride_lse_h"])
-def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                   stride_lse_h, qk_scale, win_left, win_right,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+def _sink_attn_fwd(
+    Q,
+    K,
+    V,
+    K_desc,
+    V_desc,
+    Sinks,
+    Out,
+    Lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    qk_scale,
+    win_left,
+    win_right,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     off_h = tl.program_id(0)  # heads fastest: programs sharing K/V (a GQA group) run together
     pid_m = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -327,8 +396,13 @@ def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_se
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < len_q
-    q_ptrs = (Q + q_start.to(tl.int64) * stride_qt + off_h * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :])
+    q_ptrs = (
+        Q
+        + q_start.to(tl.int64) * stride_qt
+        + off_h * stride_qh
+        + offs_m[:, None].to(tl.int64) * stride_qt
+        + offs_d[None, :]
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     k_base = K + k_start.to(tl.int64) * stride_kt + off_kh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + off_kh * stride_vh
@@ -343,27 +417,103 @@ def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_se
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     row_pos = offs_m + shift
-    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
-                                                 BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
     # K/V descriptors view k, v as [Tk, Hkv * D]: this (sequence, KV head) tile starts at (k_start, off_kh * D)
     desc_col = off_kh * HEAD_DIM
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, K_desc, V_desc, k_start, desc_col, stride_kt,
-                               stride_vt, offs_n0, offs_d, row_pos, lo, full_lo, len_k, win_left, win_right,
-                               qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, K_desc, V_desc, k_start, desc_col, stride_kt,
-                               stride_vt, offs_n0, offs_d, row_pos, full_lo, full_hi, len_k, win_left, win_right,
-                               qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, K_desc, V_desc, k_start, desc_col, stride_kt,
-                               stride_vt, offs_n0, offs_d, row_pos, full_hi, hi, len_k, win_left, win_right,
-                               qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA)
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        K_desc,
+        V_desc,
+        k_start,
+        desc_col,
+        stride_kt,
+        stride_vt,
+        offs_n0,
+        offs_d,
+        row_pos,
+        lo,
+        full_lo,
+        len_k,
+        win_left,
+        win_right,
+        qk_scale,
+        BLOCK_N,
+        True,
+        DOT_PRECISION,
+        USE_TMA,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        K_desc,
+        V_desc,
+        k_start,
+        desc_col,
+        stride_kt,
+        stride_vt,
+        offs_n0,
+        offs_d,
+        row_pos,
+        full_lo,
+        full_hi,
+        len_k,
+        win_left,
+        win_right,
+        qk_scale,
+        BLOCK_N,
+        False,
+        DOT_PRECISION,
+        USE_TMA,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        K_desc,
+        V_desc,
+        k_start,
+        desc_col,
+        stride_kt,
+        stride_vt,
+        offs_n0,
+        offs_d,
+        row_pos,
+        full_hi,
+        hi,
+        len_k,
+        win_left,
+        win_right,
+        qk_scale,
+        BLOCK_N,
+        True,
+        DOT_PRECISION,
+        USE_TMA,
+    )
 
     # l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
-    o_ptrs = (Out + q_start.to(tl.int64) * stride_ot + off_h * stride_oh
-              + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :])
+    o_ptrs = (
+        Out
+        + q_start.to(tl.int64) * stride_ot
+        + off_h * stride_oh
+        + offs_m[:, None].to(tl.int64) * stride_ot
+        + offs_d[None, :]
+    )
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + off_h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
 
@@ -372,8 +522,22 @@ def _sink_attn_fwd(Q, K, V, K_desc, V_desc, Sinks, Out, Lse, cu_seqlens_q, cu_se
 # Backward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["stride_rows", "stride_lse_h"])
-def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, cu_seqlens_q, stride_rows, stride_ot, stride_oh, stride_dot, stride_doh,
-                    stride_lse_h, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_preprocess(
+    Out,
+    DO,
+    Lse,
+    Delta,
+    Lse2,
+    cu_seqlens_q,
+    stride_rows,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_lse_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0), written
     at the sequence's aligned offset (`row_vector_start`)."""
     pid = tl.program_id(0)
@@ -385,10 +549,12 @@ def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, cu_seqlens_q, stride_rows, stride
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs < len_q
     rows = (q_start + offs).to(tl.int64)
-    o = tl.load(Out + rows[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :], mask=ok[:, None],
-                other=0.0).to(tl.float32)
-    do = tl.load(DO + rows[:, None] * stride_dot + off_h * stride_doh + offs_d[None, :], mask=ok[:, None],
-                 other=0.0).to(tl.float32)
+    o = tl.load(Out + rows[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :], mask=ok[:, None], other=0.0).to(
+        tl.float32
+    )
+    do = tl.load(
+        DO + rows[:, None] * stride_dot + off_h * stride_doh + offs_d[None, :], mask=ok[:, None], other=0.0
+    ).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
     lse = tl.load(Lse + off_h * stride_lse_h + rows, mask=ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
@@ -398,10 +564,36 @@ def _bwd_preprocess(Out, DO, Lse, Delta, Lse2, cu_seqlens_q, stride_rows, stride
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, q_desc, do_desc, desc_row, desc_col,
-                    stride_qt, stride_dot, offs_m0, offs_n, offs_d, lo, hi, len_q, shift, win_left, win_right,
-                    qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    USE_TMA: tl.constexpr):
+def _bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse2_base,
+    delta_base,
+    q_desc,
+    do_desc,
+    desc_row,
+    desc_col,
+    stride_qt,
+    stride_dot,
+    offs_m0,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    len_q,
+    shift,
+    win_left,
+    win_right,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     # works on transposed tiles (keys x queries) so the accumulators stay [BLOCK_N, D]
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -423,8 +615,9 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, q_desc
         pT = tl.math.exp2(qkT - lse2[None, :])
         if MASK:
             row_pos = offs_m + shift
-            visible = ((offs_n[:, None] >= row_pos[None, :] - win_left)
-                       & (offs_n[:, None] <= row_pos[None, :] + win_right))
+            visible = (offs_n[:, None] >= row_pos[None, :] - win_left) & (
+                offs_n[:, None] <= row_pos[None, :] + win_right
+            )
             pT = tl.where(visible, pT, 0.0)
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         else:
@@ -443,11 +636,43 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, q_desc
 
 
 @triton.jit(do_not_specialize=["stride_rows"])
-def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, Q_desc, DO_desc, cu_seqlens_q, cu_seqlens_k,
-                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rows, qk_scale, sm_scale, win_left,
-                        win_right, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+def _sink_attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    Lse2,
+    Delta,
+    DK,
+    DV,
+    Q_desc,
+    DO_desc,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_rows,
+    qk_scale,
+    sm_scale,
+    win_left,
+    win_right,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     off_kh = tl.program_id(0)
     pid_n = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -464,14 +689,19 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, Q_desc, DO_desc, cu_se
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < len_k
-    k = tl.load(K + (k_start + offs_n)[:, None].to(tl.int64) * stride_kt + off_kh * stride_kh + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + (k_start + offs_n)[:, None].to(tl.int64) * stride_vt + off_kh * stride_vh + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
+    k = tl.load(
+        K + (k_start + offs_n)[:, None].to(tl.int64) * stride_kt + off_kh * stride_kh + offs_d[None, :],
+        mask=col_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        V + (k_start + offs_n)[:, None].to(tl.int64) * stride_vt + off_kh * stride_vh + offs_d[None, :],
+        mask=col_ok[:, None],
+        other=0.0,
+    )
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right,
-                                                   BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
     # three ranges: an edge (masked), the full blocks, the other edge (masked)
     rows_start = _row_vector_start(q_start, off_b)
     # GQA: the KV head's gradient is the sum over its query heads, accumulated here in a fixed order
@@ -482,15 +712,96 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, Q_desc, DO_desc, cu_se
         lse2_base = Lse2 + off_h * stride_rows + rows_start
         delta_base = Delta + off_h * stride_rows + rows_start
         desc_col = off_h * HEAD_DIM
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, Q_desc, DO_desc, q_start,
-                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, lo, full_lo, len_q,
-                                 shift, win_left, win_right, qk_scale, BLOCK_M, True, DOT_PRECISION, USE_TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, Q_desc, DO_desc, q_start,
-                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, full_lo, full_hi, len_q,
-                                 shift, win_left, win_right, qk_scale, BLOCK_M, False, DOT_PRECISION, USE_TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, Q_desc, DO_desc, q_start,
-                                 desc_col, stride_qt, stride_dot, offs_m0, offs_n, offs_d, full_hi, hi, len_q,
-                                 shift, win_left, win_right, qk_scale, BLOCK_M, True, DOT_PRECISION, USE_TMA)
+        dk, dv = _bwd_dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse2_base,
+            delta_base,
+            Q_desc,
+            DO_desc,
+            q_start,
+            desc_col,
+            stride_qt,
+            stride_dot,
+            offs_m0,
+            offs_n,
+            offs_d,
+            lo,
+            full_lo,
+            len_q,
+            shift,
+            win_left,
+            win_right,
+            qk_scale,
+            BLOCK_M,
+            True,
+            DOT_PRECISION,
+            USE_TMA,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse2_base,
+            delta_base,
+            Q_desc,
+            DO_desc,
+            q_start,
+            desc_col,
+            stride_qt,
+            stride_dot,
+            offs_m0,
+            offs_n,
+            offs_d,
+            full_lo,
+            full_hi,
+            len_q,
+            shift,
+            win_left,
+            win_right,
+            qk_scale,
+            BLOCK_M,
+            False,
+            DOT_PRECISION,
+            USE_TMA,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse2_base,
+            delta_base,
+            Q_desc,
+            DO_desc,
+            q_start,
+            desc_col,
+            stride_qt,
+            stride_dot,
+            offs_m0,
+            offs_n,
+            offs_d,
+            full_hi,
+            hi,
+            len_q,
+            shift,
+            win_left,
+            win_right,
+            qk_scale,
+            BLOCK_M,
+            True,
+            DOT_PRECISION,
+            USE_TMA,
+        )
     dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
     dk_ptrs = DK + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkt + off_kh * stride_dkh + offs_d[None, :]
     dv_ptrs = DV + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvt + off_kh * stride_dvh + offs_d[None, :]
@@ -499,10 +810,36 @@ def _sink_attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, Q_desc, DO_desc, cu_se
 
 
 @triton.jit
-def _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, desc_row, desc_col, stride_kt,
-                  stride_vt, offs_n0, offs_d, row_pos, lo, hi, len_k, win_left, win_right, qk_scale,
-                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                  HAS_SINK: tl.constexpr):
+def _bwd_dq_inner(
+    dq,
+    pdp,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    k_desc,
+    v_desc,
+    desc_row,
+    desc_col,
+    stride_kt,
+    stride_vt,
+    offs_n0,
+    offs_d,
+    row_pos,
+    lo,
+    hi,
+    len_k,
+    win_left,
+    win_right,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
     k_ptrs = k_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
     v_ptrs = v_base + (lo + offs_n0)[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
     for start_n in range(lo, hi, BLOCK_N):
@@ -520,9 +857,11 @@ def _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, d
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(qk - lse2[:, None])
         if MASK:
-            visible = ((offs_n[None, :] >= row_pos[:, None] - win_left)
-                       & (offs_n[None, :] <= row_pos[:, None] + win_right)
-                       & (offs_n[None, :] < len_k))
+            visible = (
+                (offs_n[None, :] >= row_pos[:, None] - win_left)
+                & (offs_n[None, :] <= row_pos[:, None] + win_right)
+                & (offs_n[None, :] < len_k)
+            )
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_SINK:
@@ -535,11 +874,44 @@ def _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, d
 
 
 @triton.jit(do_not_specialize=["stride_rows", "stride_part"])
-def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, Sinks, DSinkPart, cu_seqlens_q, cu_seqlens_k,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                      stride_dqt, stride_dqh, stride_rows, stride_part, qk_scale, sm_scale, win_left, win_right,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr):
+def _sink_attn_bwd_dq(
+    Q,
+    K,
+    V,
+    K_desc,
+    V_desc,
+    DO,
+    Lse2,
+    Delta,
+    DQ,
+    Sinks,
+    DSinkPart,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_rows,
+    stride_part,
+    qk_scale,
+    sm_scale,
+    win_left,
+    win_right,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
     """dQ of one (query head, query block).  With a sink, also this block's share of dsink_h =
     -sum_i exp(s_h - LSE_i) D_i with D_i = sum_j P_ij dP_ij from the fp32 tiles (D from the 16-bit output, as dS uses
     it, carries the output's rounding) into its own slot of ``DSinkPart`` (summed afterwards in a fixed order)."""
@@ -560,10 +932,16 @@ def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, Sinks, DSink
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < len_q
-    q = tl.load(Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + off_h * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + (q_start + offs_m)[:, None].to(tl.int64) * stride_dot + off_h * stride_doh
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + off_h * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO + (q_start + offs_m)[:, None].to(tl.int64) * stride_dot + off_h * stride_doh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     rows_at = off_h * stride_rows + _row_vector_start(q_start, off_b) + offs_m
     lse2 = tl.load(Lse2 + rows_at, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + rows_at, mask=row_ok, other=0.0)
@@ -571,32 +949,127 @@ def _sink_attn_bwd_dq(Q, K, V, K_desc, V_desc, DO, Lse2, Delta, DQ, Sinks, DSink
     v_base = V + k_start.to(tl.int64) * stride_vt + off_kh * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row_pos = offs_m + shift
-    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right,
-                                                 BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, lo, full_lo, len_k, win_left,
-                            win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
-    dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_lo, full_hi, len_k, win_left,
-                            win_right, qk_scale, BLOCK_N, False, DOT_PRECISION, USE_TMA, HAS_SINK)
-    dq, pdp = _bwd_dq_inner(dq, pdp, q, do, lse2, delta, k_base, v_base, K_desc, V_desc, k_start, off_kh * HEAD_DIM,
-                            stride_kt, stride_vt, offs_n0, offs_d, row_pos, full_hi, hi, len_k, win_left,
-                            win_right, qk_scale, BLOCK_N, True, DOT_PRECISION, USE_TMA, HAS_SINK)
+    dq, pdp = _bwd_dq_inner(
+        dq,
+        pdp,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        K_desc,
+        V_desc,
+        k_start,
+        off_kh * HEAD_DIM,
+        stride_kt,
+        stride_vt,
+        offs_n0,
+        offs_d,
+        row_pos,
+        lo,
+        full_lo,
+        len_k,
+        win_left,
+        win_right,
+        qk_scale,
+        BLOCK_N,
+        True,
+        DOT_PRECISION,
+        USE_TMA,
+        HAS_SINK,
+    )
+    dq, pdp = _bwd_dq_inner(
+        dq,
+        pdp,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        K_desc,
+        V_desc,
+        k_start,
+        off_kh * HEAD_DIM,
+        stride_kt,
+        stride_vt,
+        offs_n0,
+        offs_d,
+        row_pos,
+        full_lo,
+        full_hi,
+        len_k,
+        win_left,
+        win_right,
+        qk_scale,
+        BLOCK_N,
+        False,
+        DOT_PRECISION,
+        USE_TMA,
+        HAS_SINK,
+    )
+    dq, pdp = _bwd_dq_inner(
+        dq,
+        pdp,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        K_desc,
+        V_desc,
+        k_start,
+        off_kh * HEAD_DIM,
+        stride_kt,
+        stride_vt,
+        offs_n0,
+        offs_d,
+        row_pos,
+        full_hi,
+        hi,
+        len_k,
+        win_left,
+        win_right,
+        qk_scale,
+        BLOCK_N,
+        True,
+        DOT_PRECISION,
+        USE_TMA,
+        HAS_SINK,
+    )
     if HAS_SINK:  # rows past len_q: lse2 = +inf, P = 0
         sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
         part = tl.sum(tl.where(row_ok, tl.math.exp2(sink2 - lse2) * pdp, 0.0), axis=0)
         tl.store(DSinkPart + off_h * stride_part + off_b * tl.num_programs(1) + pid_m, -part)
     dq = dq * sm_scale
-    tl.store(DQ + (q_start + offs_m)[:, None].to(tl.int64) * stride_dqt + off_h * stride_dqh + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        DQ + (q_start + offs_m)[:, None].to(tl.int64) * stride_dqt + off_h * stride_dqh + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Host side: the contract used by the package's autograd function / custom ops
 # ----------------------------------------------------------------------------------------------------------
-def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, window_left, window_right):
+def sink_attention_forward(
+    q,
+    k,
+    v,
+    sinks,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+):
     """Sink-aware attention forward on packed sequences.
 
     q ``[Tq, Hq, D]``; k, v ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``; sinks ``[Hq]`` (float32) or None;
@@ -618,24 +1091,78 @@ def sink_attention_forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
     qk_scale = float(softmax_scale) * LOG2E
     plan = _plan(q, k, v, left < _UNBOUNDED, int(max_seqlen_q), int(max_seqlen_k))
     if plan.fwd == "gluon_fwd":
-        _run_gluon("fwd", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, left, right,
-                   CONFIGS[("gluon_fwd", D)])
+        _run_gluon(
+            "fwd",
+            q,
+            k,
+            v,
+            sinks,
+            out,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            qk_scale,
+            left,
+            right,
+            CONFIGS[("gluon_fwd", D)],
+        )
         return out, lse
     cfg = _config(plan.fwd, D, q.device)
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
     k_desc, v_desc = _descriptors_if(plan.tma, cfg["BLOCK_N"], k, v)
     _sink_attn_fwd[grid](
-        q, k, v, k_desc, v_desc, sinks if sinks is not None else q, out, lse, cu_seqlens_q, cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), qk_scale, left, right,
-        GROUP=H_q // H_kv, HEAD_DIM=D, BLOCK_M=block_m, HAS_SINK=sinks is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=plan.tma, **cfg)
+        q,
+        k,
+        v,
+        k_desc,
+        v_desc,
+        sinks if sinks is not None else q,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        qk_scale,
+        left,
+        right,
+        GROUP=H_q // H_kv,
+        HEAD_DIM=D,
+        BLOCK_M=block_m,
+        HAS_SINK=sinks is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        USE_TMA=plan.tma,
+        **cfg,
+    )
     return out, lse
 
 
-def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, softmax_scale, causal, window_left, window_right):
+def sink_attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    sinks,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+):
     """Gradients of :func:`sink_attention_forward`: ``dq [Tq,Hq,D]``, ``dk, dv [Tk,Hkv,D]`` (input dtype,
     summed over each KV group's query heads) and ``dsink [Hq]`` float32 (None without sinks).
 
@@ -665,17 +1192,56 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
     lse2 = torch.empty_like(delta)
     pre_block = 64 if q.device.type == "cuda" else 16
     _bwd_preprocess[(max(triton.cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)](
-        out, dout, lse, delta, lse2, cu_seqlens_q, stride_rows, out.stride(0), out.stride(1), dout.stride(0),
-        dout.stride(1), lse.stride(0), HEAD_DIM=D, BLOCK=pre_block)
+        out,
+        dout,
+        lse,
+        delta,
+        lse2,
+        cu_seqlens_q,
+        stride_rows,
+        out.stride(0),
+        out.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+        lse.stride(0),
+        HEAD_DIM=D,
+        BLOCK=pre_block,
+    )
     # dsink's partial sums, one per (head, dQ program; programs past a sequence's end leave their zero): the dQ
     # kernel writes them, summed below in a fixed order
     dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
-    partials = (torch.zeros((H_q, num_seqs * triton.cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"])), device=q.device,
-                            dtype=torch.float32) if sinks is not None else None)
+    partials = (
+        torch.zeros(
+            (H_q, num_seqs * triton.cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"])), device=q.device, dtype=torch.float32
+        )
+        if sinks is not None
+        else None
+    )
     if gluon:
-        _run_gluon("backward", q, k, v, dout, lse2, delta, sinks, partials, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, qk_scale, float(softmax_scale), left, right,
-                   CONFIGS[("gluon_dkdv", D)], dq_cfg)
+        _run_gluon(
+            "backward",
+            q,
+            k,
+            v,
+            dout,
+            lse2,
+            delta,
+            sinks,
+            partials,
+            dq,
+            dk,
+            dv,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            qk_scale,
+            float(softmax_scale),
+            left,
+            right,
+            CONFIGS[("gluon_dkdv", D)],
+            dq_cfg,
+        )
         return dq, dk, dv, partials.sum(dim=1) if sinks is not None else None
 
     side = _side_stream(q.device) if plan.concurrent else None
@@ -691,23 +1257,85 @@ def sink_attention_backward(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seq
         q_desc, do_desc = _descriptors_if(bwd_tma, cfg["BLOCK_M"], q, dout)
         grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
         _sink_attn_bwd_dkdv[grid](
-            q, k, v, dout, lse2, delta, dk, dv, q_desc, do_desc, cu_seqlens_q, cu_seqlens_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-            dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_rows, qk_scale,
-            float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_N=block_n, DOT_PRECISION=precision,
-            USE_TMA=bwd_tma, **cfg)
+            q,
+            k,
+            v,
+            dout,
+            lse2,
+            delta,
+            dk,
+            dv,
+            q_desc,
+            do_desc,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            dout.stride(0),
+            dout.stride(1),
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            stride_rows,
+            qk_scale,
+            float(softmax_scale),
+            left,
+            right,
+            GROUP=group,
+            HEAD_DIM=D,
+            BLOCK_N=block_n,
+            DOT_PRECISION=precision,
+            USE_TMA=bwd_tma,
+            **cfg,
+        )
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         cfg = dict(dq_cfg)
         block_m = cfg.pop("BLOCK_M")
         grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
         k_desc, v_desc = _descriptors_if(bwd_tma, cfg["BLOCK_N"], k, v)
         _sink_attn_bwd_dq[grid](
-            q, k, v, k_desc, v_desc, dout, lse2, delta, dq, sinks if sinks is not None else lse2,
-            partials if sinks is not None else lse2, cu_seqlens_q, cu_seqlens_k, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0),
-            dq.stride(1), stride_rows, partials.stride(0) if sinks is not None else 0, qk_scale,
-            float(softmax_scale), left, right, GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, DOT_PRECISION=precision,
-            USE_TMA=bwd_tma, HAS_SINK=sinks is not None, **cfg)
+            q,
+            k,
+            v,
+            k_desc,
+            v_desc,
+            dout,
+            lse2,
+            delta,
+            dq,
+            sinks if sinks is not None else lse2,
+            partials if sinks is not None else lse2,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            dout.stride(0),
+            dout.stride(1),
+            dq.stride(0),
+            dq.stride(1),
+            stride_rows,
+            partials.stride(0) if sinks is not None else 0,
+            qk_scale,
+            float(softmax_scale),
+            left,
+            right,
+            GROUP=group,
+            HEAD_DIM=D,
+            BLOCK_M=block_m,
+            DOT_PRECISION=precision,
+            USE_TMA=bwd_tma,
+            HAS_SINK=sinks is not None,
+            **cfg,
+        )
     if side is not None:
         # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
         torch.cuda.current_stream(q.device).wait_stream(side)
