@@ -43,18 +43,25 @@ PACKED_MASK_ATTENTION = frozenset({"eager", "sdpa", "flex_attention"})
 
 def attention_honours_packing(attn_implementation: str | None) -> bool:
     """True for implementations that keep packed rows apart: `PACKED_MASK_ATTENTION` (with the prepared masks)
-    and everything on transformers' flash-attention path (flash_attention_2/3/4, registered kernels such as the
-    sink kernel), recognised by sharing flash_attention_2's mask function."""
+    and transformers' flash-attention path (flash_attention_2/3/4, hub kernels such as the sink kernel), which
+    derives varlen ``cu_seqlens`` from ``position_ids``. Recognised by running transformers' own
+    ``flash_attention_forward`` with flash_attention_2's mask function: another function registered under a custom
+    name may ignore ``position_ids`` and attend across the packed trajectories, so it does not count."""
     if attn_implementation is None:
         return False
     if attn_implementation in PACKED_MASK_ATTENTION:
         return True
+    from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     try:
-        return ALL_MASK_ATTENTION_FUNCTIONS[attn_implementation] is ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+        attention = ALL_ATTENTION_FUNCTIONS[attn_implementation]
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[attn_implementation]
     except KeyError:
         return False
+    attention = getattr(attention, "func", attention)  # functools.partial around it
+    return attention is flash_attention_forward and mask is ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
 
 
 def rows_are_contiguous(mask: torch.Tensor) -> bool:
