@@ -689,7 +689,7 @@ class SGLangHTTPWeightSync:
 
         Every server must join every broadcast (a collective), so the session is opened on all servers before
         the first broadcast: a server that refuses ``/begin_weight_update`` fails the step *before* anyone waits
-        in a collective (without a session 0.5.23 answers 400 and never joins, and the broadcast would hang).
+        in a collective (without an open update, SGLang 0.5.23 answers 400 and never joins, and the broadcast would hang).
         """
         import torch.distributed as dist
 
