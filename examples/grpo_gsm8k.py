@@ -61,6 +61,8 @@ DEMO_DEFAULTS = dict(
     logging_steps=1,
     save_strategy="no",
     bf16=False,
+    # CPU machines: accelerate's gloo processes (without it, `torchrun` on CPU starts unconnected copies)
+    use_cpu=not torch.cuda.is_available(),
 )
 
 
@@ -94,6 +96,7 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
             model = AutoModelForCausalLM.from_pretrained(model, **training_args.model_init_kwargs)
         sft_args = SFTConfig(
             output_dir=str(Path(training_args.output_dir) / "cold_start"), max_steps=steps,
+            use_cpu=training_args.use_cpu,  # the first trainer fixes accelerate's process state for the run
             per_device_train_batch_size=4, learning_rate=script_args.cold_start_learning_rate,
             lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=10, save_strategy="no",
             gradient_checkpointing=False, bf16=training_args.bf16, report_to=training_args.report_to,

@@ -128,6 +128,8 @@ DEMO_DEFAULTS = dict(
     logging_steps=1,
     save_strategy="no",
     bf16=False,
+    # CPU machines: accelerate's gloo processes (without it, `torchrun` on CPU starts unconnected copies)
+    use_cpu=not torch.cuda.is_available(),
     rollout_backend="embedded",
 )
 
@@ -217,6 +219,7 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
             model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs)
         sft_args = SFTConfig(
             output_dir=str(Path(training_args.output_dir) / "cold_start"),
+            use_cpu=training_args.use_cpu,  # the first trainer fixes accelerate's process state for the run
             max_steps=cold_start_steps,
             per_device_train_batch_size=script_args.cold_start_batch_size,
             learning_rate=script_args.cold_start_learning_rate,
