@@ -260,7 +260,7 @@ def serialize(obj) -> str:
 def serialize_per_rank(obj, tp_size: int) -> list[str]:
     """One serialized copy per TP rank, as ``Engine._serialize_tensors_per_rank`` builds it
     (``sglang/srt/entrypoints/engine.py``): each rank deserializes only ``payloads[tp_rank]``
-    (``TpModelWorker.deserialize_own_rank``), so every copy must carry its own CUDA-IPC reference."""
+    (``TpModelWorker.deserialize_own_rank``), so every copy must hold its own CUDA-IPC reference."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     return [serialize(obj) for _ in range(tp_size)]
