@@ -375,6 +375,8 @@ def test_config_validation(tmp_path):
         make_config(tmp_path, reasoning_effort="max")
     config = make_config(tmp_path, rollout_backend="sglang", sglang_urls="http://a:1, http://b:2")
     assert config.sglang_urls == ["http://a:1", "http://b:2"]
+    config = make_config(tmp_path, rollout_backend="sglang", sglang_urls=["http://a:1,http://b:2", "http://c:3"])
+    assert config.sglang_urls == ["http://a:1", "http://b:2", "http://c:3"]  # `--sglang_urls a,b c` on the CLI
     assert make_config(tmp_path).is_on_policy
     assert not make_config(tmp_path, num_iterations=2).is_on_policy
 

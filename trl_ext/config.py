@@ -227,16 +227,17 @@ class AgenticGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.rollout_backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"rollout_backend must be one of {ROLLOUT_BACKENDS}, got {self.rollout_backend!r}.")
-        if isinstance(self.sglang_urls, str):  # the CLI passes a comma-separated string
-            self.sglang_urls = [u.strip() for u in self.sglang_urls.split(",") if u.strip()]
+        if self.sglang_urls is not None:  # "a,b" as one string or as one CLI argument (`--sglang_urls a,b`)
+            urls = [self.sglang_urls] if isinstance(self.sglang_urls, str) else self.sglang_urls
+            self.sglang_urls = [u.strip() for entry in urls for u in entry.split(",") if u.strip()]
         if self.rollout_backend == "sglang" and not self.sglang_urls:
             raise ValueError("rollout_backend='sglang' needs sglang_urls (e.g. ['http://localhost:30000']).")
         if self.rollout_backend == "embedded" and self.sglang_urls:
             raise ValueError("sglang_urls is set but rollout_backend='embedded'; set rollout_backend='sglang'.")
         if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync_mode must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync_mode!r}.")
-        if isinstance(self.weight_sync_verify, str):  # the CLI may pass "version,checksum"
-            self.weight_sync_verify = [v.strip() for v in self.weight_sync_verify.split(",") if v.strip()]
+        verify = [self.weight_sync_verify] if isinstance(self.weight_sync_verify, str) else self.weight_sync_verify
+        self.weight_sync_verify = [v.strip() for entry in verify for v in entry.split(",") if v.strip()]  # "a,b" too
         unknown = set(self.weight_sync_verify) - set(WEIGHT_SYNC_VERIFY)
         if unknown:
             raise ValueError(f"weight_sync_verify: unknown checks {sorted(unknown)}; choose from {WEIGHT_SYNC_VERIFY}.")
