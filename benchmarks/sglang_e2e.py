@@ -1,0 +1,1229 @@
+"""The whole product against a real SGLang server: rollouts, training with weight sync, rollout/training mismatch.
+
+One script, four phases, each with a deadline; a phase that fails is recorded (exception text and the tail of the
+server's log) and the next one runs. Results are rewritten after every phase, so a run that is killed still leaves
+what it measured.
+
+1. ``generate``: token-in/token-out ``/generate`` with log-probs through `trl_ext.rollout.SGLangEngine` (tokens/s,
+   finite log-probs, radix-cache hits on a repeated batch), then multi-turn harmony rollouts through
+   `trl_ext.rollout.AgentLoop` with the sandboxed `code_interpreter` tool (turns, tool calls, finish reasons).
+2. ``trainer``: `trl_ext.AgenticGRPOTrainer` with ``rollout_backend="sglang"`` on a few GSM8K rows, for weight
+   sync ``disk``, ``tensor`` (CUDA IPC, same GPU) and LoRA (``weight_sync_lora=True``; the server is restarted
+   with ``--enable-lora --max-lora-rank R --lora-target-modules ...``), with ``weight_sync_verify=["version",
+   "logprobs"]``: after every sync the server's log-probs of a probe sentence must match the trainer's. Every sync
+   is timed apart from the steps (one before training, then one per step), with the probe's mean/max |Δ logprob|.
+3. ``mismatch``: completions sampled by the server at temperature 1 (its log-probs are the rollout distribution),
+   scored by the trainer's log-prob path (`benchmarks.mismatch_study`) with eager attention (sinks), eager without
+   sinks, flex_attention and the project's kernel; `trl_ext.mismatch.mismatch_metrics` per row. Repeated with the
+   server flags ``--enable-deterministic-inference``, ``--enable-fp32-lm-head`` and both.
+4. ``sync_timing``: the median sync time per mode from phase 2, bytes moved, and the extrapolation to gpt-oss-20b
+   (bytes at 20b / measured GB/s).
+
+The model is GPT-OSS with the gpt-oss-20b layer shapes (``hf_gptoss_rl.testing.gptoss_20b_config``, ``--layers``
+of its 24 layers) and random weights and sinks drawn as in `benchmarks.mismatch_study`, saved in bf16 with
+``save_pretrained`` (SGLang reads it with ``--skip-tokenizer-init``: no tokenizer files). Prompts:
+`benchmarks.mismatch_study.load_prompts` (GSM8K rendered in harmony).
+
+SGLang pins its own dependencies, so install it in an environment of its own and point ``--server-cmd`` at it; the
+script launches one server per server configuration (``setsid``; the whole process group is killed afterwards)::
+
+    python -m venv /opt/sglang-env && /opt/sglang-env/bin/pip install "sglang==0.5.17"
+    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang-env/bin/python -m sglang.launch_server"
+    python -m benchmarks.sglang_e2e --url http://127.0.0.1:30000   # a server you started (flags not changed)
+
+Every launch gets ``--model-path DIR --port P --skip-tokenizer-init --attention-backend triton --sampling-backend
+pytorch --grammar-backend none --mem-fraction-static F``, then ``--server-args`` and the phase's own flags. Writes
+``sglang_e2e.md``, ``sglang_e2e.json`` and ``sglang_e2e.png`` into ``--out`` (server logs under ``--out/logs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
+PHASES = ("generate", "trainer", "mismatch", "sync_timing")
+TRAINER_MODES = ("disk", "tensor", "lora")
+# server configurations of the mismatch phase: name -> extra launch flags
+MISMATCH_CONFIGS = {
+    "default": [],
+    "deterministic": ["--enable-deterministic-inference"],
+    "fp32_lm_head": ["--enable-fp32-lm-head"],
+    "deterministic+fp32_lm_head": ["--enable-deterministic-inference", "--enable-fp32-lm-head"],
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+GPTOSS_20B_LAYERS = 24
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[sglang_e2e {time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
+
+
+class PhaseTimeout(Exception):
+    """A phase ran past its deadline (raised in the main thread by SIGALRM)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Raise `PhaseTimeout` in the main thread after ``seconds`` (SIGALRM; blocking waits are interrupted)."""
+    if seconds <= 0:
+        raise PhaseTimeout(f"{what}: no time left in the budget")
+
+    def fire(signum, frame):
+        raise PhaseTimeout(f"{what}: deadline of {seconds:.0f} s passed")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------------------ server
+
+
+def _new_session_dying_with_parent() -> None:  # runs in the child before exec
+    os.setsid()
+    with contextlib.suppress(Exception):  # Linux: the server gets SIGKILL if this script dies without cleaning up
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class ServerManager:
+    """Launches SGLang with a given set of flags (reusing a healthy server launched with the same flags), or
+    hands out ``--url``. The server runs in its own session; `stop` kills the whole process group."""
+
+    def __init__(self, args, model_dir: Path, logs_dir: Path) -> None:
+        self.args = args
+        self.model_dir = model_dir
+        self.logs_dir = logs_dir
+        self.proc: subprocess.Popen | None = None
+        self.flags: list[str] | None = None
+        self.url: str | None = args.url
+        self.log_path: Path | None = None
+        self.launches: list[dict] = []
+        self.version: str | None = None  # sglang version the server reports (/server_info)
+
+    @property
+    def external(self) -> bool:
+        return self.args.url is not None
+
+    def command(self, flags: list[str], port: int) -> list[str]:
+        a = self.args
+        base = shlex.split(a.server_cmd) + [
+            "--model-path", str(self.model_dir), "--port", str(port), "--host", "127.0.0.1",
+            "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--grammar-backend", "none", "--mem-fraction-static", str(a.mem_fraction_static),
+        ]  # fmt: skip
+        return base + shlex.split(a.server_args) + list(flags)
+
+    def ensure(self, name: str, flags: list[str], timeout_s: float) -> str:
+        """A ready server launched with ``flags``; raises (with the log tail) when it does not come up."""
+        if self.external:
+            if flags:
+                raise RuntimeError(f"server flags {flags} need a launched server; --url was given (not relaunched)")
+            self._wait_ready(self.url, timeout_s)
+            return self.url
+        if self.proc is not None and self.flags == flags and self.proc.poll() is None:
+            return self.url
+        self.stop()
+        port = self.args.port or free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.flags = list(flags)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.logs_dir / f"server_{len(self.launches) + 1}_{name}.log"
+        cmd = self.command(flags, port)
+        record = {"name": name, "command": shlex.join(cmd), "log": str(self.log_path)}
+        self.launches.append(record)
+        log(f"launching server ({name}): {shlex.join(cmd)}")
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as fh:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_new_session_dying_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        try:
+            self._wait_ready(self.url, timeout_s)
+        except BaseException:
+            record["ready"] = False
+            raise
+        record["ready"] = True
+        record["ready_s"] = round(time.monotonic() - t0, 1)
+        log(f"server ready in {record['ready_s']} s")
+        return self.url
+
+    def _wait_ready(self, url: str, timeout_s: float) -> None:
+        """SGLangEngine's readiness wait (``/health`` then ``/server_info``), failing early if the process exits."""
+        from trl_ext.rollout import SGLangEngine
+
+        engine = SGLangEngine(url, ready_timeout_s=max(timeout_s, 1.0), log_every_s=30.0)
+        box: dict = {}
+
+        def wait() -> None:
+            try:
+                engine.check_servers()
+                box["version"] = engine.run(engine._sync.server_states(), timeout_s=30)[0].version
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.5)
+                if self.proc is not None and self.proc.poll() is not None and thread.is_alive():
+                    raise RuntimeError(f"server process exited with status {self.proc.returncode} before ready")
+            if "error" in box:
+                raise box["error"]
+            self.version = box.get("version")
+        finally:
+            if not thread.is_alive():
+                with contextlib.suppress(Exception):
+                    engine.run(engine.close(), timeout_s=10)
+
+    def log_tail(self, lines: int = 40) -> str | None:
+        if self.log_path is None or not self.log_path.exists():
+            return None
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after 15 s; waits at most 20 s in all."""
+        proc, self.proc, self.flags = self.proc, None, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the scheduler/detokenizer children too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        log(f"server stopped (status {proc.returncode})")
+
+
+# ------------------------------------------------------------------------------------------------------------ model
+
+
+def build_model(args, device: torch.device) -> dict:
+    """Build the random GPT-OSS, save it (safetensors) into ``args.model_dir``, check config.json for SGLang."""
+    from benchmarks.mismatch_study import model_config
+    from hf_gptoss_rl.testing import build_random_gptoss
+
+    config = model_config(args.model, args.layers)
+    model = build_random_gptoss(
+        config,
+        device=device,
+        dtype=torch.bfloat16,
+        seed=args.seed,
+        sink_mean=args.sink_mean,
+        sink_std=args.sink_std,
+        logit_std=args.logit_std,
+    )
+    model.config.use_cache = True
+    model.save_pretrained(args.model_dir, safe_serialization=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    path = Path(args.model_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    checks = {
+        "architectures": cfg.get("architectures") == ["GptOssForCausalLM"],
+        "dtype bfloat16": "bfloat16" in (cfg.get("torch_dtype"), cfg.get("dtype")),
+        "layer_types": len(cfg.get("layer_types") or []) == cfg.get("num_hidden_layers"),
+        "sliding_window": bool(cfg.get("sliding_window")),
+        "no quantization_config": "quantization_config" not in cfg,
+    }
+    added = []
+    if "torch_dtype" not in cfg and cfg.get("dtype"):  # older transformers (SGLang's own pin) read torch_dtype
+        cfg["torch_dtype"] = cfg["dtype"]
+        added.append("torch_dtype (copied from dtype)")
+        path.write_text(json.dumps(cfg, indent=2))
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise RuntimeError(f"config.json lacks what SGLang needs: {bad} ({path})")
+    return {
+        "model_dir": str(args.model_dir),
+        "params": n_params,
+        "bytes_bf16": 2 * n_params,
+        "config_checks": checks,
+        "config_keys_added": added,
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "heads": f"{cfg['num_attention_heads']} q / {cfg['num_key_value_heads']} kv, head_dim {cfg.get('head_dim')}",
+        "num_local_experts": cfg.get("num_local_experts"),
+        "sliding_window": cfg.get("sliding_window"),
+        "vocab_size": cfg.get("vocab_size"),
+    }
+
+
+def load_policy(model_dir, device: torch.device, attn: str = "eager"):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
+    return model.to(device).eval()
+
+
+def params_of_20b() -> int:
+    """Parameters of gpt-oss-20b's layer shapes at full depth (counted on the meta device)."""
+    from transformers import GptOssForCausalLM
+
+    from hf_gptoss_rl.testing import gptoss_20b_config
+
+    with torch.device("meta"):
+        model = GptOssForCausalLM(gptoss_20b_config(num_hidden_layers=GPTOSS_20B_LAYERS))
+    return sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------------------ phases
+
+
+def sglang_engine(url: str, args, **kwargs):
+    from trl_ext.rollout import SGLangEngine
+
+    return SGLangEngine(url, ready_timeout_s=args.ready_timeout_s, timeout_s=120.0, retry_deadline_s=20.0, **kwargs)
+
+
+def phase_generate(ctx, result: dict) -> None:
+    from benchmarks.mismatch_study import load_prompts
+    from trl_ext.rollout import AgentLoop, SamplingParams, run_sync
+    from trl_ext.tools import CodeInterpreterTool
+
+    args = ctx.args
+    url = ctx.server.ensure("default", [], args.ready_timeout_s)
+    prompts, prompts_how = load_prompts(args.num_prompts)
+    engine = sglang_engine(url, args)
+    result.update(prompts_how=prompts_how, num_prompts=len(prompts))
+    try:
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
+
+        async def batch(s):
+            return await asyncio.gather(*(engine.generate(p, s) for p in prompts))
+
+        t0 = time.perf_counter()
+        outs = run_sync(batch(sampling))
+        wall = time.perf_counter() - t0
+        n_tokens = sum(len(o.output_ids) for o in outs)
+        logps = [lp for o in outs for lp in o.logprobs]
+        first = dict(engine.stats)
+        result["generate"] = {
+            "wall_s": wall,
+            "output_tokens": n_tokens,
+            "tokens_per_s": n_tokens / wall if wall > 0 else None,
+            "logprobs_finite": all(math.isfinite(x) for x in logps),
+            "num_logprobs": len(logps),
+            "mean_logprob": sum(logps) / len(logps) if logps else None,
+            "finish_reasons": _count(o.finish_reason for o in outs),
+            "weight_versions": sorted({str(o.weight_version) for o in outs}),
+            "prompt_tokens": first["prompt_tokens"],
+            "cached_tokens": first["cached_tokens"],
+        }
+        # the same prompts again: SGLang's radix cache should serve their prefixes
+        run_sync(batch(SamplingParams(max_new_tokens=1, temperature=1.0)))
+        result["repeat"] = {
+            "prompt_tokens": engine.stats["prompt_tokens"] - first["prompt_tokens"],
+            "cached_tokens": engine.stats["cached_tokens"] - first["cached_tokens"],
+        }
+        log(
+            f"generate: {n_tokens} tokens in {wall:.2f} s; repeat batch cached "
+            f"{result['repeat']['cached_tokens']}/{result['repeat']['prompt_tokens']} prompt tokens"
+        )
+        ctx.checkpoint()
+        # multi-turn agent rollouts with the sandboxed code tool
+        tool = CodeInterpreterTool(timeout_s=10.0)
+        agent_prompts, agent_how = tool_prompts(args.agent_prompts, tool)
+        loop = AgentLoop(
+            engine,
+            [tool],
+            sampling=SamplingParams(max_new_tokens=args.agent_turn_tokens, temperature=1.0),
+            max_turns=args.agent_max_turns,
+            max_completion_tokens=args.agent_max_turns * args.agent_turn_tokens,
+            tool_timeout_s=15.0,
+        )
+        t0 = time.perf_counter()
+        trajs = loop.run_batch_sync(agent_prompts)
+        calls = [c for t in trajs for c in t.tool_calls]
+        result["agent"] = {
+            "prompts_how": agent_how,
+            "num_trajectories": len(trajs),
+            "wall_s": time.perf_counter() - t0,
+            "turns": [t.num_turns for t in trajs],
+            "tool_calls": len(calls),
+            "tool_calls_executed": sum(1 for c in calls if c.result is not None and c.error is None),
+            "tool_call_errors": [f"{c.name}: {c.error}"[:200] for c in calls if c.error][:5],
+            "finish_reasons": _count(t.finish_reason for t in trajs),
+            "trajectory_errors": [e[:200] for t in trajs for e in t.errors][:8],
+            "completion_tokens": [len(t.completion_ids) for t in trajs],
+        }
+        result["engine_stats"] = dict(engine.stats)
+    finally:
+        with contextlib.suppress(Exception):
+            engine.run(engine.close(), timeout_s=10)
+
+
+def tool_prompts(n: int, tool) -> tuple[list[list[int]], str]:
+    """GSM8K questions rendered in harmony with the tool in the system message (pre-rendered, tool-less prompts
+    when harmony rendering is unavailable)."""
+    from benchmarks.mismatch_study import INSTRUCTION, load_prompts
+
+    try:
+        from hf_gptoss_rl.harmony import render_prompt
+
+        rows = [json.loads(line) for line in TRAIN_DATA.read_text().splitlines() if line.strip()][:n]
+        ids = [
+            render_prompt(
+                [{"role": "user", "content": f"{r['question']}\n\n{INSTRUCTION} Use the code_interpreter tool."}],
+                tools=[tool.spec()],
+                reasoning_effort="low",
+            )
+            for r in rows
+        ]
+        return ids, "rendered with hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools"
+    except ImportError as e:
+        ids, how = load_prompts(n)
+        return ids, f"{how}; without the tool in the prompt ({e})"
+
+
+def _count(items) -> dict:
+    out: dict = {}
+    for x in items:
+        out[str(x)] = out.get(str(x), 0) + 1
+    return out
+
+
+def instrument_engine(engine, records: list[dict]) -> None:
+    """Time `update_weights` / `update_lora_adapter` / `verify_logprobs` on this engine instance, and measure the
+    probe's |Δ logprob| (its own ``/generate`` of the probe, the same request the check sends)."""
+    update, update_lora, verify = engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs
+
+    async def update_weights(named_tensors, *, version):
+        named = list(named_tensors)
+        rec = {"version": version, "kind": "merged", "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+        records.append(rec)
+        await _timed(rec, update(named, version=version))
+
+    async def update_lora_adapter(adapter, *, version):
+        rec = {"version": version, "kind": "lora", "bytes": adapter.nbytes, "lora_tensors": len(adapter.named_tensors)}
+        records.append(rec)
+        await _timed(rec, update_lora(adapter, version=version))
+
+    async def verify_logprobs(probe_ids, reference):
+        rec = records[-1] if records else {}
+        payload = {
+            "input_ids": list(probe_ids),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        if engine._lora_name is not None:
+            payload["lora_path"] = engine._lora_name
+        with contextlib.suppress(Exception):
+            item = await engine._on_engine_loop(engine._request("POST", engine.base_urls[0], "/generate", payload))
+            entries = item["meta_info"]["input_token_logprobs"]
+            served = [e[0] if isinstance(e, (list, tuple)) else e for e in entries][1:]
+            diff = [abs(a - b) for a, b in zip(served, reference)]
+            rec["probe_tokens"] = len(diff)
+            rec["probe_dlogp_mean"] = sum(diff) / len(diff)
+            rec["probe_dlogp_max"] = max(diff)
+        t0 = time.perf_counter()
+        try:
+            await verify(probe_ids, reference)
+            rec["probe_pass"] = True
+        except BaseException as exc:
+            rec["probe_pass"] = False
+            rec["error"] = error_text(exc)
+            raise
+        finally:
+            rec["verify_s"] = time.perf_counter() - t0
+
+    engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs = (
+        update_weights,
+        update_lora_adapter,
+        verify_logprobs,
+    )
+
+
+async def _timed(rec: dict, coro) -> None:
+    t0 = time.perf_counter()
+    try:
+        await coro
+        rec["ok"] = True
+    except BaseException as exc:
+        rec["ok"] = False
+        rec["error"] = error_text(exc)
+        raise
+    finally:
+        rec["transfer_s"] = time.perf_counter() - t0
+
+
+def run_trainer(ctx, mode: str, out: dict) -> None:
+    """One trainer run; fills ``out`` as it goes (a failure keeps the syncs measured before it)."""
+    from transformers import TrainerCallback
+
+    from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+    from trl_ext.recipes import load_math_dataset, retool_reward_func
+    from trl_ext.tools import CodeInterpreterTool
+
+    args, device = ctx.args, ctx.device
+    lora = mode == "lora"
+    flags = (
+        ["--enable-lora", "--max-lora-rank", str(args.lora_rank), "--lora-target-modules", *LORA_TARGETS]
+        if lora
+        else []
+    )
+    out.update(server_flags=flags, syncs=[], steps=[])
+    if lora:
+        out["lora_sync_mode"] = args.lora_sync_mode
+    url = ctx.server.ensure("lora" if lora else "default", flags, args.ready_timeout_s)
+    model = load_policy(args.model_dir, device, attn="eager")
+    dataset = load_math_dataset(str(TRAIN_DATA), limit=args.train_rows)
+    cuda = device.type == "cuda"
+    config = AgenticGRPOConfig(
+        output_dir=str(ctx.work_dir / f"trainer_{mode}"),
+        max_steps=args.train_steps,
+        learning_rate=1e-5,
+        per_device_train_batch_size=args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=args.train_completion_tokens,
+        max_turns=2,
+        beta=0.0,
+        loss_type="dapo",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not cuda,
+        bf16=cuda,
+        seed=args.seed,
+        rollout_concurrency=8,
+        disable_tqdm=True,
+        rollout_backend="sglang",
+        sglang_urls=[url],
+        sglang_ready_timeout_s=args.ready_timeout_s,
+        sglang_timeout_s=120.0,
+        sglang_retry_deadline_s=20.0,
+        weight_sync_mode=args.lora_sync_mode if lora else mode,
+        weight_sync_lora=lora,
+        weight_sync_verify=["version", "logprobs"],
+        weight_sync_probe_atol=args.probe_atol,
+        weight_sync_dir=str(ctx.work_dir / f"weights_{mode}"),
+    )
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS)
+
+    class StepTimer(TrainerCallback):  # runs before the trainer's own sync callback (added last)
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            out["steps"].append({"step": state.global_step, "step_s_without_sync": time.perf_counter() - self.t0})
+
+    trainer = AgenticGRPOTrainer(
+        model=model,
+        reward_funcs=[retool_reward_func],
+        args=config,
+        train_dataset=dataset,
+        callbacks=[StepTimer()],
+        peft_config=peft_config,
+        tools=[CodeInterpreterTool(timeout_s=10.0)],
+    )
+    engine = trainer.rollout_engine
+    instrument_engine(engine, out["syncs"])
+    push = trainer._push_weights
+
+    def timed_push(eng, version):  # the trainer's whole sync: export, transfer, probe reference, check
+        t0 = time.perf_counter()
+        try:
+            push(eng, version)
+        finally:
+            if out["syncs"]:
+                out["syncs"][-1]["sync_total_s"] = time.perf_counter() - t0
+
+    trainer._push_weights = timed_push
+    out["attn_implementation"] = trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation
+    try:
+        # version 0: the server gets the trainer's starting weights (and the first timed sync)
+        trainer.sync_rollout_weights()
+        t0 = time.perf_counter()
+        train_out = trainer.train()
+        out["train_s"] = time.perf_counter() - t0
+        out["train_loss"] = train_out.training_loss
+        out["log_history"] = [
+            {
+                k: v
+                for k, v in h.items()
+                if k in ("step", "loss", "reward", "num_tokens", "rollout/weight_version")
+                or k.startswith(("sampling/", "tools/", "rollout/"))
+            }
+            for h in trainer.state.log_history
+        ]
+        out["served_weight_version"] = engine.weight_version
+        out["engine_stats"] = dict(engine.stats)
+    finally:
+        with contextlib.suppress(Exception):
+            engine.run(engine.close(), timeout_s=10)
+        del trainer, model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def phase_trainer(ctx, results: dict) -> None:
+    for mode in ctx.args.trainer_modes:
+        t0 = time.monotonic()
+        rec: dict = {}
+        results[mode] = rec
+        if ctx.left() <= 0:
+            rec.update(status="skipped", error=f"skipped for time: budget of {ctx.args.budget_s:.0f} s spent")
+            ctx.checkpoint()
+            continue
+        try:
+            with deadline(min(ctx.args.trainer_timeout_s, ctx.left()), f"trainer {mode}"):
+                run_trainer(ctx, mode, rec)
+            rec["status"] = "ok"
+        except BaseException as exc:  # noqa: BLE001 - recorded; the next mode runs
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            rec["status"] = "failed"
+            rec["error"] = error_text(exc)
+            rec["traceback"] = traceback.format_exc()[-3000:]
+            rec["server_log_tail"] = ctx.server.log_tail()
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        rec["wall_s"] = time.monotonic() - t0
+        log(
+            f"trainer {mode}: {rec['status']} in {rec['wall_s']:.1f} s"
+            + (f" ({rec.get('error')})" if "error" in rec else "")
+        )
+        ctx.checkpoint()
+
+
+def phase_mismatch(ctx, result: dict) -> None:
+    from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts, score_batch, train_logps
+    from hf_gptoss_rl.testing import (
+        SINK_DROPPING_ATTENTION,
+        register_sink_dropping_attention,
+        set_project_attention,
+        setup_project_attention,
+    )
+    from trl_ext.mismatch import mismatch_metrics
+    from trl_ext.rollout import SamplingParams, run_sync
+
+    args, device = ctx.args, ctx.device
+    register_sink_dropping_attention()
+    project_attn, project_how = setup_project_attention(args.project_attn)
+    prompts, prompts_how = load_prompts(args.num_prompts)
+    model = load_policy(args.model_dir, device, attn="eager")
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    result.update(prompts_how=prompts_how, project_attention_how=project_how, configs={})
+    variants = [
+        ("eager (sinks)", "eager", None),
+        ("eager without sinks", SINK_DROPPING_ATTENTION, None),
+        ("flex_attention + sinks", "flex_attention", None if device.type == "cuda" else FLEX_CPU_NOTE),
+        ("project kernel (sink-flash-attn3)", project_attn, None),
+    ]
+    try:
+        for name in args.mismatch_configs:
+            flags = MISMATCH_CONFIGS[name]
+            rec: dict = {"server_flags": flags}
+            result["configs"][name] = rec
+            t0 = time.monotonic()
+            if ctx.left() <= 0:
+                rec.update(status="skipped", error=f"skipped for time: budget of {args.budget_s:.0f} s spent")
+                ctx.checkpoint()
+                continue
+            try:
+                missing = [f for f in flags if f not in ctx.server_flags_known]
+                if ctx.server_flags_known and missing:
+                    raise RuntimeError(f"flags not in this sglang's server arguments: {missing}")
+                with deadline(min(args.mismatch_timeout_s, ctx.left()), f"mismatch {name}"):
+                    url = ctx.server.ensure(f"mismatch_{name}", flags, args.ready_timeout_s)
+                    engine = sglang_engine(url, args)
+                    try:
+                        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
+
+                        async def batch(engine=engine, sampling=sampling):
+                            return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+
+                        outs = run_sync(batch())
+                    finally:
+                        with contextlib.suppress(Exception):
+                            engine.run(engine.close(), timeout_s=10)
+                    if not all(o.output_ids for o in outs):
+                        raise RuntimeError("a completion came back empty (aborted?)")
+                    ids, mask, rollout_lp, cmask = score_batch(prompts, outs, pad_id, device)
+                    rec["completion_tokens"] = int(cmask.sum())
+                    rec["finish_reasons"] = _count(o.finish_reason for o in outs)
+                    rows = []
+                    for label, impl, skip in variants:
+                        row = {"attention": label, "attn_implementation": impl}
+                        rows.append(row)
+                        if skip:
+                            row["note"] = skip
+                            continue
+                        try:
+                            if impl == project_attn:
+                                row["attn_implementation"], row["attention_how"] = set_project_attention(
+                                    model, args.project_attn
+                                )
+                            else:
+                                model.set_attn_implementation(impl)
+                            lt = train_logps(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
+                        except Exception as exc:  # noqa: BLE001 - recorded, the other rows go on
+                            row["note"] = f"error: {error_text(exc)[:300]}"
+                            continue
+                        stats = mismatch_metrics(lt, rollout_lp, cmask, threshold=args.threshold)
+                        row.update({k: float(stats[k]) for k in METRIC_KEYS})
+                    rec["rows"] = rows
+                rec["status"] = "ok"
+            except BaseException as exc:  # noqa: BLE001
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                rec["status"] = "failed"
+                rec["error"] = error_text(exc)
+                rec["server_log_tail"] = ctx.server.log_tail()
+            rec["wall_s"] = time.monotonic() - t0
+            log(
+                f"mismatch {name}: {rec['status']} in {rec['wall_s']:.1f} s"
+                + (f" ({rec.get('error')})" if "error" in rec else "")
+            )
+            ctx.checkpoint()
+    finally:
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def phase_sync_timing(ctx, out: dict) -> None:
+    """Median sync time per mode from the trainer phase, GB/s, and the extrapolation to gpt-oss-20b."""
+    trainer = ctx.results["phases"].get("trainer", {}).get("result") or {}
+    model = ctx.results.get("model") or {}
+    layers = model.get("num_hidden_layers")
+    out.update(params_20b=params_of_20b() if ctx.args.model == "20b" else None, modes={})
+    if out["params_20b"]:
+        out["bytes_20b_merged_bf16"] = 2 * out["params_20b"]
+    for mode in TRAINER_MODES:
+        syncs = [s for s in (trainer.get(mode) or {}).get("syncs", []) if s.get("ok")]
+        if not syncs:
+            out["modes"][mode] = {"note": "no successful sync measured in the trainer phase"}
+            continue
+        times = [s["transfer_s"] for s in syncs]
+        nbytes = syncs[-1]["bytes"]
+        med = statistics.median(times)
+        rec = {
+            "repeats": len(times),
+            "transfer_s": times,
+            "median_transfer_s": med,
+            "median_sync_total_s": statistics.median([s.get("sync_total_s", float("nan")) for s in syncs]),
+            "bytes": nbytes,
+            "gb_per_s": nbytes / med / 1e9 if med > 0 else None,
+        }
+        if ctx.args.model == "20b" and layers:
+            if mode == "lora":  # q/k/v/o adapters only: every layer has the same shapes, so size scales with depth
+                rec["bytes_20b"] = nbytes * GPTOSS_20B_LAYERS / layers
+            else:
+                rec["bytes_20b"] = out["bytes_20b_merged_bf16"]
+            rec["extrapolated_20b_s"] = rec["bytes_20b"] / (rec["gb_per_s"] * 1e9) if rec["gb_per_s"] else None
+        out["modes"][mode] = rec
+
+
+# ------------------------------------------------------------------------------------------------------------ report
+
+
+class Context:
+    def __init__(self, args, device, server, work_dir):
+        self.args, self.device, self.server, self.work_dir = args, device, server, work_dir
+        self.results: dict = {}
+        self.server_flags_known: set[str] = set()
+        self.t0 = time.monotonic()
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t0)
+
+    def checkpoint(self) -> None:
+        if self.server.version:
+            self.results["meta"]["sglang_version"] = self.server.version
+        write_outputs(self.args.out, self.results)
+
+
+def known_server_flags(args):
+    """The CLI flags of the sglang that ``--server-cmd`` runs (its ``ServerArgs``), to record a flag that does not
+    exist instead of launching with it; runs in the background. Returns a function giving ``(flags, how)``: empty
+    flags when they cannot be asked (``--url``, or the query fails)."""
+    if args.url:
+        return lambda: (set(), "not checked (--url)")
+    code = (
+        "import argparse, json; from sglang.srt.server_args import ServerArgs; p = argparse.ArgumentParser(); "
+        "ServerArgs.add_cli_args(p); print(json.dumps(sorted(o for a in p._actions for o in a.option_strings)))"
+    )
+    cmd = shlex.split(args.server_cmd)
+    try:
+        i = cmd.index("-m")
+        py = cmd[:i]
+    except ValueError:
+        return lambda: (set(), "not checked (--server-cmd is not `PYTHON -m MODULE`)")
+    proc = subprocess.Popen(
+        [*py, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+    def result():
+        try:
+            out, err = proc.communicate(timeout=90)
+            flags = json.loads(out.strip().splitlines()[-1])
+            return set(flags), f"{len(flags)} flags from sglang.srt.server_args.ServerArgs"
+        except Exception as exc:  # noqa: BLE001
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return set(), f"not checked ({error_text(exc)[:200]})"
+
+    return result
+
+
+def fmt(v, spec=".3g") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def write_outputs(out: Path, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sglang_e2e.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "sglang_e2e.md").write_text(render_markdown(results))
+    with contextlib.suppress(Exception):
+        plot(out / "sglang_e2e.png", results)
+
+
+def _status_block(ph: dict) -> list[str]:
+    lines = [f"Status: **{ph.get('status')}**" + (f" ({ph['wall_s']:.1f} s)" if "wall_s" in ph else "")]
+    if ph.get("error"):
+        lines += ["", f"`{ph['error'][:1000]}`"]
+    if ph.get("server_log_tail"):
+        lines += ["", "Server log tail:", "", "```", ph["server_log_tail"][-4000:], "```"]
+    return lines + [""]
+
+
+def render_markdown(r: dict) -> str:
+    meta = r.get("meta", {})
+    m = r.get("model") or {}
+    lines = [
+        "# GPT-OSS RL against a real SGLang server (`benchmarks/sglang_e2e.py`)",
+        "",
+        f"Command: `{meta.get('command')}`. Device: {meta.get('env', {}).get('device')}; "
+        f"sglang {meta.get('sglang_version', '?')} (`{meta.get('server_cmd')}`, extra `{meta.get('server_args')}`).",
+        f"Model: random GPT-OSS, {m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, {m.get('heads')}, "
+        f"{m.get('num_local_experts')} experts, window {m.get('sliding_window')}, {fmt(m.get('params'), ',')} "
+        "parameters, bf16; sinks and logits as in `benchmarks/mismatch_study.py`.",
+        f"Started {meta.get('started')}, budget {meta.get('budget_s')} s; server flags checked: "
+        f"{meta.get('server_flags_checked')}.",
+        "",
+        "| phase | status | seconds | note |",
+        "|---|---|---|---|",
+    ]
+    phases = r.get("phases", {})
+    for name in PHASES:
+        ph = phases.get(name, {"status": "not run"})
+        lines.append(
+            f"| {name} | {ph.get('status')} | {fmt(ph.get('wall_s'), '.1f')} | {(ph.get('error') or '')[:160]} |"
+        )
+    lines.append("")
+    if "model_error" in r:
+        lines += ["## Model build failed", "", f"`{r['model_error']}`", ""]
+    # generate
+    ph = phases.get("generate")
+    if ph:
+        lines += ["## 1. generate", ""] + _status_block(ph)
+        res = ph.get("result") or {}
+        g = res.get("generate")
+        if g:
+            rep = res.get("repeat") or {}
+            lines += [
+                f"Prompts: {res.get('prompts_how')}.",
+                "",
+                "| prompts | output tokens | wall s | tokens/s | log-probs finite | finish reasons | cached prompt tokens "
+                "(first batch) | cached prompt tokens (same prompts again) |",
+                "|---|---|---|---|---|---|---|---|",
+                f"| {res.get('num_prompts')} | {g['output_tokens']} | {fmt(g['wall_s'], '.2f')} | "
+                f"{fmt(g['tokens_per_s'], '.1f')} | {g['logprobs_finite']} ({g['num_logprobs']}) | "
+                f"{g['finish_reasons']} | {g['cached_tokens']}/{g['prompt_tokens']} | "
+                f"{rep.get('cached_tokens')}/{rep.get('prompt_tokens')} |",
+                "",
+            ]
+        a = res.get("agent")
+        if a:
+            lines += [
+                f"Agent loop with `code_interpreter` ({a['prompts_how']}):",
+                "",
+                "| trajectories | turns each | tool calls | executed without error | finish reasons | completion tokens |",
+                "|---|---|---|---|---|---|",
+                f"| {a['num_trajectories']} | {a['turns']} | {a['tool_calls']} | {a['tool_calls_executed']} | "
+                f"{a['finish_reasons']} | {a['completion_tokens']} |",
+                "",
+            ]
+            if a["trajectory_errors"] or a["tool_call_errors"]:
+                lines += ["Parse outcomes (first few):", ""]
+                lines += [f"- {e}" for e in a["tool_call_errors"] + a["trajectory_errors"]] + [""]
+    # trainer
+    ph = phases.get("trainer")
+    if ph:
+        lines += ["## 2. trainer (AgenticGRPOTrainer, rollout_backend='sglang')", ""] + _status_block(ph)
+        res = ph.get("result") or {}
+        lines += [
+            "One sync before training (version 0), then one after each step. `transfer` = the engine's "
+            "`update_weights`/`update_lora_adapter` (pause, load, continue, version check); `total` = the trainer's "
+            "whole sync (export, transfer, probe reference, log-prob check).",
+            "",
+            "| mode | version | bytes | transfer s | total s | probe mean abs Δlogp | probe max abs Δlogp | probe |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for mode in TRAINER_MODES:
+            rec = res.get(mode)
+            if not rec:
+                continue
+            for s in rec.get("syncs", []):
+                probe = {True: "pass", False: "FAIL"}.get(s.get("probe_pass"), "-")
+                lines.append(
+                    f"| {mode} | {s['version']} | {fmt(s['bytes'], ',')} | {fmt(s.get('transfer_s'), '.3f')} | "
+                    f"{fmt(s.get('sync_total_s'), '.3f')} | {fmt(s.get('probe_dlogp_mean'))} | "
+                    f"{fmt(s.get('probe_dlogp_max'))} | {probe} |"
+                )
+        lines.append("")
+        for mode in TRAINER_MODES:
+            rec = res.get(mode)
+            if not rec:
+                continue
+            steps = ", ".join(f"{s['step_s_without_sync']:.2f}" for s in rec.get("steps", []))
+            lines += [
+                f"- **{mode}**: {rec.get('status')}; server flags `{' '.join(rec.get('server_flags', []))}`; "
+                + (f"adapter sent by `{rec['lora_sync_mode']}`; " if "lora_sync_mode" in rec else "")
+                + f"policy attention `{rec.get('attn_implementation')}`; step seconds without sync: [{steps}]"
+                + (f"; error `{rec['error'][:600]}`" if rec.get("error") else "")
+            ]
+            if rec.get("server_log_tail") and rec.get("status") != "ok":
+                lines += ["", "  ```", *("  " + x for x in rec["server_log_tail"][-3000:].splitlines()), "  ```"]
+        lines.append("")
+    # mismatch
+    ph = phases.get("mismatch")
+    if ph:
+        lines += ["## 3. mismatch (SGLang rollouts, trainer-side scoring)", ""] + _status_block(ph)
+        res = ph.get("result") or {}
+        lines += [
+            f"Prompts: {res.get('prompts_how')}; temperature 1; project kernel via {res.get('project_attention_how')}.",
+            "",
+            "| server flags | training attention | mean abs Δp | max abs Δp | k3 KL(rollout‖train) | log-PPL diff "
+            "| tokens over threshold | note |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for _name, rec in (res.get("configs") or {}).items():
+            label = " ".join(rec.get("server_flags") or []) or "(default)"
+            if rec.get("status") != "ok":
+                lines.append(
+                    f"| {label} | - | - | - | - | - | - | {rec.get('status')}: {(rec.get('error') or '')[:200]} |"
+                )
+                continue
+            for row in rec.get("rows", []):
+                lines.append(
+                    f"| {label} | {row['attention']} | {fmt(row.get('prob_diff_mean'))} | "
+                    f"{fmt(row.get('prob_diff_max'))} | {fmt(row.get('k3_kl'))} | "
+                    f"{fmt(row.get('log_ppl_diff'), '+.3g')} | {fmt(row.get('frac_tokens_over_threshold'), '.2%')} | "
+                    f"{row.get('note', '')} |"
+                )
+        lines.append("")
+        for name, rec in (res.get("configs") or {}).items():
+            if rec.get("status") != "ok" and rec.get("server_log_tail"):
+                lines += [f"Server log tail ({name}):", "", "```", rec["server_log_tail"][-3000:], "```", ""]
+    # sync timing
+    ph = phases.get("sync_timing")
+    if ph:
+        lines += ["## 4. sync_timing", ""] + _status_block(ph)
+        res = ph.get("result") or {}
+        lines += [
+            "| mode | repeats | median transfer s | median total s | bytes | GB/s | bytes at gpt-oss-20b | "
+            "extrapolated s at 20b |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for mode, rec in (res.get("modes") or {}).items():
+            if "note" in rec:
+                lines.append(f"| {mode} | - | - | - | - | - | - | {rec['note']} |")
+                continue
+            lines.append(
+                f"| {mode} | {rec['repeats']} | {fmt(rec['median_transfer_s'], '.3f')} | "
+                f"{fmt(rec['median_sync_total_s'], '.3f')} | {fmt(rec['bytes'], ',')} | {fmt(rec['gb_per_s'], '.2f')} | "
+                f"{fmt(rec.get('bytes_20b'), ',.0f')} | {fmt(rec.get('extrapolated_20b_s'), '.1f')} |"
+            )
+        lines.append("")
+        if res.get("params_20b"):
+            lines += [
+                "Arithmetic: time at 20b = bytes at 20b / (bytes measured / median transfer time).",
+                f"Merged weights at 20b: {res['params_20b']:,} parameters (gpt-oss-20b's layer shapes at 24 layers, "
+                f"counted on the meta device) x 2 bytes (bf16) = {res['bytes_20b_merged_bf16'] / 1e9:.1f} GB.",
+            ]
+            for mode, rec in (res.get("modes") or {}).items():
+                if rec.get("extrapolated_20b_s") is not None:
+                    lines.append(
+                        f"- {mode}: {rec['bytes'] / 1e9:.4g} GB / {rec['median_transfer_s']:.3f} s = "
+                        f"{rec['gb_per_s']:.3g} GB/s; {rec['bytes_20b'] / 1e9:.4g} GB / {rec['gb_per_s']:.3g} GB/s = "
+                        f"{rec['extrapolated_20b_s']:.2f} s"
+                    )
+            lines += [
+                "",
+                "Assumption: disk and tensor sync scale with the bytes moved (write + read of safetensors; CUDA IPC "
+                "handles + the server's copy into its weights), at the rate measured here; the fixed per-sync cost "
+                "(pause, version check, cache flush) is counted in the rate, so small models overstate the time "
+                "per byte. The LoRA adapter targets q/k/v/o only, whose shapes are the same in every layer: its size "
+                f"scales with depth (x {GPTOSS_20B_LAYERS} / {m.get('num_hidden_layers')}).",
+                "",
+            ]
+    if r.get("launches"):
+        lines += ["## Server launches", "", "| name | ready | ready s | command |", "|---|---|---|---|"]
+        for ln in r["launches"]:
+            lines.append(f"| {ln['name']} | {ln.get('ready')} | {fmt(ln.get('ready_s'))} | `{ln['command']}` |")
+        lines.append("")
+    lines.append("![sglang_e2e](sglang_e2e.png)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    ax = axes[0]
+    configs = ((r.get("phases", {}).get("mismatch") or {}).get("result") or {}).get("configs") or {}
+    labels, values = [], []
+    for name, rec in configs.items():
+        for row in rec.get("rows", []):
+            if row.get("k3_kl") is not None:
+                labels.append(f"{name}\n{row['attention'].split(' (')[0]}")
+                values.append(max(row["k3_kl"], 1e-12))
+    if values:
+        ax.barh(range(len(values)), values)
+        ax.set_yticks(range(len(values)), labels, fontsize=6)
+        ax.set_xscale("log")
+    ax.set_xlabel("k3 KL(rollout ‖ train)")
+    ax.set_title("mismatch: SGLang rollout vs trainer attention")
+    ax = axes[1]
+    timing = ((r.get("phases", {}).get("sync_timing") or {}).get("result") or {}).get("modes") or {}
+    modes = [m for m, rec in timing.items() if "median_transfer_s" in rec]
+    if modes:
+        ax.bar(modes, [timing[m]["median_transfer_s"] for m in modes])
+    ax.set_ylabel("median weight sync (s)")
+    ax.set_title("weight sync per mode (this model size)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
+    p.add_argument("--layers", type=int, default=2, help="layers of the model (of gpt-oss-20b's 24)")
+    p.add_argument("--model-dir", type=Path, default=None, help="where to save the model (default: a temp dir)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--server-cmd", default="python3 -m sglang.launch_server")
+    p.add_argument("--server-args", default="", help='extra server flags, e.g. "--disable-cuda-graph"')
+    p.add_argument("--url", default=None, help="use this running server instead of launching one")
+    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.4)
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument("--trainer-modes", default=",".join(TRAINER_MODES))
+    p.add_argument("--mismatch-configs", default=",".join(MISMATCH_CONFIGS))
+    p.add_argument("--budget-s", type=float, default=540.0, help="no phase starts after this many seconds")
+    p.add_argument("--ready-timeout-s", type=float, default=180.0, help="deadline of one server start")
+    p.add_argument("--generate-timeout-s", type=float, default=240.0, help="includes the first server start")
+    p.add_argument("--trainer-timeout-s", type=float, default=150.0, help="per weight sync mode")
+    p.add_argument("--mismatch-timeout-s", type=float, default=120.0, help="per server configuration")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--agent-prompts", type=int, default=4)
+    p.add_argument("--agent-max-turns", type=int, default=3)
+    p.add_argument("--agent-turn-tokens", type=int, default=128)
+    p.add_argument("--train-rows", type=int, default=4)
+    p.add_argument("--train-steps", type=int, default=2)
+    p.add_argument("--num-generations", type=int, default=2)
+    p.add_argument("--train-completion-tokens", type=int, default=32)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument(
+        "--lora-sync-mode",
+        choices=("tensor", "disk"),
+        default="tensor",
+        help="how the LoRA adapter travels: tensor (CUDA IPC, same machine) or disk (a shared directory)",
+    )
+    p.add_argument("--probe-atol", type=float, default=0.05, help="weight_sync_probe_atol (the trainer's default)")
+    p.add_argument("--threshold", type=float, default=0.1)
+    p.add_argument("--sink-mean", type=float, default=1.0)
+    p.add_argument("--sink-std", type=float, default=1.5)
+    p.add_argument("--logit-std", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
+    args = p.parse_args(argv)
+    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    args.trainer_modes = [x.strip() for x in args.trainer_modes.split(",") if x.strip()]
+    args.mismatch_configs = [x.strip() for x in args.mismatch_configs.split(",") if x.strip()]
+    for name, values, allowed in (
+        ("--phases", args.phases, PHASES),
+        ("--trainer-modes", args.trainer_modes, TRAINER_MODES),
+        ("--mismatch-configs", args.mismatch_configs, tuple(MISMATCH_CONFIGS)),
+    ):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    from hf_gptoss_rl.testing import environment
+
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))
+    if args.model_dir is None:
+        args.model_dir = work / "model"
+    server = ServerManager(args, Path(args.model_dir), args.out / "logs")
+    ctx = Context(args, device, server, work)
+    results = ctx.results
+    results["meta"] = {
+        "command": "python -m benchmarks.sglang_e2e "
+        + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "env": environment(),
+        "server_cmd": args.server_cmd if args.url is None else f"--url {args.url}",
+        "server_args": args.server_args,
+        "budget_s": args.budget_s,
+        "device": str(device),
+    }
+    results["phases"] = {}
+    results["launches"] = server.launches
+
+    def on_term(signum, frame):  # never leave a server behind
+        server.stop()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        flags_result = known_server_flags(args)
+        t0 = time.monotonic()
+        try:
+            with deadline(min(300.0, ctx.left()), "model build"):
+                results["model"] = build_model(args, device)
+            log(
+                f"model saved to {args.model_dir} in {time.monotonic() - t0:.1f} s ({results['model']['params']:,} params)"
+            )
+        except Exception as exc:  # noqa: BLE001
+            results["model_error"] = error_text(exc)
+            log(f"model build failed: {results['model_error']}")
+        ctx.server_flags_known, results["meta"]["server_flags_checked"] = flags_result()
+        ctx.checkpoint()
+        runners = {
+            "generate": (phase_generate, args.generate_timeout_s),
+            "trainer": (phase_trainer, None),  # deadlines per mode inside
+            "mismatch": (phase_mismatch, None),  # deadlines per configuration inside
+            "sync_timing": (phase_sync_timing, 60.0),
+        }
+        for name in PHASES:
+            if name not in args.phases:
+                continue
+            ph: dict = {}
+            results["phases"][name] = ph
+            if "model_error" in results and name != "sync_timing":
+                ph.update(status="skipped", error="model build failed")
+                continue
+            if ctx.left() <= 0:
+                ph.update(status="skipped", error=f"skipped for time: budget of {args.budget_s:.0f} s spent")
+                log(f"{name}: skipped for time")
+                ctx.checkpoint()
+                continue
+            log(f"{name}: start ({ctx.left():.0f} s of budget left)")
+            t0 = time.monotonic()
+            fn, limit = runners[name]
+            ph["result"] = {}  # filled as the phase goes: a checkpoint in the middle of it shows what it has
+            try:
+                if limit is None:
+                    fn(ctx, ph["result"])
+                else:
+                    with deadline(min(limit, ctx.left()), name):
+                        fn(ctx, ph["result"])
+                subs = {
+                    "trainer": ph["result"],
+                    "mismatch": ph["result"].get("configs") or {},
+                }.get(name, {})
+                statuses = [v.get("status") for v in subs.values()]
+                ph["status"] = "ok" if all(x == "ok" for x in statuses) else "partial" if "ok" in statuses else "failed"
+                if ph["status"] != "ok":
+                    ph["error"] = "; ".join(
+                        f"{k}: {v.get('error', '')[:150]}" for k, v in subs.items() if v.get("status") != "ok"
+                    )
+            except BaseException as exc:  # noqa: BLE001 - recorded; the next phase runs
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                ph["status"] = "failed"
+                ph["error"] = error_text(exc)
+                ph["traceback"] = traceback.format_exc()[-3000:]
+                ph["server_log_tail"] = server.log_tail()
+            ph["wall_s"] = time.monotonic() - t0
+            log(
+                f"{name}: {ph['status']} in {ph['wall_s']:.1f} s"
+                + (f" ({ph['error'][:300]})" if ph.get("error") else "")
+            )
+            ctx.checkpoint()
+    finally:
+        server.stop()
+        results["meta"]["total_s"] = time.monotonic() - ctx.t0
+        ctx.checkpoint()
+        log(f"wrote {args.out / 'sglang_e2e.md'}, .json, .png")
+    return results
+
+
+if __name__ == "__main__":
+    main()

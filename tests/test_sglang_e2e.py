@@ -1,0 +1,127 @@
+"""`benchmarks/sglang_e2e.py` end to end on CPU, against the SGLang test double (`fake_sglang_server`).
+
+The script launches its server with ``--server-cmd``; here that command is this file run as a script: it accepts
+the launch flags the benchmark passes to ``sglang.launch_server`` (and the LoRA ones), serves the model directory
+with `FakeSGLangServer`, and exits with argparse's error on any other flag, as a server without that flag does.
+The numbers are whatever the test double returns; the test checks the structure of the results, that every phase
+is recorded, and that a server that does not come up is recorded with its cause and its log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """``sglang.launch_server``'s flags that the benchmark sends, served by `FakeSGLangServer` (0.5.17 routes)."""
+    import torch
+    from fake_sglang_server import FakeSGLangServer
+    from transformers import AutoModelForCausalLM
+
+    from trl_ext.rollout.embedded import EmbeddedEngine
+
+    p = argparse.ArgumentParser(prog="fake launch_server")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--attention-backend")
+    p.add_argument("--sampling-backend")
+    p.add_argument("--grammar-backend")
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-target-modules", nargs="*")
+    args = p.parse_args(argv)
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    engine = EmbeddedEngine(model, seed=0, initial_version=None)
+    server = FakeSGLangServer(
+        engine,
+        host=args.host,
+        port=args.port,
+        model_path=args.model_path,
+        version="0.5.17",
+        enable_lora=args.enable_lora,
+    ).start()
+    print(f"serving {args.model_path} at {server.url}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def test_sglang_e2e_records_every_phase(tmp_path):
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "benchmarks.sglang_e2e",
+        "--model", "tiny", "--layers", "2", "--device", "cpu", "--out", str(out),
+        "--server-cmd", f"{sys.executable} {Path(__file__).resolve()}",
+        "--num-prompts", "1", "--max-new-tokens", "4",
+        "--agent-prompts", "1", "--agent-max-turns", "2", "--agent-turn-tokens", "4",
+        "--train-rows", "2", "--train-steps", "1", "--num-generations", "2", "--train-completion-tokens", "4",
+        "--trainer-modes", "disk,tensor,lora", "--lora-sync-mode", "disk", "--mismatch-configs", "default,deterministic",
+        "--ready-timeout-s", "60", "--budget-s", "300",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    results = json.loads((out / "sglang_e2e.json").read_text())
+    phases = results["phases"]
+    assert set(phases) == {"generate", "trainer", "mismatch", "sync_timing"}, log[-3000:]
+    for name, ph in phases.items():
+        assert ph["status"] in ("ok", "partial", "failed", "skipped"), (name, ph)
+        if ph["status"] != "ok":
+            assert ph.get("error"), (name, ph)
+
+    gen = phases["generate"]
+    assert gen["status"] == "ok", gen
+    assert gen["result"]["generate"]["output_tokens"] >= 1
+    assert gen["result"]["generate"]["logprobs_finite"] is True
+    assert gen["result"]["agent"]["num_trajectories"] == 1
+
+    trainer = phases["trainer"]["result"]
+    assert trainer["disk"]["status"] == "ok" and trainer["lora"]["status"] == "ok", trainer
+    for mode in ("disk", "tensor", "lora"):  # tensor: CPU tensors through shared memory, may fail between processes
+        rec = trainer[mode]
+        assert rec["status"] in ("ok", "failed"), rec
+        if rec["status"] == "ok":
+            versions = [s["version"] for s in rec["syncs"]]
+            assert versions == [0, 1], rec["syncs"]
+            assert all("transfer_s" in s and "probe_dlogp_mean" in s and s["probe_pass"] for s in rec["syncs"])
+        else:
+            assert rec["error"] and rec["server_log_tail"]
+    assert trainer["lora"]["server_flags"][:1] == ["--enable-lora"]
+
+    configs = phases["mismatch"]["result"]["configs"]
+    default = configs["default"]
+    assert default["status"] == "ok", default
+    rows = {r["attention"]: r for r in default["rows"]}
+    assert "k3_kl" in rows["eager (sinks)"] and "prob_diff_max" in rows["eager (sinks)"]
+    assert rows["flex_attention + sinks"]["note"].startswith("skipped")  # CPU: flex refuses sinks
+    # the test double has no --enable-deterministic-inference: the server exits, and that is recorded with its log
+    det = configs["deterministic"]
+    assert det["status"] == "failed" and "exited" in det["error"], det
+    assert "unrecognized arguments: --enable-deterministic-inference" in det["server_log_tail"]
+
+    timing = phases["sync_timing"]["result"]["modes"]
+    assert set(timing) == {"disk", "tensor", "lora"}
+    assert timing["disk"]["repeats"] == 2 and timing["disk"]["gb_per_s"] > 0
+    assert timing["lora"]["bytes"] < timing["disk"]["bytes"]
+
+    md = (out / "sglang_e2e.md").read_text()
+    for heading in ("## 1. generate", "## 2. trainer", "## 3. mismatch", "## 4. sync_timing", "## Server launches"):
+        assert heading in md
+    assert "| server flags | training attention |" in md and "--enable-deterministic-inference" in md
+    assert (out / "sglang_e2e.png").stat().st_size > 0
+    assert results["meta"]["total_s"] < 200
+
+
+if __name__ == "__main__":  # launched by the benchmark as its SGLang server (fake_sglang_server sits next to it)
+    serve()
