@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# Install and run SGLang 0.5.17 on an air-gapped x86_64 CUDA 13 machine that
+# already has Python 3.12, torch 2.11.0+cu130, triton 3.6 and the common
+# scientific/HTTP stack (numpy, scipy, aiohttp, requests, huggingface-hub,
+# safetensors, uvloop, psutil, pyyaml, regex, einops, setuptools, ...).
+#
+# SGLang goes into its own directory (PYTHONPATH=TARGET) so that its pins
+# (transformers==5.12.1, tokenizers<=0.23.0, ...) shadow the system versions
+# only for the server process.  Only the packages that the server process
+# imports for a GPT-OSS bf16 checkpoint with the triton attention backend,
+# pytorch sampling, no grammar backend and --skip-tokenizer-init are fetched;
+# sglang's full Requires-Dist closure is not.
+#
+#   sglang_offline.sh download WHEELDIR          (on a machine with a package index)
+#   sglang_offline.sh install WHEELDIR TARGET    (offline; no index needed)
+#   sglang_offline.sh check TARGET               (offline, needs the GPU)
+#   sglang_offline.sh serve TARGET MODEL_DIR PORT [extra sglang args...]
+set -euo pipefail
+
+PY=${PYTHON:-python3}
+
+# name==version  # why the server needs it (import found on the launch path)
+PACKAGES=(
+  "sglang==0.5.17"                   # the server
+  "sglang-kernel==0.4.5"             # sgl_kernel: rmsnorm/rope/activation ops; triton_kernels MoE
+  "flashinfer-python==0.6.15.post1"  # imported unconditionally on CUDA by srt/layers/quantization/fp8_utils.py
+  "transformers==5.12.1"             # sglang's pin; config classes (GptOssConfig)
+  "tokenizers==0.22.2"               # transformers 5.12.1 refuses to import with tokenizers>0.23.0
+  "xgrammar==0.2.1"                  # srt/function_call/inkling_detector.py imports StructuralTag (server_args import chain)
+  "apache-tvm-ffi==0.1.11"           # xgrammar's binding loader
+  "torchao==0.17.0"                  # imported by srt/layers/quantization/*
+  "compressed-tensors==0.20.1"       # imported by srt/layers/quantization/compressed_tensors
+  "loguru==0.7.3"                    # compressed-tensors' logger
+  "fastapi==0.140.0"                 # HTTP server (newer releases hard-require opentelemetry)
+  "starlette==1.10.0"                # fastapi
+  "python-multipart==0.0.34"         # fastapi form parsing used by http_server
+  "uvicorn==0.54.0"                  # ASGI server
+  "watchfiles==1.3.0"                # imported by uvicorn's config
+  "pydantic==2.14.4"                 # request/response schemas
+  "pydantic-core==2.50.5"            # pydantic
+  "annotated-types==0.8.0"           # pydantic
+  "typing-inspection==0.4.5"         # pydantic, fastapi
+  "pyzmq==27.3.0"                    # IPC between tokenizer manager, scheduler and detokenizer
+  "orjson==3.13.0"                   # HTTP JSON responses
+  "msgspec==0.23.0"                  # IPC message encoding
+  "setproctitle==1.3.8"              # names the scheduler/detokenizer processes
+  "pybase64==1.5.1"                  # sglang/utils.py
+  "partial-json-parser==0.2.1.1.post7"  # function-call parsers (server_args import chain)
+  "openai==2.6.1"                    # OpenAI-compatible protocol types
+  "distro==1.9.0"                    # openai
+  "sniffio==1.3.1"                   # openai
+  "gguf==0.19.0"                     # srt/model_loader imports it at module level
+  "soundfile==0.13.1"                # srt/entrypoints/openai/realtime (imported by http_server)
+  "cffi==2.1.1"                      # soundfile's binding
+  "ipython==9.18.1"                  # sglang/utils.py: from IPython.display import HTML, display
+  "traitlets==5.16.1"                # IPython
+  "dill==0.4.1"                      # srt/sampling/custom_logit_processor.py
+  "jsonschema==4.26.0"               # srt/entrypoints/openai/serving_chat.py
+  "jsonschema-specifications==2025.9.1"  # jsonschema
+  "referencing==0.37.0"              # jsonschema
+  "rpds-py==2026.9.1"                # referencing
+)
+
+# Files that this launch never loads (removed by `install`).  Each must exist
+# in the wheels above; a missing one means the wheel layout changed: stop.
+PRUNE=(
+  "sgl_kernel/flash_ops.abi3.so"      # FA3 kernels, only for --attention-backend fa3 (sgl_kernel/flash_attn.py)
+  "sgl_kernel/sm100"                  # common_ops for sm100+; load_utils picks sm90/ on compute capability 9.0
+  "sgl_kernel/flashmla_ops.abi3.so"   # FlashMLA (MLA models); sgl_kernel/flash_mla.py tolerates its absence
+  "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so"  # InfLLM-V2 attention, loaded lazily by infllm_v2/_loader.py
+  "sgl_kernel/testing"                # kernel test helpers
+  "sglang/multimodal_gen"             # diffusion/video generation runtime
+  "sglang/test"                       # sglang's own test suite
+  "sglang/srt/grpc/_core.cpython-312-x86_64-linux-gnu.so"    # native gRPC server, only with --grpc-port
+  "sglang/srt/server/_core.cpython-312-x86_64-linux-gnu.so"  # Rust server, only with SGLANG_RUST_SERVER=1
+  "flashinfer/data/cutlass"           # headers for flashinfer JIT compilation; no flashinfer kernel is built
+  "flashinfer/data/csrc"              #   for triton attention + pytorch sampling (same for the next three)
+  "flashinfer/data/include"
+  "flashinfer/data/cccl"
+  "flashinfer/data/spdlog"
+  "xgrammar/lib/libxgrammar.a"        # static library for C++ builds; Python uses libxgrammar_bindings.so
+  "xgrammar/include"                  # C++ headers
+  "torchao/_C_cutlass_90a.abi3.so"    # torchao's CUTLASS quantized GEMMs; torchao tolerates its absence
+  "test"                              # torchao's test suite (installed as a top-level package)
+  "build_backend.py"                  # flashinfer's wheel-build helpers (top-level modules)
+  "build_utils.py"
+  "tools"                             # sglang's version-tag helper for building wheels
+  "share"                             # IPython man page
+  "bin"                               # console scripts with the build machine's interpreter path
+)
+
+# Modules the server process imports (checked by `check`).
+MODULES=(
+  sglang.launch_server sglang.srt.server_args sglang.srt.entrypoints.http_server
+  sglang.srt.entrypoints.engine sglang.srt.managers.scheduler
+  sglang.srt.managers.tokenizer_manager sglang.srt.managers.detokenizer_manager
+  sglang.srt.model_executor.model_runner sglang.srt.models.gpt_oss
+  sglang.srt.layers.attention.triton_backend sglang.srt.layers.sampler
+  sglang.srt.layers.moe.fused_moe_triton sglang.srt.layers.moe.moe_runner.triton
+  sglang.srt.lora.lora_manager sglang.srt.model_loader.loader triton_kernels
+)
+
+die() { echo "sglang_offline.sh: error: $*" >&2; exit 1; }
+
+# CPython 3.12, manylinux x86_64 wheels only (lets `download`/`install` run anywhere).
+TAGS=(--only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64
+  --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
+
+cmd_download() {
+  local dir=${1:?usage: download WHEELDIR}
+  mkdir -p "$dir"
+  local p
+  for p in "${PACKAGES[@]}"; do
+    "$PY" -m pip download -q --no-deps "${TAGS[@]}" -d "$dir" "$p" || die "could not download $p"
+  done
+  ls -l "$dir"
+}
+
+cmd_install() {
+  local dir=${1:?usage: install WHEELDIR TARGET} target=${2:?usage: install WHEELDIR TARGET}
+  [[ -d $dir ]] || die "no wheel directory: $dir"
+  local wheels=("$dir"/*.whl)
+  [[ -e ${wheels[0]} ]] || die "no .whl files in $dir"
+  [[ ${#wheels[@]} -eq ${#PACKAGES[@]} ]] \
+    || die "$dir holds ${#wheels[@]} wheels, expected ${#PACKAGES[@]} (one per pinned package)"
+  mkdir -p "$target"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile "${TAGS[@]}" --target "$target" "${wheels[@]}" \
+    || die "pip install into $target failed"
+  local f
+  for f in "${PRUNE[@]}"; do
+    [[ -e $target/$f ]] || die "expected $target/$f (wheel layout changed?)"
+    rm -rf "${target:?}/$f"
+  done
+  find "$target" -name __pycache__ -type d -prune -exec rm -rf {} +
+  du -sh "$target"
+  echo "export PYTHONPATH=$(cd "$target" && pwd)"
+}
+
+cmd_check() {
+  local target=${1:?usage: check TARGET}
+  [[ -d $target/sglang ]] || die "no sglang under $target"
+  PYTHONPATH=$target "$PY" - "${MODULES[@]}" <<'EOF'
+import importlib, importlib.metadata as md, sys, torch
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+for d in ("sglang", "sglang-kernel", "transformers", "tokenizers", "huggingface-hub", "regex", "triton", "fastapi", "pydantic"):
+    print(f"{d}=={md.version(d)}")
+bad = []
+for m in sys.argv[1:]:
+    try:
+        importlib.import_module(m)
+    except Exception as e:  # report every failing module, not just the first
+        bad.append(f"{m}: {type(e).__name__}: {e}")
+if bad:
+    sys.exit("import failures:\n  " + "\n  ".join(bad))
+print(f"all {len(sys.argv) - 1} modules import")
+EOF
+}
+
+cmd_serve() {
+  local target=${1:?usage: serve TARGET MODEL_DIR PORT [args]} model=${2:?usage: serve TARGET MODEL_DIR PORT [args]}
+  local port=${3:?usage: serve TARGET MODEL_DIR PORT [args]}
+  shift 3
+  [[ -f $model/config.json ]] || die "$model/config.json not found"
+  compgen -G "$model/*.safetensors" >/dev/null || die "no *.safetensors in $model"
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+  PYTHONPATH=$target exec "$PY" -m sglang.launch_server \
+    --model-path "$model" --skip-tokenizer-init \
+    --attention-backend triton --sampling-backend pytorch --grammar-backend none \
+    --host 127.0.0.1 --port "$port" --mem-fraction-static "${MEM_FRACTION_STATIC:-0.3}" "$@"
+}
+
+sub=${1:-}
+shift || true
+case $sub in
+  download) cmd_download "$@" ;;
+  install) cmd_install "$@" ;;
+  check) cmd_check "$@" ;;
+  serve) cmd_serve "$@" ;;
+  *) die "usage: $0 {download WHEELDIR|install WHEELDIR TARGET|check TARGET|serve TARGET MODEL_DIR PORT [args...]}" ;;
+esac
