@@ -150,10 +150,12 @@ class ServerManager:
         ]  # fmt: skip
         return base + shlex.split(a.server_args) + list(flags)
 
-    def ensure(self, name: str, flags: list[str], timeout_s: float) -> str:
-        """A ready server launched with ``flags``; raises (with the log tail) when it does not come up."""
+    def ensure(self, name: str, flags: list[str], timeout_s: float, *, flags_required: bool = True) -> str:
+        """A ready server launched with ``flags``; raises (with the log tail) when it does not come up. With
+        ``--url`` the flags cannot be applied: an error when ``flags_required``, else the server is used as it is
+        (e.g. LoRA on a server the user launched with ``--enable-lora``)."""
         if self.external:
-            if flags:
+            if flags and flags_required:
                 raise RuntimeError(f"server flags {flags} need a launched server; --url was given (not relaunched)")
             self._wait_ready(self.url, timeout_s)
             return self.url
@@ -164,7 +166,8 @@ class ServerManager:
         self.url = f"http://127.0.0.1:{port}"
         self.flags = list(flags)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.logs_dir / f"server_{len(self.launches) + 1}_{name}.log"
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+        self.log_path = self.logs_dir / f"server_{len(self.launches) + 1}_{safe}.log"
         cmd = self.command(flags, port)
         record = {"name": name, "command": shlex.join(cmd), "log": str(self.log_path)}
         self.launches.append(record)
@@ -372,31 +375,41 @@ def phase_generate(ctx, result: dict) -> None:
         )
         ctx.checkpoint()
         # multi-turn agent rollouts with the sandboxed code tool
-        tool = CodeInterpreterTool(timeout_s=10.0)
-        agent_prompts, agent_how = tool_prompts(args.agent_prompts, tool)
-        loop = AgentLoop(
-            engine,
-            [tool],
-            sampling=SamplingParams(max_new_tokens=args.agent_turn_tokens, temperature=1.0),
-            max_turns=args.agent_max_turns,
-            max_completion_tokens=args.agent_max_turns * args.agent_turn_tokens,
-            tool_timeout_s=15.0,
-        )
-        t0 = time.perf_counter()
-        trajs = loop.run_batch_sync(agent_prompts)
-        calls = [c for t in trajs for c in t.tool_calls]
-        result["agent"] = {
-            "prompts_how": agent_how,
-            "num_trajectories": len(trajs),
-            "wall_s": time.perf_counter() - t0,
-            "turns": [t.num_turns for t in trajs],
-            "tool_calls": len(calls),
-            "tool_calls_executed": sum(1 for c in calls if c.result is not None and c.error is None),
-            "tool_call_errors": [f"{c.name}: {c.error}"[:200] for c in calls if c.error][:5],
-            "finish_reasons": _count(t.finish_reason for t in trajs),
-            "trajectory_errors": [e[:200] for t in trajs for e in t.errors][:8],
-            "completion_tokens": [len(t.completion_ids) for t in trajs],
-        }
+        result["generate"]["status"] = "ok"
+        try:  # recorded apart: the token-level results above stand on their own
+            tool = CodeInterpreterTool(timeout_s=10.0)
+            agent_prompts, agent_how = tool_prompts(args.agent_prompts, tool)
+            loop = AgentLoop(
+                engine,
+                [tool],
+                sampling=SamplingParams(max_new_tokens=args.agent_turn_tokens, temperature=1.0),
+                max_turns=args.agent_max_turns,
+                max_completion_tokens=args.agent_max_turns * args.agent_turn_tokens,
+                tool_timeout_s=15.0,
+            )
+            t0 = time.perf_counter()
+            trajs = loop.run_batch_sync(agent_prompts)
+            calls = [c for t in trajs for c in t.tool_calls]
+            result["agent"] = {
+                "prompts_how": agent_how,
+                "num_trajectories": len(trajs),
+                "wall_s": time.perf_counter() - t0,
+                "turns": [t.num_turns for t in trajs],
+                "tool_calls": len(calls),
+                "tool_calls_executed": sum(1 for c in calls if c.result is not None and c.error is None),
+                "tool_call_errors": [f"{c.name}: {c.error}"[:200] for c in calls if c.error][:5],
+                "finish_reasons": _count(t.finish_reason for t in trajs),
+                "trajectory_errors": [e[:200] for t in trajs for e in t.errors][:8],
+                "completion_tokens": [len(t.completion_ids) for t in trajs],
+            }
+            result["agent"]["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            result["agent"] = {
+                "status": "failed",
+                "error": error_text(exc),
+                "traceback": traceback.format_exc()[-3000:],
+            }
+            log(f"agent loop failed: {error_text(exc)[:300]}")
         result["engine_stats"] = dict(engine.stats)
     finally:
         with contextlib.suppress(Exception):
@@ -516,7 +529,9 @@ def run_trainer(ctx, mode: str, out: dict) -> None:
     out.update(server_flags=flags, syncs=[], steps=[])
     if lora:
         out["lora_sync_mode"] = args.lora_sync_mode
-    url = ctx.server.ensure("lora" if lora else "default", flags, args.ready_timeout_s)
+    url = ctx.server.ensure("lora" if lora else "default", flags, args.ready_timeout_s, flags_required=False)
+    if ctx.server.external and flags:
+        out["note"] = f"--url: flags {flags} not applied by this script (the server must have been launched with them)"
     model = load_policy(args.model_dir, device, attn="eager")
     dataset = load_math_dataset(str(TRAIN_DATA), limit=args.train_rows)
     cuda = device.type == "cuda"
@@ -895,7 +910,9 @@ def render_markdown(r: dict) -> str:
                 "",
             ]
         a = res.get("agent")
-        if a:
+        if a and a.get("status") != "ok":
+            lines += [f"Agent loop with `code_interpreter`: **{a.get('status')}**: `{a.get('error')}`", ""]
+        elif a:
             lines += [
                 f"Agent loop with `code_interpreter` ({a['prompts_how']}):",
                 "",
@@ -918,8 +935,9 @@ def render_markdown(r: dict) -> str:
             "`update_weights`/`update_lora_adapter` (pause, load, continue, version check); `total` = the trainer's "
             "whole sync (export, transfer, probe reference, log-prob check).",
             "",
-            "| mode | version | bytes | transfer s | total s | probe mean abs Δlogp | probe max abs Δlogp | probe |",
-            "|---|---|---|---|---|---|---|---|",
+            "| mode | version | bytes | sync | transfer s | total s | probe mean abs Δlogp | probe max abs Δlogp "
+            "| probe |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for mode in TRAINER_MODES:
             rec = res.get(mode)
@@ -928,7 +946,8 @@ def render_markdown(r: dict) -> str:
             for s in rec.get("syncs", []):
                 probe = {True: "pass", False: "FAIL"}.get(s.get("probe_pass"), "-")
                 lines.append(
-                    f"| {mode} | {s['version']} | {fmt(s['bytes'], ',')} | {fmt(s.get('transfer_s'), '.3f')} | "
+                    f"| {mode} | {s['version']} | {fmt(s['bytes'], ',')} | {'ok' if s.get('ok') else 'FAILED'} | "
+                    f"{fmt(s.get('transfer_s'), '.3f')} | "
                     f"{fmt(s.get('sync_total_s'), '.3f')} | {fmt(s.get('probe_dlogp_mean'))} | "
                     f"{fmt(s.get('probe_dlogp_max'))} | {probe} |"
                 )
@@ -1195,6 +1214,7 @@ def main(argv=None) -> dict:
                     with deadline(min(limit, ctx.left()), name):
                         fn(ctx, ph["result"])
                 subs = {
+                    "generate": {k: ph["result"][k] for k in ("generate", "agent") if k in ph["result"]},
                     "trainer": ph["result"],
                     "mismatch": ph["result"].get("configs") or {},
                 }.get(name, {})
