@@ -136,6 +136,7 @@ class ServerManager:
         self.log_path: Path | None = None
         self.launches: list[dict] = []
         self.version: str | None = None  # sglang version the server reports (/server_info)
+        self.dirty = False  # the server's weights differ from --model-dir (a trainer synced into it)
 
     @property
     def external(self) -> bool:
@@ -150,18 +151,27 @@ class ServerManager:
         ]  # fmt: skip
         return base + shlex.split(a.server_args) + list(flags)
 
-    def ensure(self, name: str, flags: list[str], timeout_s: float, *, flags_required: bool = True) -> str:
+    def ensure(
+        self, name: str, flags: list[str], timeout_s: float, *, flags_required: bool = True, any_weights: bool = False
+    ) -> str:
         """A ready server launched with ``flags``; raises (with the log tail) when it does not come up. With
         ``--url`` the flags cannot be applied: an error when ``flags_required``, else the server is used as it is
-        (e.g. LoRA on a server the user launched with ``--enable-lora``)."""
+        (e.g. LoRA on a server the user launched with ``--enable-lora``). A launched server whose weights a trainer
+        changed is only reused with ``any_weights`` (the trainer's first sync resets them); otherwise relaunched."""
         if self.external:
             if flags and flags_required:
                 raise RuntimeError(f"server flags {flags} need a launched server; --url was given (not relaunched)")
             self._wait_ready(self.url, timeout_s)
             return self.url
-        if self.proc is not None and self.flags == flags and self.proc.poll() is None:
+        if (
+            self.proc is not None
+            and self.flags == flags
+            and self.proc.poll() is None
+            and (any_weights or not self.dirty)
+        ):
             return self.url
         self.stop()
+        self.dirty = False
         port = self.args.port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.flags = list(flags)
@@ -529,7 +539,9 @@ def run_trainer(ctx, mode: str, out: dict) -> None:
     out.update(server_flags=flags, syncs=[], steps=[])
     if lora:
         out["lora_sync_mode"] = args.lora_sync_mode
-    url = ctx.server.ensure("lora" if lora else "default", flags, args.ready_timeout_s, flags_required=False)
+    url = ctx.server.ensure(
+        "lora" if lora else "default", flags, args.ready_timeout_s, flags_required=False, any_weights=True
+    )
     if ctx.server.external and flags:
         out["note"] = f"--url: flags {flags} not applied by this script (the server must have been launched with them)"
     model = load_policy(args.model_dir, device, attn="eager")
@@ -588,6 +600,7 @@ def run_trainer(ctx, mode: str, out: dict) -> None:
     )
     engine = trainer.rollout_engine
     instrument_engine(engine, out["syncs"])
+    ctx.server.dirty = True
     push = trainer._push_weights
 
     def timed_push(eng, version):  # the trainer's whole sync: export, transfer, probe reference, check
@@ -698,8 +711,13 @@ def phase_mismatch(ctx, result: dict) -> None:
                     raise RuntimeError(f"flags not in this sglang's server arguments: {missing}")
                 with deadline(min(args.mismatch_timeout_s, ctx.left()), f"mismatch {name}"):
                     url = ctx.server.ensure(f"mismatch_{name}", flags, args.ready_timeout_s)
-                    engine = sglang_engine(url, args)
+                    engine = sglang_engine(url, args, sync_mode="disk", model_config=model.config)
                     try:
+                        if ctx.server.dirty:  # --url server a trainer synced into: back to --model-dir's weights
+                            state = list(model.state_dict().items())
+                            run_sync(engine.update_weights(state, version=0))
+                            ctx.server.dirty = False
+                            rec["note"] = "the server's weights were reset to --model-dir by a disk sync first"
                         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
 
                         async def batch(engine=engine, sampling=sampling):

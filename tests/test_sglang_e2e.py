@@ -123,5 +123,43 @@ def test_sglang_e2e_records_every_phase(tmp_path):
     assert results["meta"]["total_s"] < 200
 
 
+def test_sglang_e2e_with_url_resets_the_servers_weights_before_the_mismatch(tmp_path):
+    """``--url``: the script does not launch anything; the trainer syncs into that server, so the mismatch phase
+    first puts --model-dir's weights back (a disk sync), and the launch-only configurations are recorded as such."""
+    import torch
+    from fake_sglang_server import FakeSGLangServer
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.sglang_e2e import build_model, parse_args
+    from trl_ext.rollout.embedded import EmbeddedEngine
+
+    model_dir = tmp_path / "model"
+    build_model(parse_args(["--model", "tiny", "--model-dir", str(model_dir)]), torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    server = FakeSGLangServer(EmbeddedEngine(model, seed=0, initial_version=None), version="0.5.17").start()
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "benchmarks.sglang_e2e", "--url", server.url,
+        "--model", "tiny", "--model-dir", str(model_dir), "--device", "cpu", "--out", str(out),
+        "--phases", "trainer,mismatch", "--trainer-modes", "disk", "--mismatch-configs", "default,fp32_lm_head",
+        "--num-prompts", "1", "--max-new-tokens", "4",
+        "--train-rows", "2", "--train-steps", "1", "--num-generations", "2", "--train-completion-tokens", "4",
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        results = json.loads((out / "sglang_e2e.json").read_text())
+        assert server.request_counts["/update_weights_from_disk"] == 3  # trainer: versions 0 and 1; then the reset
+        assert server.served_version == "0"
+        assert not results["launches"]
+    finally:
+        server.stop()
+        server.engine.shutdown()
+    assert results["phases"]["trainer"]["result"]["disk"]["status"] == "ok"
+    configs = results["phases"]["mismatch"]["result"]["configs"]
+    assert configs["default"]["status"] == "ok" and "reset" in configs["default"]["note"]
+    assert configs["fp32_lm_head"]["status"] == "failed" and "--url was given" in configs["fp32_lm_head"]["error"]
+
+
 if __name__ == "__main__":  # launched by the benchmark as its SGLang server (fake_sglang_server sits next to it)
     serve()
