@@ -165,6 +165,15 @@ cmd_serve() {
   shift 3
   [[ -f $model/config.json ]] || die "$model/config.json not found"
   compgen -G "$model/*.safetensors" >/dev/null || die "no *.safetensors in $model"
+  # sglang/srt/models/gpt_oss.py reads config.swiglu_limit, which some transformers
+  # releases do not write for GptOssConfig (HF's GptOssExperts hard-codes limit=7.0).
+  "$PY" - "$model/config.json" <<'EOF2' || die "fix $model/config.json (see above)"
+import json, sys
+c = json.load(open(sys.argv[1]))
+if "GptOssForCausalLM" in c.get("architectures", []) and "swiglu_limit" not in c:
+    sys.exit(f'{sys.argv[1]}: GptOssForCausalLM config has no "swiglu_limit"; '
+             'add "swiglu_limit": 7.0 (the value HF GptOssExperts uses)')
+EOF2
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
   PYTHONPATH=$target exec "$PY" -m sglang.launch_server \
     --model-path "$model" --skip-tokenizer-init \
