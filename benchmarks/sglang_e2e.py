@@ -262,6 +262,7 @@ def build_model(args, device: torch.device) -> dict:
     """Build the random GPT-OSS, save it (safetensors) into ``args.model_dir``, check config.json for SGLang."""
     from benchmarks.mismatch_study import model_config
     from hf_gptoss_rl.testing import build_random_gptoss
+    from trl_ext.weight_sync import save_config_for_sglang
 
     config = model_config(args.model, args.layers)
     model = build_random_gptoss(
@@ -275,6 +276,8 @@ def build_model(args, device: torch.device) -> dict:
     )
     model.config.use_cache = True
     model.save_pretrained(args.model_dir, safe_serialization=True)
+    had_limit = "swiglu_limit" in json.loads((Path(args.model_dir) / "config.json").read_text())
+    save_config_for_sglang(model.config, args.model_dir)  # what SGLang's loader reads (swiglu_limit)
     n_params = sum(p.numel() for p in model.parameters())
     del model
     if device.type == "cuda":
@@ -292,6 +295,9 @@ def build_model(args, device: torch.device) -> dict:
     if "torch_dtype" not in cfg and cfg.get("dtype"):  # older transformers (SGLang's own pin) read torch_dtype
         cfg["torch_dtype"] = cfg["dtype"]
         added.append("torch_dtype (copied from dtype)")
+    if not had_limit:
+        added.append(f"swiglu_limit ({cfg['swiglu_limit']}, by trl_ext.weight_sync.save_config_for_sglang)")
+    if added:
         path.write_text(json.dumps(cfg, indent=2))
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -1208,9 +1214,8 @@ def main(argv=None) -> dict:
             "mismatch": (phase_mismatch, None),  # deadlines per configuration inside
             "sync_timing": (phase_sync_timing, 60.0),
         }
-        for name in PHASES:
-            if name not in args.phases:
-                continue
+        # in the order given (e.g. mismatch before trainer reuses the first server), sync_timing last: it reads trainer
+        for name in sorted(args.phases, key=lambda n: (n == "sync_timing", args.phases.index(n))):
             ph: dict = {}
             results["phases"][name] = ph
             if "model_error" in results and name != "sync_timing":

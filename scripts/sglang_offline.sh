@@ -23,7 +23,9 @@ PY=${PYTHON:-python3}
 PACKAGES=(
   "sglang==0.5.17"                   # the server
   "sglang-kernel==0.4.5"             # sgl_kernel: rmsnorm/rope/activation ops; triton_kernels MoE
-  "flashinfer-python==0.6.15.post1"  # imported unconditionally on CUDA by srt/layers/quantization/fp8_utils.py
+  "flashinfer-python==0.6.15.post1"  # imported unconditionally on CUDA by srt/layers/quantization/fp8_utils.py;
+                                     # sgl_kernel's rmsnorm then runs flashinfer's norm, JIT-built with nvcc from
+                                     # flashinfer/data (kept) on first use and cached in ~/.cache/flashinfer
   "transformers==5.12.1"             # sglang's pin; config classes (GptOssConfig)
   "tokenizers==0.22.2"               # transformers 5.12.1 refuses to import with tokenizers>0.23.0
   "xgrammar==0.2.1"                  # srt/function_call/inkling_detector.py imports StructuralTag (server_args import chain)
@@ -73,11 +75,6 @@ PRUNE=(
   "sglang/test"                       # sglang's own test suite
   "sglang/srt/grpc/_core.cpython-312-x86_64-linux-gnu.so"    # native gRPC server, only with --grpc-port
   "sglang/srt/server/_core.cpython-312-x86_64-linux-gnu.so"  # Rust server, only with SGLANG_RUST_SERVER=1
-  "flashinfer/data/cutlass"           # headers for flashinfer JIT compilation; no flashinfer kernel is built
-  "flashinfer/data/csrc"              #   for triton attention + pytorch sampling (same for the next three)
-  "flashinfer/data/include"
-  "flashinfer/data/cccl"
-  "flashinfer/data/spdlog"
   "xgrammar/lib/libxgrammar.a"        # static library for C++ builds; Python uses libxgrammar_bindings.so
   "xgrammar/include"                  # C++ headers
   "torchao/_C_cutlass_90a.abi3.so"    # torchao's CUTLASS quantized GEMMs; torchao tolerates its absence
@@ -156,6 +153,15 @@ for m in sys.argv[1:]:
 if bad:
     sys.exit("import failures:\n  " + "\n  ".join(bad))
 print(f"all {len(sys.argv) - 1} modules import")
+# The first kernel the server runs: sgl_kernel.rmsnorm, which dispatches to flashinfer's norm, JIT-built with nvcc
+# from flashinfer/data and cached in ~/.cache/flashinfer (so this also warms the server's first start).
+import sgl_kernel
+x = torch.randn(8, 2880, device="cuda", dtype=torch.bfloat16)
+w = torch.rand(2880, device="cuda", dtype=torch.bfloat16) + 0.5
+ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w.float())
+err = ((sgl_kernel.rmsnorm(x, w, 1e-5).float() - ref).abs().max() / ref.abs().max()).item()
+assert err < 2e-2, f"sgl_kernel.rmsnorm: relative error {err:.3g}"
+print(f"sgl_kernel.rmsnorm (flashinfer JIT) ok, relative error {err:.2g}")
 EOF
 }
 

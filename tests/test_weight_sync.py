@@ -56,3 +56,27 @@ def test_full_model_export_is_its_state_dict():
         exported = dict(named())
     assert exported.keys() == model.state_dict().keys()
     assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+
+
+def test_save_config_for_sglang_writes_swiglu_limit(tmp_path):
+    """SGLang's GPT-OSS loader reads config.swiglu_limit; configs that lack it (transformers 5.17) get the clamp the
+    experts apply, a value the config has is kept, and other models' configs are written unchanged."""
+    import json
+
+    from transformers import GptOssConfig, LlamaConfig
+
+    from trl_ext.weight_sync import GPTOSS_DEFAULT_SWIGLU_LIMIT, save_config_for_sglang
+
+    config = GptOssConfig(num_hidden_layers=2)
+    if hasattr(config, "swiglu_limit"):
+        del config.swiglu_limit  # as in transformers 5.17, whose GptOssConfig has no such field
+    save_config_for_sglang(config, tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["swiglu_limit"] == GPTOSS_DEFAULT_SWIGLU_LIMIT
+
+    config = GptOssConfig(num_hidden_layers=2)
+    config.swiglu_limit = 5.5
+    save_config_for_sglang(config, tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["swiglu_limit"] == 5.5
+
+    save_config_for_sglang(LlamaConfig(num_hidden_layers=1), tmp_path / "c")
+    assert "swiglu_limit" not in json.loads((tmp_path / "c" / "config.json").read_text())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import io
+import json
 import logging
 import shutil
 import socket
@@ -595,7 +596,7 @@ class SGLangHTTPWeightSync:
             state = {name: t.to("cpu").contiguous() for name, t in named}
             save_torch_state_dict(state, out_dir, max_shard_size=engine.max_shard_size)
             if engine.model_config is not None:
-                engine.model_config.save_pretrained(out_dir)
+                save_config_for_sglang(engine.model_config, out_dir)
 
         await asyncio.to_thread(write)
         payload = {"model_path": str(out_dir), "weight_version": str(version), "flush_cache": engine._flush_in_update}
@@ -903,6 +904,24 @@ def load_state_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
     with torch.no_grad():
         for name, tensor in staged:
             state[name].copy_(tensor.detach().to(device=state[name].device, dtype=state[name].dtype))
+
+
+# transformers 5.17's GptOssExperts clamps with a hard-coded limit of 7.0 and its GptOssConfig has no `swiglu_limit`
+GPTOSS_DEFAULT_SWIGLU_LIMIT = 7.0
+
+
+def save_config_for_sglang(config, out_dir: str | Path) -> None:
+    """``config.save_pretrained(out_dir)``, plus what SGLang's GPT-OSS loader reads that some transformers releases
+    leave out: ``swiglu_limit`` (``GptOssSparseMoeBlock.__init__`` in sglang/srt/models/gpt_oss.py reads
+    ``config.swiglu_limit``; without it the server dies while building the model)."""
+    config.save_pretrained(out_dir)
+    if getattr(config, "model_type", None) != "gpt_oss":
+        return
+    path = Path(out_dir) / "config.json"
+    data = json.loads(path.read_text())
+    if "swiglu_limit" not in data:
+        data["swiglu_limit"] = float(getattr(config, "swiglu_limit", None) or GPTOSS_DEFAULT_SWIGLU_LIMIT)
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def default_weight_dir() -> Path:
