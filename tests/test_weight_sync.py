@@ -80,3 +80,18 @@ def test_save_config_for_sglang_writes_swiglu_limit(tmp_path):
 
     save_config_for_sglang(LlamaConfig(num_hidden_layers=1), tmp_path / "c")
     assert "swiglu_limit" not in json.loads((tmp_path / "c" / "config.json").read_text())
+
+
+def test_reference_logprobs_ignore_the_callers_autocast():
+    """The log-prob probe's reference is the same inside and outside a mixed-precision (autocast) region."""
+    from trl_ext.weight_sync import reference_logprobs
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_gptoss_config()).eval()
+    ids = torch.randint(0, model.config.vocab_size, (12,)).tolist()
+    plain = reference_logprobs(model, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = reference_logprobs(model, ids)
+        autocast_logits = model(input_ids=torch.tensor([ids])).logits
+    assert autocast_logits.dtype == torch.bfloat16  # the region really changes the model's own forward
+    assert inside == plain

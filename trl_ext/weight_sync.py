@@ -612,9 +612,15 @@ class SGLangHTTPWeightSync:
 
     async def _sync_tensor(self, states, named, version, loaded, failures) -> None:
         engine = self.engine
+        hint = ""
         if torch.cuda.is_available():  # CUDA IPC: the servers map this process's GPU memory
             device = torch.device("cuda", torch.cuda.current_device())
             named = [(n, t.to(device)) for n, t in named]
+        else:
+            hint = (
+                " (no CUDA here: the tensors travel as CPU shared memory, which a server in another process can only "
+                "open if it shares this process's multiprocessing authkey; use weight_sync_mode='disk' on CPU)"
+            )
         buckets = plan_buckets(named, engine.bucket_bytes)
 
         async def one(s: ServerState) -> None:
@@ -631,7 +637,7 @@ class SGLangHTTPWeightSync:
                     await self._post(s.url, "/update_weights_from_tensor", payload, retries=0)
                 loaded.add(s.url)
             except Exception as exc:  # noqa: BLE001
-                failures[s.url] = str(exc)
+                failures[s.url] = str(exc) + hint
             finally:
                 if session:
                     try:
@@ -844,8 +850,11 @@ def _write_adapter(out_dir: Path, adapter: LoRAAdapter) -> None:
 
 def reference_logprobs(model, input_ids: list[int]) -> list[float]:
     """Log-probs of ``input_ids[1:]`` under ``model`` at temperature 1 (the log-prob probe's reference)."""
-    ids = torch.tensor([input_ids], device=next(model.parameters()).device)
-    with torch.no_grad():
+    device = next(model.parameters()).device
+    ids = torch.tensor([input_ids], device=device)
+    # autocast off: the reference must not depend on whether the caller runs inside accelerate's mixed-precision
+    # forward (the first sync happens before training, later ones inside it)
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
         logits = model(input_ids=ids).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
