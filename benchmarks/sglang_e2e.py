@@ -1107,6 +1107,54 @@ def plot(path: Path, r: dict) -> None:
 # ------------------------------------------------------------------------------------------------------------ main
 
 
+_MODEL_KEYS = ("params", "num_hidden_layers", "hidden_size", "heads", "num_local_experts", "vocab_size")
+
+
+def merge_runs(paths: list[Path]) -> dict:
+    """One report from several runs of the same model (e.g. ``--phases generate,trainer`` then ``--phases
+    mismatch``): later runs win phase by phase, mismatch server configurations are merged one by one, a skipped
+    phase never hides one that ran, and the sync timing is recomputed from the merged trainer phase."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    first = runs[0].get("model") or {}
+    for path, run in zip(paths[1:], runs[1:]):
+        other = run.get("model") or {}
+        differ = {k: (first.get(k), other.get(k)) for k in _MODEL_KEYS if first.get(k) != other.get(k)}
+        if differ:
+            raise ValueError(f"--merge: {path} measured another model than {paths[0]}: {differ}")
+    merged: dict = {
+        "meta": dict(runs[-1].get("meta") or {}),
+        "model": first,
+        "phases": {},
+        "launches": [launch for run in runs for launch in run.get("launches", [])],
+    }
+    merged["meta"]["merged_from"] = [
+        {
+            "json": str(p),
+            "command": (r.get("meta") or {}).get("command"),
+            "started": (r.get("meta") or {}).get("started"),
+        }
+        for p, r in zip(paths, runs)
+    ]
+    merged["meta"]["command"] = "; ".join(str(m["command"]) for m in merged["meta"]["merged_from"])
+    for run in runs:
+        for name, phase in (run.get("phases") or {}).items():
+            have = merged["phases"].get(name)
+            if phase.get("status") in ("skipped", "not run") and have:
+                continue
+            if name == "mismatch" and have:
+                configs = dict((have.get("result") or {}).get("configs") or {})
+                for cfg, rec in ((phase.get("result") or {}).get("configs") or {}).items():
+                    if rec.get("status") != "skipped" or cfg not in configs:
+                        configs[cfg] = rec
+                phase = {**phase, "result": {**(phase.get("result") or {}), "configs": configs}}
+            merged["phases"][name] = phase
+    timing: dict = {}
+    args = argparse.Namespace(model=merged["meta"].get("model_kind", "20b"))
+    phase_sync_timing(argparse.Namespace(results=merged, args=args), timing)
+    merged["phases"]["sync_timing"] = {"status": "ok", "result": timing, "wall_s": 0.0}
+    return merged
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
@@ -1117,6 +1165,13 @@ def parse_args(argv=None):
     p.add_argument("--server-cmd", default="python3 -m sglang.launch_server")
     p.add_argument("--server-args", default="", help='extra server flags, e.g. "--disable-cuda-graph"')
     p.add_argument("--url", default=None, help="use this running server instead of launching one")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="no run: merge the sglang_e2e.json of earlier runs (same model) into one report in --out",
+    )
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--mem-fraction-static", type=float, default=0.4)
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
@@ -1169,6 +1224,11 @@ def main(argv=None) -> dict:
     from hf_gptoss_rl.testing import environment
 
     args = parse_args(argv)
+    if args.merge:
+        results = merge_runs(args.merge)
+        write_outputs(args.out, results)
+        log(f"merged {len(args.merge)} runs into {args.out / 'sglang_e2e.md'}, .json, .png")
+        return results
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))
     if args.model_dir is None:
@@ -1185,6 +1245,7 @@ def main(argv=None) -> dict:
         "server_args": args.server_args,
         "budget_s": args.budget_s,
         "device": str(device),
+        "model_kind": args.model,
     }
     results["phases"] = {}
     results["launches"] = server.launches

@@ -122,6 +122,29 @@ def test_sglang_e2e_records_every_phase(tmp_path):
     assert (out / "sglang_e2e.png").stat().st_size > 0
     assert results["meta"]["total_s"] < 200
 
+    # --merge: two partial runs of the same model give back the whole report, sync timing recomputed
+    import pytest
+
+    from benchmarks.sglang_e2e import main
+
+    first = {**results, "phases": {k: phases[k] for k in ("generate", "trainer")}}
+    first["phases"]["mismatch"] = {"status": "skipped", "error": "skipped for time"}
+    second = {**results, "phases": {"mismatch": phases["mismatch"]}, "launches": []}
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(second))
+    merged_out = tmp_path / "merged"
+    merged = main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(merged_out)])
+    assert {k: merged["phases"][k] for k in ("generate", "trainer", "mismatch")} == {
+        k: phases[k] for k in ("generate", "trainer", "mismatch")
+    }
+    assert merged["phases"]["sync_timing"]["result"]["modes"] == json.loads(json.dumps(timing))
+    assert [m["json"] for m in merged["meta"]["merged_from"]] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert "## 3. mismatch" in (merged_out / "sglang_e2e.md").read_text()
+    other = {**second, "model": {**results["model"], "num_hidden_layers": 3}}
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="another model"):
+        main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--out", str(merged_out)])
+
 
 def test_sglang_e2e_with_url_resets_the_servers_weights_before_the_mismatch(tmp_path):
     """``--url``: the script does not launch anything; the trainer syncs into that server, so the mismatch phase
