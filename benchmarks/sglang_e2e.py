@@ -30,6 +30,7 @@ script launches one server per server configuration (``setsid``; the whole proce
     python -m venv /opt/sglang-env && /opt/sglang-env/bin/pip install "sglang==0.5.17"
     python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang-env/bin/python -m sglang.launch_server"
     python -m benchmarks.sglang_e2e --url http://127.0.0.1:30000   # a server you started (flags not changed)
+    python -m benchmarks.sglang_e2e --merge run1/sglang_e2e.json run2/sglang_e2e.json   # one report of two runs
 
 Every launch gets ``--model-path DIR --port P --skip-tokenizer-init --attention-backend triton --sampling-backend
 pytorch --grammar-backend none --mem-fraction-static F``, then ``--server-args`` and the phase's own flags. Writes
