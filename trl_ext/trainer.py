@@ -167,6 +167,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
             peft_config=peft_config,
             rollout_func=rollout_func,
         )
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not self.is_fsdp_enabled:
+            # accelerate (state.py, AcceleratorState.__init__) turns FSDP on for accelerator processes only; on CPU
+            # the processes stay MULTI_CPU (DDP) or NO without a word, and every rank would hold the full policy.
+            raise ValueError(
+                f"FSDP was requested (ACCELERATE_USE_FSDP=true, e.g. from an accelerate config with distributed_type "
+                f"FSDP) but accelerate set up {self.accelerator.distributed_type}, without FSDP: accelerate enables "
+                "FSDP on GPUs/accelerators only, not with use_cpu / --cpu. Launch on GPUs, or drop the FSDP config "
+                "(DDP: `torchrun` or `accelerate launch --cpu`)."
+            )
         if self.is_fsdp_enabled and is_peft_model(self.accelerator.unwrap_model(self.model)):
             raise ValueError(
                 "LoRA under FSDP: exporting merged adapters from sharded weights is not implemented; train LoRA with "
