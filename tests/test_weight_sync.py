@@ -95,3 +95,52 @@ def test_reference_logprobs_ignore_the_callers_autocast():
         autocast_logits = model(input_ids=torch.tensor([ids])).logits
     assert autocast_logits.dtype == torch.bfloat16  # the region really changes the model's own forward
     assert inside == plain
+
+
+class _GatheringAccelerator:
+    """What `accelerator.get_state_dict` hands the main process under FSDP (FULL_STATE_DICT): full tensors, the
+    PEFT model's own names, copies unrelated to the live (sharded) parameters."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get_state_dict(self, model):
+        self.calls += 1
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_export_from_a_gathered_state_dict_equals_the_live_one(dtype):
+    """FSDP: the merged LoRA export is computed from the gathered full state dict; it must equal the export from the
+    live modules (same math: base + scaling * B A summed in fp32), and the adapter export must equal PEFT's."""
+    from trl_ext.weight_sync import export_lora_adapter
+
+    policy = _lora_policy(dtype, ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"])
+    with export_policy_weights(policy) as named:
+        live = dict(named())
+    accelerator = _GatheringAccelerator()
+    with export_policy_weights(policy, accelerator=accelerator, is_fsdp=True) as named:
+        gathered = dict(named())
+    assert accelerator.calls == 1
+    assert gathered.keys() == live.keys()
+    for name, tensor in live.items():
+        assert gathered[name].dtype == tensor.dtype, name
+        torch.testing.assert_close(gathered[name], tensor, rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+
+    adapter = export_lora_adapter(policy, accelerator=accelerator, is_fsdp=True)
+    plain = export_lora_adapter(policy)
+    assert [k for k, _ in adapter.named_tensors] == [k for k, _ in plain.named_tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(adapter.named_tensors, plain.named_tensors))
+
+
+def test_lora_on_expert_parameters_under_fsdp_names_what_is_unsupported():
+    """LoRA on the experts' 3-D parameters has no state-dict merge here: a clear error, never a silent skip."""
+    from trl_ext.weight_sync import WeightSyncError
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_gptoss_config())
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    policy = peft.get_peft_model(model, config)
+    with pytest.raises(WeightSyncError, match="linear layers only"):
+        with export_policy_weights(policy, accelerator=_GatheringAccelerator(), is_fsdp=True) as named:
+            dict(named())

@@ -176,11 +176,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "FSDP on GPUs/accelerators only, not with use_cpu / --cpu. Launch on GPUs, or drop the FSDP config "
                 "(DDP: `torchrun` or `accelerate launch --cpu`)."
             )
-        if self.is_fsdp_enabled and is_peft_model(self.accelerator.unwrap_model(self.model)):
-            raise ValueError(
-                "LoRA under FSDP: exporting merged adapters from sharded weights is not implemented; train LoRA with "
-                "DDP (`accelerate launch --multi_gpu`), or full weights with FSDP."
-            )
         # after super().__init__: the policy is loaded and on its device
         self.liger_rms_norm, self.fused_rope = self._resolve_fused_layers(args)
         if self.liger_rms_norm:

@@ -59,8 +59,11 @@ def export_policy_weights(model, *, accelerator=None, is_fsdp: bool = False) -> 
     from peft import PeftModel
 
     if is_fsdp:
-        state_dict = accelerator.get_state_dict(model)
-        yield lambda: ((k, v) for k, v in state_dict.items())
+        state_dict = accelerator.get_state_dict(model)  # full tensors on the main process (FULL_STATE_DICT)
+        if isinstance(model, PeftModel):
+            yield lambda: _merged_from_state_dict(model, state_dict)
+        else:
+            yield lambda: ((k, v) for k, v in state_dict.items())
         return
     if not isinstance(model, PeftModel):
         yield lambda: ((k, v.detach()) for k, v in model.state_dict().items())
@@ -117,6 +120,45 @@ def _base_named_tensors(model, prefix: str, deltas: dict) -> Iterator[tuple[str,
             yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor
 
 
+def _merged_from_state_dict(model, state_dict: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's ``(name, tensor)`` pairs from a full state dict of the PEFT ``model`` (what FSDP's gather
+    returns: its live weights are shards), each LoRA delta ``scaling * B A`` added in fp32 (base dtype out).
+
+    Only LoRA on ``nn.Linear`` layers (peft's ``lora.Linear``: q/k/v/o, routers, ``lm_head``) is merged this way;
+    other tuner layers (LoRA on the experts' 3-D parameters, DoRA, other adapters) raise: their delta needs the
+    module's own weights."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    prefix = model.prefix
+    merged: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        adapters = [a for a in module.active_adapters if a in getattr(module, "lora_A", {})]
+        if not isinstance(module, LoraLinear) or any(module.use_dora.get(a) for a in adapters):
+            raise WeightSyncError(
+                f"merged weight sync of a sharded (FSDP) PEFT model supports LoRA on linear layers only; "
+                f"{module_name} is {type(module).__name__}. Sync the adapter instead (weight_sync_lora=True)."
+            )
+        adapters = [a for a in adapters if a not in module.merged_adapters]
+        if not adapters:
+            continue
+        key = f"{module_name}.base_layer.weight"
+        with torch.no_grad():
+            weight = state_dict[key].to(torch.float32, copy=True)
+            for a in adapters:
+                lora_a = state_dict[f"{module_name}.lora_A.{a}.weight"].float()
+                lora_b = state_dict[f"{module_name}.lora_B.{a}.weight"].float()
+                delta = (lora_b @ lora_a) * module.scaling[a]
+                weight += delta.T if module.fan_in_fan_out else delta
+            merged[key] = weight.to(state_dict[key].dtype)
+    for name, tensor in state_dict.items():
+        if prefix in name:  # adapter tensors: their delta is in the base weight
+            continue
+        yield name.removeprefix("base_model.model.").replace(".base_layer", ""), merged.get(name, tensor)
+
+
 @dataclass
 class LoRAAdapter:
     """A PEFT adapter as SGLang loads it: ``config_dict`` (``adapter_config.json``) and PEFT-named tensors."""
@@ -129,12 +171,15 @@ class LoRAAdapter:
         return sum(t.numel() * t.element_size() for _, t in self.named_tensors)
 
 
-def export_lora_adapter(model, adapter_name: str = "default") -> LoRAAdapter:
+def export_lora_adapter(
+    model, adapter_name: str = "default", *, accelerator=None, is_fsdp: bool = False
+) -> LoRAAdapter:
     """The active adapter of a PEFT ``model``, named like ``adapter_model.safetensors`` (what SGLang reads).
 
     SGLang serves LoRA on GPT-OSS for the attention projections, the experts, ``lm_head`` and the embeddings
     (``GptOssForCausalLM._lora_pattern_moe`` in ``sglang/srt/models/gpt_oss.py``); launch the server with
-    ``--enable-lora --max-lora-rank R --lora-target-modules ...`` covering the adapter's modules.
+    ``--enable-lora --max-lora-rank R --lora-target-modules ...`` covering the adapter's modules. With FSDP the
+    adapter is read from ``accelerator.get_state_dict`` (a collective: every rank must call this).
     """
     from peft import PeftModel, get_peft_model_state_dict
 
@@ -152,7 +197,8 @@ def export_lora_adapter(model, adapter_name: str = "default") -> LoRAAdapter:
             config_dict[key] = sorted(value)
         elif hasattr(value, "value"):
             config_dict[key] = value.value
-    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    full = accelerator.get_state_dict(model) if is_fsdp else None  # FSDP: the live weights are shards
+    state = get_peft_model_state_dict(model, state_dict=full, adapter_name=adapter_name)
     return LoRAAdapter(config_dict, [(k, v.detach()) for k, v in state.items()])
 
 
@@ -882,7 +928,7 @@ def push_policy_weights(
     if run is None:
         from .rollout.agent_loop import run_sync as run
     if lora:
-        adapter = export_lora_adapter(model)
+        adapter = export_lora_adapter(model, accelerator=accelerator, is_fsdp=is_fsdp)
         if not is_main_process:
             return
         if not hasattr(engine, "update_lora_adapter"):
