@@ -21,7 +21,9 @@ the semantics of SGLang's own server where the client depends on them, read from
   ``lora_path`` per request; the active adapter is merged into the served weights (``W + B A * alpha / r``).
 
 ``validator(method, path, body) -> list[str]`` (e.g. SGLang's own request schemas, `sglang_schema`) turns each
-problem into a 400 and a record in ``schema_violations``. Faults can be injected per request (`Fault`).
+problem into a 400 and a record in ``schema_violations``. Faults can be injected per request (`Fault`); a server
+in its own process can also be told to die (``--die-on PATH:N``: SIGKILL itself when the N-th request to PATH
+arrives, e.g. in the middle of a distributed weight sync, as a crashed SGLang process does).
 
 Run standalone: ``python tests/fake_sglang_server.py --model-path DIR --port 30000``.
 """
@@ -32,6 +34,8 @@ import argparse
 import base64
 import hashlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -109,6 +113,7 @@ class FakeSGLangServer:
         tp_size: int = 1,
         enable_lora: bool = False,
         validator=None,
+        die_on: tuple[str, int] | None = None,
     ) -> None:
         if version not in ("0.5.17", "0.5.23"):
             raise ValueError(f"version must be '0.5.17' or '0.5.23', got {version!r}")
@@ -121,6 +126,7 @@ class FakeSGLangServer:
         self.tp_size = int(tp_size)
         self.enable_lora = enable_lora
         self.validator = validator
+        self.die_on = die_on  # (path, n): SIGKILL this process when the n-th request to path arrives
         self.faults: deque[Fault] = deque()
         self.request_counts: dict[str, int] = {}
         self.requests: list[tuple[str, str, object]] = []
@@ -656,6 +662,9 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length) if length else b""
         with owner._lock:
             owner.request_counts[path] = owner.request_counts.get(path, 0) + 1
+            count = owner.request_counts[path]
+        if owner.die_on is not None and owner.die_on == (path, count):
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash: no answer, no cleanup, sockets reset by the kernel
         fault = owner._take_fault(path)
         if fault is not None and fault.kind == "disconnect":
             self.close_connection = True
@@ -724,13 +733,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--die-on",
+        metavar="PATH:N",
+        default=None,
+        help="SIGKILL this process when the N-th request to PATH arrives (fault injection for tests)",
+    )
     args = parser.parse_args(argv)
+    die_on = None
+    if args.die_on is not None:
+        path, _, n = args.die_on.rpartition(":")
+        if not path.startswith("/") or not n.isdigit() or int(n) < 1:
+            parser.error(f"--die-on must be PATH:N with PATH starting with / and N >= 1, got {args.die_on!r}")
+        die_on = (path, int(n))
 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     engine = EmbeddedEngine(model, max_batch_size=args.max_batch_size, seed=args.seed, initial_version=None)
-    server = FakeSGLangServer(engine, host=args.host, port=args.port, model_path=args.model_path).start()
+    server = FakeSGLangServer(engine, host=args.host, port=args.port, model_path=args.model_path, die_on=die_on)
+    server.start()
     print(f"serving {args.model_path} at {server.url}", flush=True)
     try:
         while True:

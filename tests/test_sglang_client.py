@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -1037,3 +1039,138 @@ def test_sglang_config_fields_are_validated(tmp_path):
             config(**sglang, **bad)
     with pytest.raises(ValueError, match="apply to rollout_backend='sglang'"):
         config(weight_sync_lora=True)  # the embedded engine would silently ignore it
+
+
+# ------------------------------------------------------------------ distributed sync: a server dies mid-broadcast
+# A crashed SGLang process takes its end of the weight-update group with it: the trainer's collective fails (gloo:
+# "Connection closed by peer"; NCCL: an error or a hang until the group's timeout), and a restarted server holds no
+# group at all. The fake server runs in its own process and SIGKILLs itself on the N-th request to a path.
+
+DIST_BUCKET_BYTES = 100_000
+
+
+@pytest.fixture
+def spawn_server(model, tmp_path):
+    """``spawn(port, *args)``: the fake server in its own process, returned once it serves (its log: server.log)."""
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    repo_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]))
+    log = open(tmp_path / "server.log", "a")
+    procs = []
+
+    def spawn(port: int, *args: str) -> subprocess.Popen:
+        script = str(Path(__file__).with_name("fake_sglang_server.py"))
+        proc = subprocess.Popen(
+            [sys.executable, script, "--model-path", str(model_dir), "--port", str(port), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        procs.append(proc)
+        first_line = []
+        reader = threading.Thread(target=lambda: first_line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout=90)  # the server prints "serving ..." once it listens
+        if not (first_line and first_line[0].startswith("serving")):
+            raise AssertionError(f"fake server did not start: {first_line}; {(tmp_path / 'server.log').read_text()}")
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+    log.close()
+
+
+def _dist_client(port: int, **kwargs) -> SGLangEngine:
+    kwargs.setdefault("dist_timeout_s", 10.0)
+    return client(
+        f"http://127.0.0.1:{port}",
+        sync_mode="distributed",
+        dist_backend="gloo",
+        bucket_bytes=DIST_BUCKET_BYTES,
+        **kwargs,
+    )
+
+
+def _n_buckets(state: dict) -> int:
+    return len(plan_buckets(list(state.items()), DIST_BUCKET_BYTES))
+
+
+def test_distributed_sync_fails_fast_when_the_server_dies_mid_broadcast(model, spawn_server):
+    """The server process dies when the second bucket's request arrives: the trainer's sync fails within
+    ``dist_timeout_s``, naming the server, the bucket and the cause; generation is refused afterwards."""
+    new_state = perturbed_state(model, seed=2)
+    assert _n_buckets(new_state) >= 3  # the death is in the middle of the sync
+    port = free_port()
+    proc = spawn_server(port, "--die-on", "/update_weights_from_distributed:2")
+    url = f"http://127.0.0.1:{port}"
+
+    async def main():
+        c = _dist_client(port)  # the default retry deadline (120 s): the failed sync must not wait on it
+        try:
+            await c.wait_until_ready()
+            started = time.perf_counter()
+            with pytest.raises(WeightSyncError) as failed:
+                await c.update_weights(new_state.items(), version=1)
+            elapsed = time.perf_counter() - started
+            with pytest.raises(SGLangError, match="refusing to generate: weight sync to version 1 failed"):
+                await c.generate([11, 12, 13], GREEDY)
+            return str(failed.value), elapsed, c.dist_timeout_s, c._sync.group
+        finally:
+            await c.close()
+
+    message, elapsed, dist_timeout_s, group = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert proc.wait(timeout=10) == -signal.SIGKILL  # it died of the injected crash, in the sync
+    assert elapsed < dist_timeout_s, f"the failed sync took {elapsed:.1f} s"
+    assert f"{url}: bucket 2/{_n_buckets(new_state)}: {url}/update_weights_from_distributed" in message, message
+    assert "Server disconnected without sending a response" in message, message  # the cause, from the HTTP side
+    assert f"servers: {url} not loaded" in message
+    assert group is None  # the broken group was dropped: the next sync builds a new one
+
+
+def test_distributed_sync_rebuilds_the_group_after_a_server_restart(model, spawn_server):
+    """After the server died mid-sync and was restarted on the same URL, the next sync joins a new group (the old
+    one destroyed; the same fixed master port is reused) and the served weights are the trainer's."""
+    state_1, state_2 = perturbed_state(model, seed=2), perturbed_state(model, seed=3)
+    target = make_model(0)
+    target.load_state_dict(perturbed_state(model, seed=4))
+    prompt, probe = [11, 12, 13], [5, 17, 29, 41, 53, 65, 77]
+    port = free_port()
+    die_at = _n_buckets(state_1) + 2  # the second bucket of the second sync
+    proc = spawn_server(port, "--die-on", f"/update_weights_from_distributed:{die_at}")
+
+    async def main():
+        from torch.distributed.distributed_c10d import _world
+
+        c = _dist_client(port, dist_master_port=free_port())
+        try:
+            await c.update_weights(state_1.items(), version=1)
+            assert c._sync.group in _world.pg_map
+            old_group = weakref.ref(c._sync.group)  # no strong reference: the engine must free it
+            with pytest.raises(WeightSyncError, match="bucket 2/"):
+                await c.update_weights(state_2.items(), version=2)
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+            spawn_server(port)  # restarted: the checkpoint's weights, no group
+            await c.update_weights(target.state_dict().items(), version=3)
+            assert old_group() is None  # destroyed and freed (its TCP store too: the fixed master port was reused)
+            assert c._sync.group in _world.pg_map
+            out = await c.generate(prompt, GREEDY)
+            await c.verify_logprobs(probe, reference_logprobs(target, probe))
+            with pytest.raises(WeightSyncError, match="log-prob"):  # the probe does tell the weights apart
+                await c.verify_logprobs(probe, reference_logprobs(model, probe))
+            return out, c.weight_version
+        finally:
+            await c.close()
+
+    out, version = asyncio.run(asyncio.wait_for(main(), timeout=90))
+    assert version == 3 and out.weight_version == 3
+    assert out.output_ids == greedy_reference(target, prompt) != greedy_reference(model, prompt)

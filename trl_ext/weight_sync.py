@@ -19,6 +19,7 @@ SGLang behaviour this follows is cited by upstream file and function (sglang 0.5
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import io
 import json
@@ -395,11 +396,18 @@ def init_weight_update_group(
     cannot do that (it splits the default group), so this follows the same helper: rendezvous on
     ``tcp://address:port`` and build the group with `_new_process_group_helper`.
     """
+    from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
+    if rank == 0:
+        # A store of its own, not the multi-tenant one `rendezvous` hosts: that one is shared with an earlier group
+        # on the same port while it lives, and would hand the new group that group's stale peer addresses (a
+        # rebuilt group then timed out connecting to a dead server); binding fails loudly instead.
+        store = TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
+    else:
+        store, rank, world_size = next(
+            rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+        )
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     params = inspect.signature(_new_process_group_helper).parameters
@@ -488,6 +496,7 @@ class SGLangHTTPWeightSync:
         self._fingerprint: list[float] | None = None  # of the tensors sent last (see `_fingerprint`)
         self._trainer_changed = True
         self._lora_names: dict[str, str] = {}  # url -> adapter name currently loaded
+        self._stale_group = False  # a failed group was dropped here; servers may still hold it (`drop_group`)
 
     # -------------------------------------------------------------- helpers
 
@@ -555,9 +564,13 @@ class SGLangHTTPWeightSync:
         except Exception as exc:  # noqa: BLE001 - reported with the per-server state below
             failures.setdefault("(sync)", f"{type(exc).__name__}: {exc}")
         finally:
+            # After a failed sync, one attempt each: the engine refuses to generate until a later sync succeeds,
+            # and that sync pauses and continues every server again, so retrying only held the trainer (for
+            # `retry_deadline_s`) on a server that died in the sync; a restarted server is not paused anyway.
+            retries = 0 if failures else None
             for url in paused:
                 try:
-                    await self._post(url, "/continue_generation", {})
+                    await self._post(url, "/continue_generation", {}, retries=retries)
                 except Exception as exc:  # noqa: BLE001 - every paused server must be continued; report all
                     failures[url] = f"{failures.get(url, '')} /continue_generation failed: {exc}".strip()
         if failures:
@@ -693,10 +706,44 @@ class SGLangHTTPWeightSync:
 
         await asyncio.gather(*(one(s) for s in states))
 
+    def drop_group(self) -> None:
+        """Destroy this process's side of the weight-update group after a failed distributed sync.
+
+        A failed collective leaves the group unusable: with a server dead, every later broadcast fails (gloo:
+        "Connection closed by peer"), and a restarted server has no group (it answers 400 "Group ... not in []").
+        The next sync builds a new group with ``/init_weights_update_group`` on every server; SGLang replaces a
+        group of the same name (``init_weights_update_group`` in
+        ``sglang/srt/model_executor/model_runner_components/weight_updater.py`` assigns
+        ``_model_update_group[group_name]``), and the old one is destroyed on the servers first (`ensure_group`).
+        """
+        group, self.group = self.group, None
+        if group is None:
+            return
+        self._stale_group = True
+        try:
+            destroy_weight_update_group(group)
+        except Exception as exc:  # noqa: BLE001 - the group is broken already; a new one replaces it
+            logger.warning("destroying the failed weight-update group: %s", exc)
+        del group
+        gc.collect()  # the failed collective's traceback (a reference cycle) holds the group and its TCP store,
+        # which keeps a fixed `dist_master_port` bound: the next `init_weight_update_group` could not host there
+
     async def ensure_group(self, states: list[ServerState]) -> None:
         if self.group is not None:
             return
         engine = self.engine
+        if self._stale_group:  # after `drop_group`: servers that survived still hold the old group
+            self._stale_group = False
+            answers = await asyncio.gather(
+                *(
+                    self._post(s.url, "/destroy_weights_update_group", {"group_name": engine.group_name}, retries=0)
+                    for s in states
+                ),
+                return_exceptions=True,
+            )
+            for s, answer in zip(states, answers):
+                if isinstance(answer, BaseException):  # a restarted server has none: "does not exist"
+                    logger.info("%s: old weight-update group not destroyed: %s", s.url, answer)
         world_size = 1 + sum(s.tp_size for s in states)
         port = engine.dist_master_port or free_port("")
         offsets, offset = [], 1
@@ -749,6 +796,7 @@ class SGLangHTTPWeightSync:
         engine = self.engine
         await self.ensure_group(states)
         sessions = []
+        done = False
         try:
             for s in states:
                 if await self._begin(s):
@@ -787,12 +835,15 @@ class SGLangHTTPWeightSync:
                         failures[url] = f"bucket {k + 1}/{len(buckets)}: {exc}"
                     return
             loaded.update(s.url for s in states)
+            done = True
         finally:
             for s in sessions:
                 try:
                     await self._end(s)
                 except Exception as exc:  # noqa: BLE001
                     failures[s.url] = f"{failures.get(s.url, '')} /end_weight_update: {exc}".strip()
+            if not done:  # a failed collective (or a server gone before it) leaves the group unusable
+                self.drop_group()
 
     async def _load_lora(self, states, adapter: LoRAAdapter, version, loaded, failures) -> None:
         """Load the adapter under a new name (``<prefix>-v<version>``), then unload the previous one.
