@@ -24,6 +24,21 @@ of its 24 layers) and random weights and sinks drawn as in `benchmarks.mismatch_
 ``save_pretrained`` (SGLang reads it with ``--skip-tokenizer-init``: no tokenizer files). Prompts:
 `benchmarks.mismatch_study.load_prompts` (GSM8K rendered in harmony).
 
+A random policy never writes a tool call, so the agent loop of phase 1 shows none. ``--cold-start-steps N`` (default
+0: random weights) fine-tunes the model before it is saved for the server, as the CPU demo
+(`examples/grpo_retool.py`) does before GRPO: `trl_ext.cold_start.cold_start` (TRL's `SFTTrainer`, full fine-tuning
+with AdamW, bf16 mixed precision on CUDA, float32 on CPU) for N steps on harmony demonstrations that call
+`code_interpreter` with code computing the answers of ``--cold-start-problems`` GSM8K problems of
+``data/gsm8k_train_mini.jsonl``, run in the local sandbox; ``--cold-start-lr`` and ``--cold-start-batch`` default
+to the demo's values. The model, its optimizer and the trainer are freed (and the CUDA cache emptied) before the
+server starts. The report records the steps, the loss at the first and last step (every step's in the JSON), the
+wall time, the problems practised and the sinks (mean and std over heads, per layer) before and after; the agent
+loop then runs on the practised problems, rendered as the demonstrations were, and every other phase is unchanged
+(the mismatch phase measures the trained policy). The cold start counts against ``--budget-s``::
+
+    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang-env/bin/python -m sglang.launch_server" \
+        --cold-start-steps 40 --budget-s 900
+
 SGLang pins its own dependencies, so install it in an environment of its own and point ``--server-cmd`` at it; the
 script launches one server per server configuration (``setsid``; the whole process group is killed afterwards)::
 
@@ -259,30 +274,146 @@ class ServerManager:
 # ------------------------------------------------------------------------------------------------------------ model
 
 
-def build_model(args, device: torch.device) -> dict:
-    """Build the random GPT-OSS, save it (safetensors) into ``args.model_dir``, check config.json for SGLang."""
+def sink_stats(model) -> list[dict]:
+    """Per layer: the mean and standard deviation over heads of the attention sinks (one learnt logit per head)."""
+    stats = []
+    for name, param in model.named_parameters():
+        if name.endswith("sinks"):
+            values = param.detach().float()
+            stats.append({"param": name, "mean": values.mean().item(), "std": values.std().item()})
+    return stats
+
+
+def loss_recorder():
+    """A `TrainerCallback` whose ``history`` collects the logged `loss` and `grad_norm` (``logging_steps=1``: one
+    entry per step)."""
+    from transformers import TrainerCallback
+
+    class LossRecorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.history: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                norm = logs.get("grad_norm")
+                self.history.append(
+                    {
+                        "step": state.global_step,
+                        "loss": float(logs["loss"]),
+                        "grad_norm": None if norm is None else float(norm),
+                    }
+                )
+
+    return LossRecorder()
+
+
+def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
+    """``--cold-start-steps`` of `trl_ext.cold_start.cold_start` on ``model`` (in place): the CPU demo's
+    (`examples/grpo_retool.py`) data, tool, tokenizer and SFT settings, with this script's step count, learning rate,
+    batch size and problem count; bf16 mixed precision on CUDA. Returns what it did and measured."""
+    from trl import SFTConfig
+
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from trl_ext.cold_start import cold_start
+    from trl_ext.recipes import load_math_dataset
+    from trl_ext.tools import CodeInterpreterTool
+
+    steps = args.cold_start_steps
+    cuda = device.type == "cuda"
+    tokenizer = load_gptoss_tokenizer()
+    dataset = load_math_dataset(str(TRAIN_DATA))
+    tool = CodeInterpreterTool()  # the local sandbox, as the demo's default
+    sft_args = SFTConfig(
+        output_dir=str(work_dir / "cold_start"),  # nothing is saved there (save_strategy="no")
+        use_cpu=not cuda,  # the first trainer fixes accelerate's process state; the trainer phase uses the same
+        max_steps=steps,
+        per_device_train_batch_size=args.cold_start_batch,
+        learning_rate=args.cold_start_lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 20),
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        bf16=cuda,
+        report_to="none",
+        seed=args.seed,
+        max_length=None,
+        router_aux_loss_coef=0.0,  # the logged loss is the demonstrations' negative log-likelihood alone
+        disable_tqdm=True,
+    )
+    recorder = loss_recorder()
+    model.set_attn_implementation("eager")  # exact sink attention: the sinks get their gradient
+    model.train()
+    t0 = time.perf_counter()
+    practised = cold_start(
+        model,
+        tokenizer,
+        dataset,
+        tool,
+        args=sft_args,
+        max_rows=args.cold_start_problems,
+        reasoning_effort="low",
+        callbacks=[recorder],
+    )
+    wall = time.perf_counter() - t0
+    losses = [h["loss"] for h in recorder.history]
+    log(
+        f"cold start: {len(losses)} SFT steps in {wall:.1f} s, loss {losses[0] if losses else None} -> "
+        f"{losses[-1] if losses else None}; {len(practised)} problems practised"
+    )
+    return {
+        "steps": steps,
+        "steps_logged": len(losses),
+        "batch_size": args.cold_start_batch,
+        "learning_rate": args.cold_start_lr,
+        "problems": args.cold_start_problems,
+        "precision": "bf16 mixed precision (bf16 weights)" if cuda else "float32",
+        "data": f"{TRAIN_DATA.relative_to(REPO)}, code_interpreter demonstrations (trl_ext.cold_start)",
+        "rows_practised": practised,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "history": recorder.history,
+        "wall_s": wall,
+    }
+
+
+def build_model(args, device: torch.device, work_dir: Path | None = None) -> dict:
+    """Build the random GPT-OSS, cold-start it (``--cold-start-steps``), save it (safetensors, bf16) into
+    ``args.model_dir``, check config.json for SGLang."""
     from benchmarks.mismatch_study import model_config
     from hf_gptoss_rl.testing import build_random_gptoss
     from trl_ext.weight_sync import save_config_for_sglang
 
     config = model_config(args.model, args.layers)
+    steps = getattr(args, "cold_start_steps", 0)
     model = build_random_gptoss(
         config,
         device=device,
-        dtype=torch.bfloat16,
+        # the cold start on a CPU trains in float32 (as the CPU demo does); saved in bf16 in any case
+        dtype=torch.float32 if steps and device.type != "cuda" else torch.bfloat16,
         seed=args.seed,
         sink_mean=args.sink_mean,
         sink_std=args.sink_std,
         logit_std=args.logit_std,
     )
+    sinks = {"initial": sink_stats(model)}
+    cold = None
+    if steps:
+        cold = run_cold_start(model, args, device, Path(work_dir or tempfile.mkdtemp(prefix="sglang_e2e_")))
+        sinks["after_cold_start"] = sink_stats(model)
+        model = model.to(torch.bfloat16)
     model.config.use_cache = True
     model.save_pretrained(args.model_dir, safe_serialization=True)
     had_limit = "swiglu_limit" in json.loads((Path(args.model_dir) / "config.json").read_text())
     save_config_for_sglang(model.config, args.model_dir)  # what SGLang's loader reads (swiglu_limit)
     n_params = sum(p.numel() for p in model.parameters())
+    # the server shares the GPU: the model and (after a cold start) the trainer's optimizer state must be gone
     del model
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        if cold is not None:
+            cold["cuda_allocated_after_free_bytes"] = torch.cuda.memory_allocated(device)
     path = Path(args.model_dir) / "config.json"
     cfg = json.loads(path.read_text())
     checks = {
@@ -315,6 +446,8 @@ def build_model(args, device: torch.device) -> dict:
         "num_local_experts": cfg.get("num_local_experts"),
         "sliding_window": cfg.get("sliding_window"),
         "vocab_size": cfg.get("vocab_size"),
+        "cold_start": cold,
+        "sinks": sinks,
     }
 
 
@@ -395,7 +528,8 @@ def phase_generate(ctx, result: dict) -> None:
         result["generate"]["status"] = "ok"
         try:  # recorded apart: the token-level results above stand on their own
             tool = CodeInterpreterTool(timeout_s=10.0)
-            agent_prompts, agent_how = tool_prompts(args.agent_prompts, tool)
+            practised = ((ctx.results.get("model") or {}).get("cold_start") or {}).get("rows_practised")
+            agent_prompts, agent_how = tool_prompts(args.agent_prompts, tool, practised)
             loop = AgentLoop(
                 engine,
                 [tool],
@@ -433,11 +567,28 @@ def phase_generate(ctx, result: dict) -> None:
             engine.run(engine.close(), timeout_s=10)
 
 
-def tool_prompts(n: int, tool) -> tuple[list[list[int]], str]:
+def tool_prompts(n: int, tool, practised: list[int] | None = None) -> tuple[list[list[int]], str]:
     """GSM8K questions rendered in harmony with the tool in the system message (pre-rendered, tool-less prompts
-    when harmony rendering is unavailable)."""
+    when harmony rendering is unavailable).
+
+    After a cold start (``practised``: the rows of the training file its demonstrations solved), the problems it
+    practised come first, then the file's other rows, all rendered exactly as the demonstrations' prompts
+    (`trl_ext.recipes.load_math_dataset`'s prompt, the tool, reasoning effort low): the agent loop then samples from
+    the distribution the policy was fine-tuned on."""
     from benchmarks.mismatch_study import INSTRUCTION, load_prompts
 
+    if practised:
+        from hf_gptoss_rl.harmony import render_prompt
+        from trl_ext.recipes import load_math_dataset
+
+        dataset = load_math_dataset(str(TRAIN_DATA))
+        seen = set(practised)
+        order = list(practised) + [i for i in range(len(dataset)) if i not in seen]
+        ids = [render_prompt(dataset[i]["prompt"], tools=[tool.spec()], reasoning_effort="low") for i in order[:n]]
+        return ids, (
+            f"rows {order[:n]} of {TRAIN_DATA.name} ({min(n, len(practised))} practised in the cold start), rendered "
+            "as the cold start's demonstrations (hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools)"
+        )
     try:
         from hf_gptoss_rl.harmony import render_prompt
 
@@ -888,6 +1039,38 @@ def _status_block(ph: dict) -> list[str]:
     return lines + [""]
 
 
+def _cold_start_lines(m: dict) -> list[str]:
+    cold, sinks = m.get("cold_start"), m.get("sinks") or {}
+    lines = []
+    if cold:
+        rows = cold.get("rows_practised") or []
+        lines += [
+            "## Cold start",
+            "",
+            f"`trl_ext.cold_start.cold_start` (TRL's `SFTTrainer`) on {cold.get('data')}: {cold.get('steps')} steps "
+            f"of {cold.get('batch_size')} demonstrations, AdamW at {fmt(cold.get('learning_rate'))} with a cosine "
+            f"schedule, {cold.get('precision')}. Loss (negative log-likelihood per assistant token) "
+            f"{fmt(cold.get('first_loss'), '.4g')} at the first step, {fmt(cold.get('last_loss'), '.4g')} at the last; "
+            f"{fmt(cold.get('wall_s'), '.1f')} s (demonstrations built in the sandbox, then trained). "
+            f"{len(rows)} problems practised: rows {rows} of the file.",
+            "",
+        ]
+    if sinks.get("initial"):
+        after = {s["param"]: s for s in sinks.get("after_cold_start") or []}
+        lines += [
+            "Attention sinks, mean ± std over heads:",
+            "",
+            "| parameter | initial | after the cold start |",
+            "|---|---|---|",
+        ]
+        for s in sinks["initial"]:
+            a = after.get(s["param"])
+            moved = f"{a['mean']:.4g} ± {a['std']:.4g}" if a else "-"
+            lines.append(f"| {s['param']} | {s['mean']:.4g} ± {s['std']:.4g} | {moved} |")
+        lines.append("")
+    return lines
+
+
 def render_markdown(r: dict) -> str:
     meta = r.get("meta", {})
     m = r.get("model") or {}
@@ -896,9 +1079,10 @@ def render_markdown(r: dict) -> str:
         "",
         f"Command: `{meta.get('command')}`. Device: {meta.get('env', {}).get('device')}; "
         f"sglang {meta.get('sglang_version', '?')} (`{meta.get('server_cmd')}`, extra `{meta.get('server_args')}`).",
-        f"Model: random GPT-OSS, {m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, {m.get('heads')}, "
-        f"{m.get('num_local_experts')} experts, window {m.get('sliding_window')}, {fmt(m.get('params'), ',')} "
-        "parameters, bf16; sinks and logits as in `benchmarks/mismatch_study.py`.",
+        f"Model: {'cold-started' if m.get('cold_start') else 'random'} GPT-OSS, {m.get('num_hidden_layers')} layers, "
+        f"hidden {m.get('hidden_size')}, {m.get('heads')}, {m.get('num_local_experts')} experts, window "
+        f"{m.get('sliding_window')}, {fmt(m.get('params'), ',')} parameters, bf16; random init (sinks and logits as "
+        "in `benchmarks/mismatch_study.py`)" + (", then the SFT cold start below." if m.get("cold_start") else "."),
         f"Started {meta.get('started')}, budget {meta.get('budget_s')} s; server flags checked: "
         f"{meta.get('server_flags_checked')}.",
         "",
@@ -914,6 +1098,7 @@ def render_markdown(r: dict) -> str:
     lines.append("")
     if "model_error" in r:
         lines += ["## Model build failed", "", f"`{r['model_error']}`", ""]
+    lines += _cold_start_lines(m)
     # generate
     ph = phases.get("generate")
     if ph:
@@ -1109,6 +1294,16 @@ def plot(path: Path, r: dict) -> None:
 
 
 _MODEL_KEYS = ("params", "num_hidden_layers", "hidden_size", "heads", "num_local_experts", "vocab_size")
+_COLD_START_KEYS = ("steps", "batch_size", "learning_rate", "problems")
+
+
+def _model_identity(model: dict) -> dict:
+    """What makes two runs measure the same model: its shapes and how (whether) it was cold-started."""
+    cold = model.get("cold_start") or {}
+    return {
+        **{k: model.get(k) for k in _MODEL_KEYS},
+        "cold_start": {k: cold.get(k) for k in _COLD_START_KEYS} if cold else None,
+    }
 
 
 def merge_runs(paths: list[Path]) -> dict:
@@ -1117,9 +1312,10 @@ def merge_runs(paths: list[Path]) -> dict:
     phase never hides one that ran, and the sync timing is recomputed from the merged trainer phase."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     first = runs[0].get("model") or {}
+    mine = _model_identity(first)
     for path, run in zip(paths[1:], runs[1:]):
-        other = run.get("model") or {}
-        differ = {k: (first.get(k), other.get(k)) for k in _MODEL_KEYS if first.get(k) != other.get(k)}
+        other = _model_identity(run.get("model") or {})
+        differ = {k: (mine[k], other[k]) for k in mine if mine[k] != other[k]}
         if differ:
             raise ValueError(f"--merge: {path} measured another model than {paths[0]}: {differ}")
     merged: dict = {
@@ -1205,6 +1401,17 @@ def parse_args(argv=None):
     p.add_argument("--sink-std", type=float, default=1.5)
     p.add_argument("--logit-std", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cold-start-steps",
+        type=int,
+        default=0,
+        help="SFT steps (trl_ext.cold_start) on code_interpreter demonstrations before the model is saved for the "
+        "server; 0: the random weights as built",
+    )
+    p.add_argument("--cold-start-lr", type=float, default=5e-2, help="cold-start learning rate (the CPU demo's)")
+    p.add_argument("--cold-start-batch", type=int, default=4, help="demonstrations per cold-start step")
+    p.add_argument("--cold-start-problems", type=int, default=4, help="distinct GSM8K problems in the cold start")
+    p.add_argument("--cold-start-timeout-s", type=float, default=300.0, help="deadline of the cold start")
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
     args = p.parse_args(argv)
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
@@ -1218,6 +1425,13 @@ def parse_args(argv=None):
         bad = [v for v in values if v not in allowed]
         if bad:
             p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    if args.cold_start_steps < 0:
+        p.error(f"--cold-start-steps must be >= 0, got {args.cold_start_steps}")
+    for name in ("cold_start_batch", "cold_start_problems"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.cold_start_lr > 0 and math.isfinite(args.cold_start_lr)):
+        p.error(f"--cold-start-lr must be a positive number, got {args.cold_start_lr}")
     return args
 
 
@@ -1260,14 +1474,19 @@ def main(argv=None) -> dict:
         flags_result = known_server_flags(args)
         t0 = time.monotonic()
         try:
-            with deadline(min(300.0, ctx.left()), "model build"):
-                results["model"] = build_model(args, device)
+            limit = 300.0 + (args.cold_start_timeout_s if args.cold_start_steps else 0.0)
+            with deadline(min(limit, ctx.left()), "model build" + (" and cold start" if args.cold_start_steps else "")):
+                results["model"] = build_model(args, device, work)
             log(
                 f"model saved to {args.model_dir} in {time.monotonic() - t0:.1f} s ({results['model']['params']:,} params)"
             )
         except Exception as exc:  # noqa: BLE001
             results["model_error"] = error_text(exc)
+            results["model_traceback"] = traceback.format_exc()[-3000:]
             log(f"model build failed: {results['model_error']}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         ctx.server_flags_known, results["meta"]["server_flags_checked"] = flags_result()
         ctx.checkpoint()
         runners = {

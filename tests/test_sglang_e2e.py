@@ -146,6 +146,72 @@ def test_sglang_e2e_records_every_phase(tmp_path):
         main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--out", str(merged_out)])
 
 
+def test_sglang_e2e_cold_start_trains_the_served_model(tmp_path):
+    """``--cold-start-steps``: the model is fine-tuned on the tool-calling demonstrations before it is saved, the
+    record has the SFT steps, losses, practised rows and the sinks before/after, the saved weights are the trained
+    ones, and the agent loop runs on the practised problems."""
+    import torch
+    from safetensors.torch import load_file
+
+    out, model_dir = tmp_path / "out", tmp_path / "model"
+    cmd = [
+        sys.executable, "-m", "benchmarks.sglang_e2e",
+        "--model", "tiny", "--device", "cpu", "--out", str(out), "--model-dir", str(model_dir),
+        "--server-cmd", f"{sys.executable} {Path(__file__).resolve()}", "--phases", "generate",
+        "--cold-start-steps", "2", "--cold-start-problems", "2", "--cold-start-batch", "2",
+        "--num-prompts", "1", "--max-new-tokens", "4",
+        "--agent-prompts", "2", "--agent-max-turns", "2", "--agent-turn-tokens", "16",
+        "--ready-timeout-s", "60", "--budget-s", "200",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    results = json.loads((out / "sglang_e2e.json").read_text())
+    assert "model_error" not in results, results.get("model_traceback")
+    cold = results["model"]["cold_start"]
+    assert cold["steps"] == 2 and cold["steps_logged"] == 2, cold
+    assert [h["step"] for h in cold["history"]] == [1, 2]
+    assert cold["first_loss"] == cold["history"][0]["loss"] and cold["last_loss"] == cold["history"][1]["loss"]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) and h["loss"] > 0 for h in cold["history"])
+    assert cold["wall_s"] > 0 and cold["precision"] == "float32"
+    practised = cold["rows_practised"]
+    assert len(practised) == 2 and len(set(practised)) == 2 and all(0 <= i < 64 for i in practised), practised
+
+    # the sinks moved (step 1 is the warm-up at learning rate 0; step 2 moves every sink by about the learning rate,
+    # up or down, so a layer's mean may stay put but not its mean and std together) and the saved bf16 weights are
+    # the trained ones
+    sinks = results["model"]["sinks"]
+    assert [s["param"] for s in sinks["initial"]] == [s["param"] for s in sinks["after_cold_start"]]
+    moved = [
+        abs(a["mean"] - b["mean"]) + abs(a["std"] - b["std"])
+        for a, b in zip(sinks["initial"], sinks["after_cold_start"])
+    ]
+    assert max(moved) > 1e-2, sinks
+    saved = load_file(str(model_dir / "model.safetensors"))
+    for s in sinks["after_cold_start"]:
+        assert saved[s["param"]].dtype == torch.bfloat16
+        assert abs(saved[s["param"]].float().mean().item() - s["mean"]) < 2e-2, (s, saved[s["param"]])
+
+    gen = results["phases"]["generate"]
+    assert gen["status"] == "ok", gen
+    agent = gen["result"]["agent"]
+    assert agent["status"] == "ok" and agent["num_trajectories"] == 2, agent
+    assert f"rows {practised}" in agent["prompts_how"] and "practised" in agent["prompts_how"]
+    md = (out / "sglang_e2e.md").read_text()
+    assert "## Cold start" in md and "Model: cold-started GPT-OSS" in md and "after the cold start" in md
+
+    # --merge refuses to put a cold-started run and a random-weights run of the same shapes into one report
+    import pytest
+
+    from benchmarks.sglang_e2e import main
+
+    random_run = {**results, "model": {**results["model"], "cold_start": None}}
+    (tmp_path / "random.json").write_text(json.dumps(random_run))
+    with pytest.raises(ValueError, match="another model.*cold_start"):
+        main(["--merge", str(out / "sglang_e2e.json"), str(tmp_path / "random.json"), "--out", str(tmp_path / "m")])
+
+
 def test_sglang_e2e_with_url_resets_the_servers_weights_before_the_mismatch(tmp_path):
     """``--url``: the script does not launch anything; the trainer syncs into that server, so the mismatch phase
     first puts --model-dir's weights back (a disk sync), and the launch-only configurations are recorded as such."""
