@@ -62,6 +62,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -1357,7 +1358,14 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
     p.add_argument("--layers", type=int, default=2, help="layers of the model (of gpt-oss-20b's 24)")
-    p.add_argument("--model-dir", type=Path, default=None, help="where to save the model (default: a temp dir)")
+    p.add_argument(
+        "--model-dir", type=Path, default=None, help="where to save the model (default: in the temporary work dir)"
+    )
+    p.add_argument(
+        "--keep-work-dir",
+        action="store_true",
+        help="keep the temporary work dir (default model dir, synced weights, cold-start output); removed otherwise",
+    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--server-cmd", default="python3 -m sglang.launch_server")
     p.add_argument("--server-args", default="", help='extra server flags, e.g. "--disable-cuda-graph"')
@@ -1544,6 +1552,11 @@ def main(argv=None) -> dict:
     finally:
         server.stop()
         results["meta"]["total_s"] = time.monotonic() - ctx.t0
+        if not args.keep_work_dir:  # the default model dir, trainer weight dirs, cold-start output: 100s of MB
+            shutil.rmtree(work, ignore_errors=True)
+            results["meta"]["work_dir"] = f"{work} (removed; --keep-work-dir keeps it)"
+        else:
+            results["meta"]["work_dir"] = str(work)
         ctx.checkpoint()
         log(f"wrote {args.out / 'sglang_e2e.md'}, .json, .png")
     return results

@@ -200,6 +200,8 @@ def test_sglang_e2e_cold_start_trains_the_served_model(tmp_path):
     assert f"rows {practised}" in agent["prompts_how"] and "practised" in agent["prompts_how"]
     md = (out / "sglang_e2e.md").read_text()
     assert "## Cold start" in md and "Model: cold-started GPT-OSS" in md and "after the cold start" in md
+    work_dir = results["meta"]["work_dir"]
+    assert work_dir.endswith("(removed; --keep-work-dir keeps it)") and not Path(work_dir.split(" (")[0]).exists()
 
     # --merge refuses to put a cold-started run and a random-weights run of the same shapes into one report
     import pytest
