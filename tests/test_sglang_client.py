@@ -1174,3 +1174,44 @@ def test_distributed_sync_rebuilds_the_group_after_a_server_restart(model, spawn
     out, version = asyncio.run(asyncio.wait_for(main(), timeout=90))
     assert version == 3 and out.weight_version == 3
     assert out.output_ids == greedy_reference(target, prompt) != greedy_reference(model, prompt)
+
+
+def test_distributed_sync_under_torchrun_hosts_the_rendezvous_store(model, spawn_server, monkeypatch):
+    """torchrun (and so ``accelerate launch``) sets TORCHELASTIC_USE_AGENT_STORE=True in its workers, which turns
+    torch's ``tcp://`` rendezvous into a client on every rank: the trainer (rank 0) must still host the store of
+    the weight-update group, or nobody does and the group times out."""
+    port = free_port()
+    spawn_server(port)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the trainer's process only
+    target = make_model(0)
+    target.load_state_dict(perturbed_state(model, seed=2))
+    prompt = [11, 12, 13]
+
+    async def main():
+        c = _dist_client(port)
+        try:
+            await c.update_weights(target.state_dict().items(), version=1)
+            return await c.generate(prompt, GREEDY)
+        finally:
+            await c.close()
+
+    out = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert out.weight_version == 1 and out.output_ids == greedy_reference(target, prompt)
+
+
+def test_weight_update_group_refuses_a_port_an_earlier_group_still_holds():
+    """A second group on the port of a live one fails at once, instead of sharing the old group's rendezvous store
+    (torch's multi-tenant store would hand it the old group's peer addresses)."""
+    from datetime import timedelta
+
+    from trl_ext.weight_sync import destroy_weight_update_group, init_weight_update_group
+
+    kwargs = dict(backend="gloo", master_address="127.0.0.1", master_port=free_port(), world_size=1, rank=0)
+    first = init_weight_update_group(group_name="first", timeout=timedelta(seconds=5), **kwargs)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(Exception, match="(?i)address already in use"):
+            init_weight_update_group(group_name="second", timeout=timedelta(seconds=5), **kwargs)
+        assert time.perf_counter() - started < 5
+    finally:
+        destroy_weight_update_group(first)

@@ -19,7 +19,6 @@ SGLang behaviour this follows is cited by upstream file and function (sglang 0.5
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import io
 import json
@@ -400,9 +399,12 @@ def init_weight_update_group(
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if rank == 0:
-        # A store of its own, not the multi-tenant one `rendezvous` hosts: that one is shared with an earlier group
-        # on the same port while it lives, and would hand the new group that group's stale peer addresses (a
-        # rebuilt group then timed out connecting to a dead server); binding fails loudly instead.
+        # Rank 0 hosts a store of its own rather than through `rendezvous`: under torchrun (`accelerate launch`),
+        # TORCHELASTIC_USE_AGENT_STORE=True makes `rendezvous` return a *client* of ``master_port`` on every rank
+        # (``_create_c10d_store`` in torch/distributed/rendezvous.py), so nobody hosted the store and the group
+        # timed out; and the store `rendezvous` hosts is multi-tenant: shared with an earlier group's store still
+        # alive on the same port, whose stale peer addresses a rebuilt group then tried to connect to. Here a
+        # port still bound fails at once (EADDRINUSE).
         store = TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
     else:
         store, rank, world_size = next(
@@ -724,9 +726,6 @@ class SGLangHTTPWeightSync:
             destroy_weight_update_group(group)
         except Exception as exc:  # noqa: BLE001 - the group is broken already; a new one replaces it
             logger.warning("destroying the failed weight-update group: %s", exc)
-        del group
-        gc.collect()  # the failed collective's traceback (a reference cycle) holds the group and its TCP store,
-        # which keeps a fixed `dist_master_port` bound: the next `init_weight_update_group` could not host there
 
     async def ensure_group(self, states: list[ServerState]) -> None:
         if self.group is not None:
