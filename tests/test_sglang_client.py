@@ -1051,7 +1051,8 @@ DIST_BUCKET_BYTES = 100_000
 
 @pytest.fixture
 def spawn_server(model, tmp_path):
-    """``spawn(port, *args)``: the fake server in its own process, returned once it serves (its log: server.log)."""
+    """``spawn(port, *args)``: the fake server in its own process, returned once it serves (its log: server.log);
+    ``spawn((port, *args), (port, *args), ...)`` starts several at once and returns their processes."""
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     repo_root = str(Path(__file__).resolve().parents[1])
@@ -1059,7 +1060,7 @@ def spawn_server(model, tmp_path):
     log = open(tmp_path / "server.log", "a")
     procs = []
 
-    def spawn(port: int, *args: str) -> subprocess.Popen:
+    def start(port: int, *args: str) -> subprocess.Popen:
         script = str(Path(__file__).with_name("fake_sglang_server.py"))
         proc = subprocess.Popen(
             [sys.executable, script, "--model-path", str(model_dir), "--port", str(port), *args],
@@ -1069,13 +1070,23 @@ def spawn_server(model, tmp_path):
             text=True,
         )
         procs.append(proc)
+        return proc
+
+    def serving(proc: subprocess.Popen) -> None:
         first_line = []
         reader = threading.Thread(target=lambda: first_line.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout=90)  # the server prints "serving ..." once it listens
         if not (first_line and first_line[0].startswith("serving")):
             raise AssertionError(f"fake server did not start: {first_line}; {(tmp_path / 'server.log').read_text()}")
-        return proc
+
+    def spawn(*specs):
+        if specs and isinstance(specs[0], int):
+            specs = (specs,)
+        started = [start(*spec) for spec in specs]
+        for proc in started:
+            serving(proc)
+        return started[0] if len(started) == 1 else started
 
     yield spawn
     for proc in procs:
@@ -1090,10 +1101,10 @@ def spawn_server(model, tmp_path):
     log.close()
 
 
-def _dist_client(port: int, **kwargs) -> SGLangEngine:
+def _dist_client(ports: list[int], **kwargs) -> SGLangEngine:
     kwargs.setdefault("dist_timeout_s", 10.0)
     return client(
-        f"http://127.0.0.1:{port}",
+        [f"http://127.0.0.1:{p}" for p in ports],
         sync_mode="distributed",
         dist_backend="gloo",
         bucket_bytes=DIST_BUCKET_BYTES,
@@ -1105,17 +1116,19 @@ def _n_buckets(state: dict) -> int:
     return len(plan_buckets(list(state.items()), DIST_BUCKET_BYTES))
 
 
-def test_distributed_sync_fails_fast_when_the_server_dies_mid_broadcast(model, spawn_server):
-    """The server process dies when the second bucket's request arrives: the trainer's sync fails within
-    ``dist_timeout_s``, naming the server, the bucket and the cause; generation is refused afterwards."""
+def test_distributed_sync_fails_fast_when_a_server_dies_mid_broadcast(model, spawn_server):
+    """Of two servers, one dies when the second bucket's request arrives: the trainer's sync fails within
+    ``dist_timeout_s``, naming that server, the bucket and the cause; generation is refused afterwards, on the
+    surviving server too (the servers may hold different weights)."""
     new_state = perturbed_state(model, seed=2)
     assert _n_buckets(new_state) >= 3  # the death is in the middle of the sync
-    port = free_port()
-    proc = spawn_server(port, "--die-on", "/update_weights_from_distributed:2")
-    url = f"http://127.0.0.1:{port}"
+    ports = [free_port(), free_port()]
+    survivor, dying = spawn_server((ports[0],), (ports[1], "--die-on", "/update_weights_from_distributed:2"))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
 
     async def main():
-        c = _dist_client(port)  # the default retry deadline (120 s): the failed sync must not wait on it
+        # the default retry deadline (120 s): the failed sync must not wait on it
+        c = _dist_client(ports)
         try:
             await c.wait_until_ready()
             started = time.perf_counter()
@@ -1123,57 +1136,61 @@ def test_distributed_sync_fails_fast_when_the_server_dies_mid_broadcast(model, s
                 await c.update_weights(new_state.items(), version=1)
             elapsed = time.perf_counter() - started
             with pytest.raises(SGLangError, match="refusing to generate: weight sync to version 1 failed"):
-                await c.generate([11, 12, 13], GREEDY)
+                await c.generate([11, 12, 13], GREEDY)  # although a server is alive
             return str(failed.value), elapsed, c.dist_timeout_s, c._sync.group
         finally:
             await c.close()
 
     message, elapsed, dist_timeout_s, group = asyncio.run(asyncio.wait_for(main(), timeout=60))
-    assert proc.wait(timeout=10) == -signal.SIGKILL  # it died of the injected crash, in the sync
+    assert dying.wait(timeout=10) == -signal.SIGKILL  # it died of the injected crash, in the sync
+    assert survivor.poll() is None
     assert elapsed < dist_timeout_s, f"the failed sync took {elapsed:.1f} s"
-    assert f"{url}: bucket 2/{_n_buckets(new_state)}: {url}/update_weights_from_distributed" in message, message
+    n = _n_buckets(new_state)
+    assert f"{urls[1]}: bucket 2/{n}: {urls[1]}/update_weights_from_distributed" in message, message
     assert "Server disconnected without sending a response" in message, message  # the cause, from the HTTP side
-    assert f"servers: {url} not loaded" in message
+    assert f"servers: {urls[0]} not loaded, {urls[1]} not loaded" in message
     assert group is None  # the broken group was dropped: the next sync builds a new one
 
 
 def test_distributed_sync_rebuilds_the_group_after_a_server_restart(model, spawn_server):
-    """After the server died mid-sync and was restarted on the same URL, the next sync joins a new group (the old
-    one destroyed; the same fixed master port is reused) and the served weights are the trainer's."""
+    """After one of two servers died mid-sync and was restarted on the same URL, the next sync destroys the old
+    group (trainer and survivor) and joins a new one, reusing the fixed master port; both servers then serve the
+    trainer's weights."""
     state_1, state_2 = perturbed_state(model, seed=2), perturbed_state(model, seed=3)
     target = make_model(0)
     target.load_state_dict(perturbed_state(model, seed=4))
     prompt, probe = [11, 12, 13], [5, 17, 29, 41, 53, 65, 77]
-    port = free_port()
+    ports = [free_port(), free_port()]
     die_at = _n_buckets(state_1) + 2  # the second bucket of the second sync
-    proc = spawn_server(port, "--die-on", f"/update_weights_from_distributed:{die_at}")
+    _, dying = spawn_server((ports[0],), (ports[1], "--die-on", f"/update_weights_from_distributed:{die_at}"))
 
     async def main():
         from torch.distributed.distributed_c10d import _world
 
-        c = _dist_client(port, dist_master_port=free_port())
+        c = _dist_client(ports, dist_master_port=free_port())
         try:
             await c.update_weights(state_1.items(), version=1)
             assert c._sync.group in _world.pg_map
             old_group = weakref.ref(c._sync.group)  # no strong reference: the engine must free it
             with pytest.raises(WeightSyncError, match="bucket 2/"):
                 await c.update_weights(state_2.items(), version=2)
-            assert proc.wait(timeout=10) == -signal.SIGKILL
-            spawn_server(port)  # restarted: the checkpoint's weights, no group
+            assert dying.wait(timeout=10) == -signal.SIGKILL
+            spawn_server(ports[1])  # restarted: the checkpoint's weights, no group
             await c.update_weights(target.state_dict().items(), version=3)
-            assert old_group() is None  # destroyed and freed (its TCP store too: the fixed master port was reused)
+            assert old_group() is None  # destroyed and freed (its store too: the fixed master port was reused)
             assert c._sync.group in _world.pg_map
-            out = await c.generate(prompt, GREEDY)
-            await c.verify_logprobs(probe, reference_logprobs(target, probe))
+            outs = [await c.generate(prompt, GREEDY) for _ in ports]  # round robin: one on each server
+            await c.verify_logprobs(probe, reference_logprobs(target, probe))  # on every server
             with pytest.raises(WeightSyncError, match="log-prob"):  # the probe does tell the weights apart
                 await c.verify_logprobs(probe, reference_logprobs(model, probe))
-            return out, c.weight_version
+            return outs, c.weight_version
         finally:
             await c.close()
 
-    out, version = asyncio.run(asyncio.wait_for(main(), timeout=90))
-    assert version == 3 and out.weight_version == 3
-    assert out.output_ids == greedy_reference(target, prompt) != greedy_reference(model, prompt)
+    outs, version = asyncio.run(asyncio.wait_for(main(), timeout=90))
+    assert version == 3 and [o.weight_version for o in outs] == [3, 3]
+    expected = greedy_reference(target, prompt)
+    assert [o.output_ids for o in outs] == [expected, expected] and expected != greedy_reference(model, prompt)
 
 
 def test_distributed_sync_under_torchrun_hosts_the_rendezvous_store(model, spawn_server, monkeypatch):
@@ -1188,7 +1205,7 @@ def test_distributed_sync_under_torchrun_hosts_the_rendezvous_store(model, spawn
     prompt = [11, 12, 13]
 
     async def main():
-        c = _dist_client(port)
+        c = _dist_client([port])
         try:
             await c.update_weights(target.state_dict().items(), version=1)
             return await c.generate(prompt, GREEDY)
