@@ -4,7 +4,8 @@ The fake server follows SGLang's semantics where the client depends on them (beg
 payloads, unknown names skipped with success, pause modes), and every request the client sends is checked
 against SGLang's own request classes, parsed from the sglang 0.5.17 and 0.5.23 wheels (`sglang_schema`; skipped
 when the wheels cannot be downloaded). Faults are injected by the server: 5xx, slow and trickled answers, dropped
-connections, restarts, dead URLs, refused updates, ``abort`` finish reasons, log-prob/ids length mismatches.
+connections, restarts, dead URLs, refused updates, ``abort`` finish reasons, log-prob/ids length mismatches, and a
+server process killed in the middle of a distributed (gloo) weight sync, then restarted.
 """
 
 from __future__ import annotations

@@ -488,7 +488,9 @@ class SGLangHTTPWeightSync:
     the verification: every server reports the new ``weight_version`` (``GET /model_info``), plus the
     optional ``/weights_checker`` checksum or log-prob probe. Every answer's ``success`` is checked. When any
     server fails, the step fails with a `WeightSyncError` naming each server's state, and the engine refuses
-    to generate until a later sync succeeds (the servers may hold different versions).
+    to generate until a later sync succeeds (the servers may hold different versions). A failed distributed sync
+    (e.g. a server died mid-broadcast) also drops the weight-update group (`drop_group`): the next sync builds a new
+    one, which a restarted server joins.
     """
 
     def __init__(self, engine) -> None:
