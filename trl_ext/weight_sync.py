@@ -392,8 +392,8 @@ def init_weight_update_group(
     SGLang's ``/init_weights_update_group`` makes each engine rank join a *new* group (rank
     ``rank_offset + tp_rank``) through a TCP rendezvous hosted by the trainer, independent of the trainer's own
     default group (``init_custom_process_group`` in ``sglang/srt/utils/common.py``). `torch.distributed.new_group`
-    cannot do that (it splits the default group), so this follows the same helper: rendezvous on
-    ``tcp://address:port`` and build the group with `_new_process_group_helper`.
+    cannot do that (it splits the default group), so this builds the group as that helper does, with
+    `_new_process_group_helper` on a TCP store at ``address:port`` (hosted here by rank 0).
     """
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
