@@ -64,7 +64,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -120,12 +119,6 @@ def deadline(seconds: float, what: str):
 
 def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------------------ server
@@ -189,6 +182,8 @@ class ServerManager:
             return self.url
         self.stop()
         self.dirty = False
+        from trl_ext.weight_sync import free_port
+
         port = self.args.port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.flags = list(flags)

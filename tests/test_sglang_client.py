@@ -103,6 +103,18 @@ def client(url, **kwargs) -> SGLangEngine:
     return SGLangEngine(url, **kwargs)
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 20 s; returns once the process is gone."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def greedy_reference(model, prompt, n=GREEDY.max_new_tokens):
     engine = EmbeddedEngine(model)
     out = engine.submit(prompt, GREEDY).result(timeout=60)
@@ -883,11 +895,7 @@ def test_weight_sync_distributed_gloo(model, tmp_path):
         print((tmp_path / "server.log").read_text()[-3000:])  # the server's side of the story
         raise
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
     assert info["version"] == "0.5.23"  # so the session was required
     assert before.weight_version is None  # SGLang's "default" before any sync
@@ -1091,13 +1099,7 @@ def spawn_server(model, tmp_path):
 
     yield spawn
     for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         proc.stdout.close()
     log.close()
 

@@ -56,6 +56,15 @@ def serve(argv: list[str] | None = None) -> None:
         time.sleep(3600)
 
 
+def run_script(cmd: list[str], out: Path, timeout: float) -> tuple[dict, str]:
+    """Run the benchmark as users do (``python -m``); its results JSON and its output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return json.loads((out / "sglang_e2e.json").read_text()), log
+
+
 def test_sglang_e2e_records_every_phase(tmp_path):
     out = tmp_path / "out"
     cmd = [
@@ -68,11 +77,7 @@ def test_sglang_e2e_records_every_phase(tmp_path):
         "--trainer-modes", "disk,tensor,lora", "--lora-sync-mode", "disk", "--mismatch-configs", "default,deterministic",
         "--ready-timeout-s", "60", "--budget-s", "300",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    results = json.loads((out / "sglang_e2e.json").read_text())
+    results, log = run_script(cmd, out, timeout=240)
     phases = results["phases"]
     assert set(phases) == {"generate", "trainer", "mismatch", "sync_timing"}, log[-3000:]
     for name, ph in phases.items():
@@ -163,11 +168,7 @@ def test_sglang_e2e_cold_start_trains_the_served_model(tmp_path):
         "--agent-prompts", "2", "--agent-max-turns", "2", "--agent-turn-tokens", "16",
         "--ready-timeout-s", "60", "--budget-s", "200",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    results = json.loads((out / "sglang_e2e.json").read_text())
+    results, _ = run_script(cmd, out, timeout=180)
     assert "model_error" not in results, results.get("model_traceback")
     cold = results["model"]["cold_start"]
     assert cold["steps"] == 2 and cold["steps_logged"] == 2, cold
@@ -237,9 +238,7 @@ def test_sglang_e2e_with_url_resets_the_servers_weights_before_the_mismatch(tmp_
         "--train-rows", "2", "--train-steps", "1", "--num-generations", "2", "--train-completion-tokens", "4",
     ]  # fmt: skip
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        results = json.loads((out / "sglang_e2e.json").read_text())
+        results, _ = run_script(cmd, out, timeout=180)
         assert server.request_counts["/update_weights_from_disk"] == 3  # trainer: versions 0 and 1; then the reset
         assert server.served_version == "0"
         assert not results["launches"]

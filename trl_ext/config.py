@@ -14,6 +14,12 @@ REASONING_EFFORTS = ("low", "medium", "high")
 LOGPROBS_IMPLEMENTATIONS = ("auto", "chunked", "trl")
 
 
+def _comma_list(value: str | list[str]) -> list[str]:
+    """A list field given as ``"a,b"``, as ``["a", "b"]`` or as CLI arguments that contain commas (``--x a,b c``)."""
+    entries = [value] if isinstance(value, str) else value
+    return [item.strip() for entry in entries for item in entry.split(",") if item.strip()]
+
+
 @dataclass
 class AgenticGRPOConfig(GRPOConfig):
     r"""
@@ -227,17 +233,15 @@ class AgenticGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.rollout_backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"rollout_backend must be one of {ROLLOUT_BACKENDS}, got {self.rollout_backend!r}.")
-        if self.sglang_urls is not None:  # "a,b" as one string or as one CLI argument (`--sglang_urls a,b`)
-            urls = [self.sglang_urls] if isinstance(self.sglang_urls, str) else self.sglang_urls
-            self.sglang_urls = [u.strip() for entry in urls for u in entry.split(",") if u.strip()]
+        if self.sglang_urls is not None:
+            self.sglang_urls = _comma_list(self.sglang_urls)
         if self.rollout_backend == "sglang" and not self.sglang_urls:
             raise ValueError("rollout_backend='sglang' needs sglang_urls (e.g. ['http://localhost:30000']).")
         if self.rollout_backend == "embedded" and self.sglang_urls:
             raise ValueError("sglang_urls is set but rollout_backend='embedded'; set rollout_backend='sglang'.")
         if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync_mode must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync_mode!r}.")
-        verify = [self.weight_sync_verify] if isinstance(self.weight_sync_verify, str) else self.weight_sync_verify
-        self.weight_sync_verify = [v.strip() for entry in verify for v in entry.split(",") if v.strip()]  # "a,b" too
+        self.weight_sync_verify = _comma_list(self.weight_sync_verify)
         unknown = set(self.weight_sync_verify) - set(WEIGHT_SYNC_VERIFY)
         if unknown:
             raise ValueError(f"weight_sync_verify: unknown checks {sorted(unknown)}; choose from {WEIGHT_SYNC_VERIFY}.")

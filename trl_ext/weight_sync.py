@@ -104,6 +104,11 @@ def _lora_deltas_by_storage(model) -> dict[tuple[int, tuple[int, ...]], list] | 
     return deltas
 
 
+def _base_model_name(peft_name: str) -> str:
+    """A PEFT model's state-dict name as the base model (and the rollout engine) names it."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
 def _base_named_tensors(model, prefix: str, deltas: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's ``(name, tensor)`` pairs, each LoRA delta added to its base weight (fp32 sum, base dtype)."""
     with torch.no_grad():
@@ -117,7 +122,7 @@ def _base_named_tensors(model, prefix: str, deltas: dict) -> Iterator[tuple[str,
                 for layer, adapter in layers:
                     merged += layer.get_delta_weight(adapter).float()
                 tensor = merged.to(tensor.dtype)
-            yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor
+            yield _base_model_name(name), tensor
 
 
 def _merged_from_state_dict(model, state_dict: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -156,7 +161,7 @@ def _merged_from_state_dict(model, state_dict: dict) -> Iterator[tuple[str, torc
     for name, tensor in state_dict.items():
         if prefix in name:  # adapter tensors: their delta is in the base weight
             continue
-        yield name.removeprefix("base_model.model.").replace(".base_layer", ""), merged.get(name, tensor)
+        yield _base_model_name(name), merged.get(name, tensor)
 
 
 @dataclass
