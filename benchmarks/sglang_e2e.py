@@ -71,6 +71,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -604,15 +605,12 @@ def tool_prompts(n: int, tool, practised: list[int] | None = None) -> tuple[list
 
 
 def _count(items) -> dict:
-    out: dict = {}
-    for x in items:
-        out[str(x)] = out.get(str(x), 0) + 1
-    return out
+    return dict(Counter(str(x) for x in items))
 
 
 def instrument_engine(engine, records: list[dict]) -> None:
-    """Time `update_weights` / `update_lora_adapter` / `verify_logprobs` on this engine instance, and measure the
-    probe's |Δ logprob| (its own ``/generate`` of the probe, the same request the check sends)."""
+    """Time `update_weights` / `update_lora_adapter` / `verify_logprobs` on this engine instance, and record the
+    probe's |Δ logprob| as the check measured it (``engine.last_logprob_probe``)."""
     update, update_lora, verify = engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs
 
     async def update_weights(named_tensors, *, version):
@@ -628,22 +626,6 @@ def instrument_engine(engine, records: list[dict]) -> None:
 
     async def verify_logprobs(probe_ids, reference):
         rec = records[-1] if records else {}
-        payload = {
-            "input_ids": list(probe_ids),
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        }
-        if engine._lora_name is not None:
-            payload["lora_path"] = engine._lora_name
-        with contextlib.suppress(Exception):
-            item = await engine._on_engine_loop(engine._request("POST", engine.base_urls[0], "/generate", payload))
-            entries = item["meta_info"]["input_token_logprobs"]
-            served = [e[0] if isinstance(e, (list, tuple)) else e for e in entries][1:]
-            diff = [abs(a - b) for a, b in zip(served, reference)]
-            rec["probe_tokens"] = len(diff)
-            rec["probe_dlogp_mean"] = sum(diff) / len(diff)
-            rec["probe_dlogp_max"] = max(diff)
         t0 = time.perf_counter()
         try:
             await verify(probe_ids, reference)
@@ -654,6 +636,11 @@ def instrument_engine(engine, records: list[dict]) -> None:
             raise
         finally:
             rec["verify_s"] = time.perf_counter() - t0
+            probe = engine.last_logprob_probe.get(engine.base_urls[0])  # what the check itself measured
+            if probe:
+                rec.update(
+                    probe_tokens=probe["tokens"], probe_dlogp_mean=probe["mean_abs"], probe_dlogp_max=probe["max_abs"]
+                )
 
     engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs = (
         update_weights,

@@ -726,9 +726,12 @@ def test_logprob_probe_names_the_mismatch(server, model):
     async def main():
         c = client(server.url, sync_mode="tensor", verify=("version", "logprobs"))
         await c.update_weights(target.state_dict().items(), version=1)
-        await c.verify_logprobs(probe, reference_logprobs(target, probe))  # agrees
+        agrees = await c.verify_logprobs(probe, reference_logprobs(target, probe))
+        assert agrees[server.url]["tokens"] == len(probe) - 1
+        assert agrees[server.url]["mean_abs"] <= agrees[server.url]["max_abs"] <= c.logprob_probe_atol * len(probe)
         with pytest.raises(WeightSyncError, match=rf"{server.url}: mean \|log-prob difference\|"):
             await c.verify_logprobs(probe, reference_logprobs(model, probe))  # the old weights do not
+        assert c.last_logprob_probe[server.url]["mean_abs"] > c.logprob_probe_atol  # kept when it raises
         await c.close()
 
     asyncio.run(main())

@@ -309,6 +309,7 @@ class SGLangEngine(RolloutEngine):
         self._ready_lock_obj: asyncio.Lock | None = None
         self._reporter: asyncio.Task | None = None
         self._warned_versions: set[tuple[str, object]] = set()
+        self.last_logprob_probe: dict[str, dict] = {}  # url -> what the last `verify_logprobs` measured there
         self.stats = {
             "requests": 0, "done": 0, "retries": 0, "aborts": 0, "syncs": 0,
             "prompt_tokens": 0, "cached_tokens": 0,
@@ -740,13 +741,15 @@ class SGLangEngine(RolloutEngine):
         self.stats["syncs"] += 1
         logger.info("SGLang weight sync: %d server(s) on version %s", len(self.base_urls), version)
 
-    async def verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> None:
+    async def verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
         """Score ``probe_ids`` on every server (``input_token_logprobs``, temperature 1) and compare with
         ``reference`` (the trainer's log-probs of ``probe_ids[1:]``); raise `WeightSyncError` naming the server
-        when the mean absolute difference exceeds ``logprob_probe_atol``."""
-        await self._on_engine_loop(self._verify_logprobs(list(probe_ids), list(reference)))
+        when the mean absolute difference exceeds ``logprob_probe_atol``. Returns, and keeps in
+        ``last_logprob_probe`` (also when it raises), ``{url: {"tokens", "mean_abs", "max_abs"}}``."""
+        return await self._on_engine_loop(self._verify_logprobs(list(probe_ids), list(reference)))
 
-    async def _verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> None:
+    async def _verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
+        self.last_logprob_probe = measured = {}
         if len(reference) != len(probe_ids) - 1:
             raise ValueError(
                 f"reference must have len(probe_ids) - 1 = {len(probe_ids) - 1} log-probs, got {len(reference)}"
@@ -769,6 +772,7 @@ class SGLangEngine(RolloutEngine):
                 continue
             diff = [abs(a - b) for a, b in zip(served, reference)]
             mean = sum(diff) / len(diff)
+            measured[url] = {"tokens": len(diff), "mean_abs": mean, "max_abs": max(diff)}
             if mean > self.logprob_probe_atol:
                 worst = max(range(len(diff)), key=diff.__getitem__)
                 problems.append(
@@ -778,6 +782,7 @@ class SGLangEngine(RolloutEngine):
         if problems:
             self._mark_inconsistent(f"log-prob probe after the sync to version {self._version}: " + "; ".join(problems))
             raise WeightSyncError(self._inconsistent)
+        return measured
 
     # ------------------------------------------------------------------ teardown
 
