@@ -639,7 +639,11 @@ def instrument_engine(engine, records: list[dict]) -> None:
             probe = engine.last_logprob_probe.get(engine.base_urls[0])  # what the check itself measured
             if probe:
                 rec.update(
-                    probe_tokens=probe["tokens"], probe_dlogp_mean=probe["mean_abs"], probe_dlogp_max=probe["max_abs"]
+                    probe_tokens=probe["tokens"],
+                    probe_dlogp_mean=probe["mean_abs"],
+                    probe_dlogp_max=probe["max_abs"],
+                    probe_mean_abs_logp=probe.get("mean_abs_reference"),
+                    probe_tolerance=probe.get("tolerance"),
                 )
 
     engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs = (
@@ -715,6 +719,7 @@ def run_trainer(ctx, mode: str, out: dict) -> None:
         weight_sync_lora=lora,
         weight_sync_verify=["version", "logprobs"],
         weight_sync_probe_atol=args.probe_atol,
+        weight_sync_probe_rtol=args.probe_rtol,
         weight_sync_dir=str(ctx.work_dir / f"weights_{mode}"),
     )
     peft_config = None
@@ -1057,17 +1062,26 @@ def _cold_start_lines(m: dict) -> list[str]:
 def render_markdown(r: dict) -> str:
     meta = r.get("meta", {})
     m = r.get("model") or {}
+    runs = meta.get("merged_from")
+    how = (
+        f"Command: `{meta.get('command')}`."
+        if not runs
+        else f"Merged from {len(runs)} runs of the same model (`--merge`, in this order; a later run's phase, weight "
+        "sync mode or server configuration replaces an earlier one): "
+        + "; ".join(f"{x.get('started')}: `{x.get('command')}`" for x in runs)
+        + "."
+    )
     lines = [
         "# GPT-OSS RL against a real SGLang server (`benchmarks/sglang_e2e.py`)",
         "",
-        f"Command: `{meta.get('command')}`. Device: {meta.get('env', {}).get('device')}; "
+        f"{how} Device: {meta.get('env', {}).get('device')}; "
         f"sglang {meta.get('sglang_version', '?')} (`{meta.get('server_cmd')}`, extra `{meta.get('server_args')}`).",
         f"Model: {'cold-started' if m.get('cold_start') else 'random'} GPT-OSS, {m.get('num_hidden_layers')} layers, "
         f"hidden {m.get('hidden_size')}, {m.get('heads')}, {m.get('num_local_experts')} experts, window "
         f"{m.get('sliding_window')}, {fmt(m.get('params'), ',')} parameters, bf16; random init (sinks and logits as "
         "in `benchmarks/mismatch_study.py`)" + (", then the SFT cold start below." if m.get("cold_start") else "."),
-        f"Started {meta.get('started')}, budget {meta.get('budget_s')} s; server flags checked: "
-        f"{meta.get('server_flags_checked')}.",
+        ("" if runs else f"Started {meta.get('started')}, budget {meta.get('budget_s')} s; ")
+        + f"server flags checked: {meta.get('server_flags_checked')}.",
         "",
         "| phase | status | seconds | note |",
         "|---|---|---|---|",
@@ -1129,8 +1143,8 @@ def render_markdown(r: dict) -> str:
             "whole sync (export, transfer, probe reference, log-prob check).",
             "",
             "| mode | version | bytes | sync | transfer s | total s | probe mean abs Δlogp | probe max abs Δlogp "
-            "| probe |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| probe mean abs logp (trainer) | tolerance | probe |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for mode in TRAINER_MODES:
             rec = res.get(mode)
@@ -1142,7 +1156,8 @@ def render_markdown(r: dict) -> str:
                     f"| {mode} | {s['version']} | {fmt(s['bytes'], ',')} | {'ok' if s.get('ok') else 'FAILED'} | "
                     f"{fmt(s.get('transfer_s'), '.3f')} | "
                     f"{fmt(s.get('sync_total_s'), '.3f')} | {fmt(s.get('probe_dlogp_mean'))} | "
-                    f"{fmt(s.get('probe_dlogp_max'))} | {probe} |"
+                    f"{fmt(s.get('probe_dlogp_max'))} | {fmt(s.get('probe_mean_abs_logp'))} | "
+                    f"{fmt(s.get('probe_tolerance'))} | {probe} |"
                 )
         lines.append("")
         for mode in TRAINER_MODES:
@@ -1167,20 +1182,21 @@ def render_markdown(r: dict) -> str:
         lines += [
             f"Prompts: {res.get('prompts_how')}; temperature 1; project kernel via {res.get('project_attention_how')}.",
             "",
-            "| server flags | training attention | mean abs Δp | max abs Δp | k3 KL(rollout‖train) | log-PPL diff "
-            "| tokens over threshold | note |",
-            "|---|---|---|---|---|---|---|---|",
+            "| server flags | sampled tokens | training attention | mean abs Δp | max abs Δp | k3 KL(rollout‖train) "
+            "| log-PPL diff | tokens over threshold | note |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for _name, rec in (res.get("configs") or {}).items():
             label = " ".join(rec.get("server_flags") or []) or "(default)"
             if rec.get("status") != "ok":
                 lines.append(
-                    f"| {label} | - | - | - | - | - | - | {rec.get('status')}: {(rec.get('error') or '')[:200]} |"
+                    f"| {label} | - | - | - | - | - | - | - | {rec.get('status')}: {(rec.get('error') or '')[:200]} |"
                 )
                 continue
             for row in rec.get("rows", []):
                 lines.append(
-                    f"| {label} | {row['attention']} | {fmt(row.get('prob_diff_mean'))} | "
+                    f"| {label} | {fmt(rec.get('completion_tokens'))} | {row['attention']} | "
+                    f"{fmt(row.get('prob_diff_mean'))} | "
                     f"{fmt(row.get('prob_diff_max'))} | {fmt(row.get('k3_kl'))} | "
                     f"{fmt(row.get('log_ppl_diff'), '+.3g')} | {fmt(row.get('frac_tokens_over_threshold'), '.2%')} | "
                     f"{row.get('note', '')} |"
@@ -1289,10 +1305,34 @@ def _model_identity(model: dict) -> dict:
     }
 
 
+def _parts(name: str, result: dict) -> dict:
+    """The records a phase's status is made of: its sub-runs, weight sync modes or server configurations."""
+    if name == "generate":
+        return {k: result[k] for k in ("generate", "agent") if k in result}
+    if name == "trainer":
+        return result
+    if name == "mismatch":
+        return result.get("configs") or {}
+    return {}
+
+
+def _phase_status(name: str, result: dict) -> dict:
+    """``status`` ok (every part ok), partial or failed, and ``error`` naming each part that is not ok."""
+    parts = _parts(name, result)
+    statuses = [v.get("status") for v in parts.values()]
+    status = "ok" if all(x == "ok" for x in statuses) else "partial" if "ok" in statuses else "failed"
+    if status == "ok":
+        return {"status": status}
+    return {
+        "status": status,
+        "error": "; ".join(f"{k}: {v.get('error', '')[:150]}" for k, v in parts.items() if v.get("status") != "ok"),
+    }
+
+
 def merge_runs(paths: list[Path]) -> dict:
     """One report from several runs of the same model (e.g. ``--phases generate,trainer`` then ``--phases
-    mismatch``): later runs win phase by phase, mismatch server configurations are merged one by one, a skipped
-    phase never hides one that ran, and the sync timing is recomputed from the merged trainer phase."""
+    mismatch``): later runs win phase by phase, weight sync modes and mismatch server configurations one by one, a
+    skipped phase never hides one that ran, and the sync timing is recomputed from the merged trainer phase."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     first = runs[0].get("model") or {}
     mine = _model_identity(first)
@@ -1321,12 +1361,17 @@ def merge_runs(paths: list[Path]) -> dict:
             have = merged["phases"].get(name)
             if phase.get("status") in ("skipped", "not run") and have:
                 continue
-            if name == "mismatch" and have:
-                configs = dict((have.get("result") or {}).get("configs") or {})
-                for cfg, rec in ((phase.get("result") or {}).get("configs") or {}).items():
-                    if rec.get("status") != "skipped" or cfg not in configs:
-                        configs[cfg] = rec
-                phase = {**phase, "result": {**(phase.get("result") or {}), "configs": configs}}
+            if name in ("mismatch", "trainer") and (have or {}).get("result") and "result" in phase:
+                # server configurations / weight sync modes one by one: a later run's wins unless it was skipped
+                earlier, later = _parts(name, have.get("result") or {}), _parts(name, phase["result"])
+                parts = dict(earlier)
+                for key, rec in later.items():
+                    if rec.get("status") != "skipped" or key not in parts:
+                        parts[key] = rec
+                result = {**phase["result"], "configs": parts} if name == "mismatch" else parts
+                phase = {k: v for k, v in phase.items() if k not in ("error", "traceback", "server_log_tail")}
+                phase.update(result=result, **_phase_status(name, result))
+                phase["wall_s"] = sum(rec.get("wall_s") or 0.0 for rec in parts.values())  # of the parts shown
             merged["phases"][name] = phase
     timing: dict = {}
     args = argparse.Namespace(model=merged["meta"].get("model_kind", "20b"))
@@ -1386,6 +1431,7 @@ def parse_args(argv=None):
         help="how the LoRA adapter travels: tensor (CUDA IPC, same machine) or disk (a shared directory)",
     )
     p.add_argument("--probe-atol", type=float, default=0.05, help="weight_sync_probe_atol (the trainer's default)")
+    p.add_argument("--probe-rtol", type=float, default=0.01, help="weight_sync_probe_rtol (the trainer's default)")
     p.add_argument("--threshold", type=float, default=0.1)
     p.add_argument("--sink-mean", type=float, default=1.0)
     p.add_argument("--sink-std", type=float, default=1.5)
@@ -1507,17 +1553,7 @@ def main(argv=None) -> dict:
                 else:
                     with deadline(min(limit, ctx.left()), name):
                         fn(ctx, ph["result"])
-                subs = {
-                    "generate": {k: ph["result"][k] for k in ("generate", "agent") if k in ph["result"]},
-                    "trainer": ph["result"],
-                    "mismatch": ph["result"].get("configs") or {},
-                }.get(name, {})
-                statuses = [v.get("status") for v in subs.values()]
-                ph["status"] = "ok" if all(x == "ok" for x in statuses) else "partial" if "ok" in statuses else "failed"
-                if ph["status"] != "ok":
-                    ph["error"] = "; ".join(
-                        f"{k}: {v.get('error', '')[:150]}" for k, v in subs.items() if v.get("status") != "ok"
-                    )
+                ph.update(_phase_status(name, ph["result"]))
             except BaseException as exc:  # noqa: BLE001 - recorded; the next phase runs
                 if isinstance(exc, KeyboardInterrupt):
                     raise

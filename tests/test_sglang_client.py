@@ -737,6 +737,28 @@ def test_logprob_probe_names_the_mismatch(server, model):
     asyncio.run(main())
 
 
+def test_logprob_probe_tolerance_is_relative_to_the_log_probs(server, model):
+    """atol + rtol * mean |reference|: a reference off by 0.5% of each log-prob passes rtol 1%, one off by 2% fails."""
+    probe = [3, 1, 4, 1, 5, 9, 2, 6]
+    exact = reference_logprobs(model, probe)
+
+    async def main():
+        c = client(server.url, sync_mode="tensor", verify=("version", "logprobs"), logprob_probe_atol=0.0)
+        await c.update_weights(model.state_dict().items(), version=1)
+        near = (await c.verify_logprobs(probe, [v * 1.005 for v in exact]))[server.url]
+        scale = sum(abs(v) for v in exact) * 1.005 / len(exact)
+        assert near["mean_abs_reference"] == pytest.approx(scale)
+        assert near["tolerance"] == pytest.approx(0.01 * scale)
+        assert 0.003 * scale < near["mean_abs"] < near["tolerance"]
+        with pytest.raises(WeightSyncError, match=r"> [0-9.e-]+ = atol 0 \+ rtol 0.01 \* mean \|trainer log-prob\|"):
+            await c.verify_logprobs(probe, [v * 1.02 for v in exact])
+        await c.close()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="logprob_probe_atol and logprob_probe_rtol must be >= 0"):
+        client(server.url, logprob_probe_rtol=-1.0)
+
+
 def _lora_policy():
     from peft import LoraConfig, get_peft_model
 

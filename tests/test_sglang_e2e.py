@@ -123,7 +123,7 @@ def test_sglang_e2e_records_every_phase(tmp_path):
     md = (out / "sglang_e2e.md").read_text()
     for heading in ("## 1. generate", "## 2. trainer", "## 3. mismatch", "## 4. sync_timing", "## Server launches"):
         assert heading in md
-    assert "| server flags | training attention |" in md and "--enable-deterministic-inference" in md
+    assert "| server flags | sampled tokens | training attention |" in md and "--enable-deterministic-inference" in md
     assert (out / "sglang_e2e.png").stat().st_size > 0
     assert results["meta"]["total_s"] < 200
 
@@ -145,6 +145,18 @@ def test_sglang_e2e_records_every_phase(tmp_path):
     assert merged["phases"]["sync_timing"]["result"]["modes"] == json.loads(json.dumps(timing))
     assert [m["json"] for m in merged["meta"]["merged_from"]] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
     assert "## 3. mismatch" in (merged_out / "sglang_e2e.md").read_text()
+    # weight sync modes merge one by one: a later run of one mode replaces only that mode, and the status follows
+    failed_disk = {**phases["trainer"]["result"]["disk"], "status": "failed", "error": "WeightSyncError: probe"}
+    third = {**results, "phases": {"trainer": {"status": "failed", "result": {"disk": failed_disk}}}, "launches": []}
+    (tmp_path / "t.json").write_text(json.dumps(third))
+    paths = [str(tmp_path / n) for n in ("a.json", "t.json")]
+    remerged = main(["--merge", *paths, "--out", str(tmp_path / "remerged")])["phases"]["trainer"]
+    assert remerged["result"]["disk"] == failed_disk
+    assert remerged["result"]["tensor"] == phases["trainer"]["result"]["tensor"]
+    assert remerged["status"] == "partial" and remerged["error"].startswith("disk: WeightSyncError")
+    merged_again = main(["--merge", *paths, str(tmp_path / "a.json"), "--out", str(tmp_path / "remerged")])
+    assert merged_again["phases"]["trainer"]["status"] == phases["trainer"]["status"]
+    assert "Merged from 3 runs" in (tmp_path / "remerged" / "sglang_e2e.md").read_text()
     other = {**second, "model": {**results["model"], "num_hidden_layers": 3}}
     (tmp_path / "c.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="another model"):

@@ -48,9 +48,11 @@ class AgenticGRPOConfig(GRPOConfig):
             Checks after every sync; a failure stops training with an error naming the server: `"version"` (every
             server reports the new `weight_version`; always on), `"checksum"` (SGLang's `/weights_checker`: the
             weights changed, and servers with the same parallelism agree), `"logprobs"` (the servers' log-probs of a
-            short probe sequence match the trainer's within `weight_sync_probe_atol`).
-        weight_sync_probe_atol (`float`, defaults to `0.05`):
-            Largest mean absolute log-prob difference the `"logprobs"` check accepts (bf16 engines differ by ~1e-2).
+            short probe sequence match the trainer's within `weight_sync_probe_atol` and `weight_sync_probe_rtol`).
+        weight_sync_probe_atol (`float`, defaults to `0.05`), weight_sync_probe_rtol (`float`, defaults to `0.01`):
+            The `"logprobs"` check accepts a mean absolute log-prob difference up to
+            `atol + rtol * mean(|trainer log-prob|)` over the probe. bf16 logits carry a relative rounding error, so
+            unlikely probe tokens (log-prob near -30) differ by tenths of a nat between two correct bf16 engines.
         weight_sync_pause_mode (`str`, defaults to `"retract"`):
             `/pause_generation` mode around a sync: `"retract"` (running requests are recomputed with the new
             weights), `"abort"`, `"in_place"` (running requests finish on their old KV cache; the radix cache is not
@@ -171,7 +173,11 @@ class AgenticGRPOConfig(GRPOConfig):
         default_factory=lambda: ["version"], metadata={"help": "Checks after each sync: version, checksum, logprobs."}
     )
     weight_sync_probe_atol: float = field(
-        default=0.05, metadata={"help": "Largest mean |log-prob difference| of the 'logprobs' check."}
+        default=0.05, metadata={"help": "'logprobs' check: absolute part of the mean |log-prob difference| allowed."}
+    )
+    weight_sync_probe_rtol: float = field(
+        default=0.01,
+        metadata={"help": "'logprobs' check: relative part (times the mean |trainer log-prob| of the probe)."},
     )
     weight_sync_pause_mode: str = field(
         default="retract", metadata={"help": "Pause mode around syncs: retract, abort, in_place or none."}
@@ -261,6 +267,8 @@ class AgenticGRPOConfig(GRPOConfig):
                 "weight_sync_lora needs weight_sync_mode 'disk' or 'tensor': SGLang loads adapters from a path or from "
                 "tensors, not over NCCL."
             )
+        if not self.weight_sync_probe_rtol >= 0:
+            raise ValueError(f"weight_sync_probe_rtol must be >= 0, got {self.weight_sync_probe_rtol}.")
         for name in (
             "weight_sync_probe_atol",
             "weight_sync_bucket_mb",

@@ -548,6 +548,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             pause_mode=None if args.weight_sync_pause_mode == "none" else args.weight_sync_pause_mode,
             verify=args.weight_sync_verify,
             logprob_probe_atol=args.weight_sync_probe_atol,
+            logprob_probe_rtol=args.weight_sync_probe_rtol,
         )
         # Fail here, with each unreachable URL and its last error, rather than abort every trajectory of step 1.
         engine.check_servers()

@@ -195,7 +195,10 @@ class SGLangEngine(RolloutEngine):
         verify: checks after every sync: ``"version"`` (always: every server reports the new
             ``weight_version``), ``"checksum"`` (``/weights_checker``: the weights changed and servers of the
             same layout agree), ``"logprobs"`` (`verify_logprobs` against the trainer's log-probs).
-        logprob_probe_atol: largest mean absolute log-prob difference `verify_logprobs` accepts.
+        logprob_probe_atol, logprob_probe_rtol: `verify_logprobs` accepts a mean absolute log-prob difference up to
+            ``atol + rtol * mean(|reference log-prob|)`` (as `torch.allclose`, on the means). The relative term is
+            there because bf16 logits carry a relative rounding error: unlikely probe tokens (log-prob near -30)
+            differ by tenths of a nat between two correct bf16 engines.
         lora_name: name prefix of the adapters loaded by `update_lora_adapter` (``<prefix>-v<version>``).
     """
 
@@ -226,6 +229,7 @@ class SGLangEngine(RolloutEngine):
         pause_mode: str | None = "retract",
         verify: str | Iterable[str] = ("version",),
         logprob_probe_atol: float = 0.05,
+        logprob_probe_rtol: float = 0.01,
         lora_name: str = "policy",
     ) -> None:
         try:
@@ -284,6 +288,11 @@ class SGLangEngine(RolloutEngine):
         self.pause_mode = pause_mode
         self.verify = verify
         self.logprob_probe_atol = float(logprob_probe_atol)
+        self.logprob_probe_rtol = float(logprob_probe_rtol)
+        if not (self.logprob_probe_atol >= 0 and self.logprob_probe_rtol >= 0):
+            raise ValueError(
+                f"logprob_probe_atol and logprob_probe_rtol must be >= 0, got {logprob_probe_atol}, {logprob_probe_rtol}"
+            )
         self.lora_name = lora_name
         if pause_mode == "in_place":
             logger.warning(
@@ -744,8 +753,9 @@ class SGLangEngine(RolloutEngine):
     async def verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
         """Score ``probe_ids`` on every server (``input_token_logprobs``, temperature 1) and compare with
         ``reference`` (the trainer's log-probs of ``probe_ids[1:]``); raise `WeightSyncError` naming the server
-        when the mean absolute difference exceeds ``logprob_probe_atol``. Returns, and keeps in
-        ``last_logprob_probe`` (also when it raises), ``{url: {"tokens", "mean_abs", "max_abs"}}``."""
+        when the mean absolute difference exceeds ``logprob_probe_atol + logprob_probe_rtol * mean(|reference|)``.
+        Returns, and keeps in ``last_logprob_probe`` (also when it raises),
+        ``{url: {"tokens", "mean_abs", "max_abs", "mean_abs_reference", "tolerance"}}``."""
         return await self._on_engine_loop(self._verify_logprobs(list(probe_ids), list(reference)))
 
     async def _verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
@@ -764,6 +774,8 @@ class SGLangEngine(RolloutEngine):
             payload["lora_path"] = self._lora_name
         answers = await asyncio.gather(*(self._request("POST", u, "/generate", payload) for u in self.base_urls))
         problems = []
+        scale = sum(abs(v) for v in reference) / max(len(reference), 1)
+        tolerance = self.logprob_probe_atol + self.logprob_probe_rtol * scale
         for url, item in zip(self.base_urls, answers):
             entries = ((item or {}).get("meta_info") or {}).get("input_token_logprobs") or []
             served = [e[0] if isinstance(e, (list, tuple)) else e for e in entries][1:]  # the first token has none
@@ -772,11 +784,18 @@ class SGLangEngine(RolloutEngine):
                 continue
             diff = [abs(a - b) for a, b in zip(served, reference)]
             mean = sum(diff) / len(diff)
-            measured[url] = {"tokens": len(diff), "mean_abs": mean, "max_abs": max(diff)}
-            if mean > self.logprob_probe_atol:
+            measured[url] = {
+                "tokens": len(diff),
+                "mean_abs": mean,
+                "max_abs": max(diff),
+                "mean_abs_reference": scale,
+                "tolerance": tolerance,
+            }
+            if mean > tolerance:
                 worst = max(range(len(diff)), key=diff.__getitem__)
                 problems.append(
-                    f"{url}: mean |log-prob difference| {mean:.4f} > {self.logprob_probe_atol:g} (worst at probe "
+                    f"{url}: mean |log-prob difference| {mean:.4f} > {tolerance:.4g} = atol {self.logprob_probe_atol:g}"
+                    f" + rtol {self.logprob_probe_rtol:g} * mean |trainer log-prob| {scale:.4g} (worst at probe "
                     f"token {worst + 1}: server {served[worst]:.4f}, trainer {reference[worst]:.4f})"
                 )
         if problems:
