@@ -36,7 +36,8 @@ packed into one row (`hf_gptoss_rl.packing.packed_completion_logprobs`, what `Ag
 `padding_free`); the stock variants run it as TRL 1.16 does: padded to its longest trajectory (prompts left,
 completions right, an attention mask), scored through a fused LM head (TRL 1.16's `fused_lm_head=True`; here the
 chunked head, the same call contract). Useful tokens/s = real tokens of the batch / step seconds. Writes
-`full_step_ragged.{md,json}`.
+`full_step_ragged.{md,json,png}`, with the loss and the sum of the completion log-probs of every variant (packed and
+padded must agree).
 
 Per (variant, S), in its own subprocess (an OOM or crash is reported and does not poison the other runs):
 
@@ -59,7 +60,8 @@ On a GPU machine, `pip install -e ".[dev]"` gives every variant but FA4; for `fa
 CUDA 12.8+): `pip install flash-attn-4==4.0.0b36`.
 
 Writes `full_step.md`, `full_step.png`, `full_step.json` into `--out` (default `docs/benchmarks/`);
-`--report-from docs/benchmarks/full_step.json` re-renders the report of a saved run (no GPU).
+`--report-from docs/benchmarks/full_step.json` (or `full_step_ragged.json`) re-renders the report of a saved run
+(no GPU). The ragged case writes `full_step_ragged.{md,json,png}`.
 """
 
 from __future__ import annotations
@@ -442,6 +444,13 @@ def ragged_measure(spec: dict, result: dict, model, config, device, packed: bool
     return result
 
 
+def _env_text(env: dict) -> str:
+    return (
+        f"{env['device']} (torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}, triton "
+        f"{env['triton']}, kernels {env['kernels']}{', commit ' + env['commit'] if env.get('commit') else ''})"
+    )
+
+
 def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "full_step_ragged.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
@@ -449,8 +458,10 @@ def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
     lines = [
         "# Full GRPO step on a ragged agentic batch (`benchmarks/full_step.py --ragged`)",
         "",
-        f"Command: `{meta['command']}`. Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, LoRA r=16 "
-        "on q/k/v/o, gradient checkpointing; on-policy GRPO loss (dapo) with gradient accumulation.",
+        f"Measured on {_env_text(meta['env'])}. Command: `{meta['command']}`.",
+        f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
+        "gradient checkpointing; on-policy GRPO loss (dapo) with gradient accumulation; "
+        f"{meta.get('warmup', 1)} warm-up + {meta.get('repeats', 1)} timed step(s) (median).",
         f"Batch: {len(r0['lengths'])} trajectories, lengths ~ log-normal(median {r0['median']}, sigma {r0['sigma']}), "
         f"clipped to [{r0['min']}, {r0['max']}], seed {r0['seed']}: {r0['lengths']} ({sum(r0['lengths']):,} tokens); "
         f"micro-batches of {r0['micro_batch']} rows; prompt = first 1/8 of each.",
@@ -471,7 +482,44 @@ def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
     for ours in (n for n in timed if VARIANTS[n]["attn"] == "project"):
         for other in (n for n in timed if VARIANTS[n]["attn"] != "project"):
             lines.append(f"- {ours}: {timed[other] / timed[ours]:.2f}x the useful tokens/s of {other}")
+    # packed and padded compute the same loss: the timed step's loss and the sum of the completion log-probs
+    same = [r for r in results if r.get("loss") is not None and r.get("completion_logp_sum") is not None]
+    if len(same) > 1:
+        ref = same[0]
+        for r in same[1:]:
+            lines.append(
+                f"- same batch, same loss: {r['variant']} ({r['path']}) vs {ref['variant']} ({ref['path']}): loss "
+                f"{r['loss']:.8g} vs {ref['loss']:.8g} (relative difference "
+                f"{abs(r['loss'] - ref['loss']) / max(abs(ref['loss']), 1e-30):.1e}); sum of completion log-probs "
+                f"{r['completion_logp_sum']:.8g} vs {ref['completion_logp_sum']:.8g} (relative difference "
+                f"{abs(r['completion_logp_sum'] - ref['completion_logp_sum']) / max(abs(ref['completion_logp_sum']), 1e-30):.1e})"
+            )
+    lines += ["", "![ragged batch](full_step_ragged.png)"]
     (out / "full_step_ragged.md").write_text("\n".join(lines) + "\n")
+    plot_ragged(out / "full_step_ragged.png", results)
+
+
+def plot_ragged(path: Path, results: list[dict]) -> None:
+    """Useful tokens/s and peak GiB of the GRPO step per variant on the ragged batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "seconds" in (r.get("grpo_step") or {})]
+    names = [f"{r['variant']}\n({r.get('path', '?')})" for r in ok]
+    fig, (ax_tps, ax_mem) = plt.subplots(1, 2, figsize=(11, 3.8))
+    ax_tps.barh(names, [r["useful_tokens"] / r["grpo_step"]["seconds"] for r in ok])
+    ax_tps.set_xlabel("useful tokens/s (real tokens / step seconds)")
+    ax_mem.barh(names, [r["grpo_step"].get("peak_gib") or 0.0 for r in ok])
+    ax_mem.set_xlabel("peak GiB (weights included)")
+    for ax in (ax_tps, ax_mem):
+        ax.tick_params(axis="y", labelsize=7)
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle("GRPO step on a ragged agentic batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run_ragged(args, device, layers: int, names: list[str], start: float) -> list[dict]:
@@ -505,7 +553,8 @@ def run_ragged(args, device, layers: int, names: list[str], start: float) -> lis
     from hf_gptoss_rl.testing import environment
 
     meta = {"env": environment(), "command": "python benchmarks/full_step.py " + " ".join(args.argv), "model": args.model,
-            "layers": layers, "dtype": args.dtype, "ragged": ragged}  # fmt: skip
+            "layers": layers, "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats,
+            "ragged": ragged}  # fmt: skip
     write_ragged_report(args.out, results, meta)
     print((args.out / "full_step_ragged.md").read_text())
     return results
@@ -632,15 +681,79 @@ def cell_peak(m: dict | None) -> str:
 _CLOCKS = {"device": "GPU", "cpu": "CPU"}  # the names older reports stored
 
 
+# NVIDIA H200 SXM datasheet: 1,979 TFLOPS bf16 Tensor Core "with sparsity"; dense is half of that
+H200_DENSE_BF16_TFLOPS = 989.5
+
+
+def grpo_step_flops(config, seq_len: int, prompt_len: int) -> dict:
+    """Model FLOPs of one LoRA GRPO step on one sequence (the MFU convention: forward + backward, recomputation not
+    counted, so every variant is held to the same work). Matmuls only, 2 FLOPs per multiply-add:
+
+    - linear layers per token and layer: q/k/v/o projections, the router, and ``num_experts_per_tok`` experts
+      (gate_up ``h x 2i``, down ``i x h``); backward = the input gradients only, as many FLOPs as the forward (the
+      base weights are frozen, so no weight gradients; LoRA's own rank-16 products are under 1% and left out);
+    - attention: QK^T and PV over the (query, key) pairs each layer sees (causal: S(S+1)/2; sliding window W: the
+      last W keys); backward recomputes QK^T and computes dV, dP, dQ, dK: 2.5x forward;
+    - LM head: the completion positions only (``S - prompt_len``), forward + input gradient.
+    """
+    h, d, hq = config.hidden_size, config.head_dim, config.num_attention_heads
+    hkv, inter, k = config.num_key_value_heads, config.intermediate_size, config.num_experts_per_tok
+    per_token_layer = 2 * (h * (hq + 2 * hkv) * d + hq * d * h + h * config.num_local_experts + k * 3 * h * inter)
+    linear = 2 * config.num_hidden_layers * per_token_layer * seq_len  # forward + input gradients
+    attention = 0
+    for kind in config.layer_types:
+        if kind == "sliding_attention":
+            w = config.sliding_window
+            pairs = seq_len * w - w * (w - 1) // 2 if seq_len >= w else seq_len * (seq_len + 1) // 2
+        else:
+            pairs = seq_len * (seq_len + 1) // 2
+        attention += 3.5 * (2 * 2 * pairs * d * hq)
+    head = 2 * 2 * h * config.vocab_size * (seq_len - prompt_len)
+    total = linear + attention + head
+    return {"linear": linear, "attention": attention, "lm_head": head, "total": total}
+
+
+def flop_limit_lines(results: list[dict], layers: int) -> list[str]:
+    """What is left to the FLOP limit: each measured GRPO step against the model FLOPs at the dense bf16 peak."""
+    from hf_gptoss_rl.testing import gptoss_20b_config
+
+    config = gptoss_20b_config(num_hidden_layers=layers)
+    rows = [r for r in results if "seconds" in (r.get("grpo_step") or {})]
+    if not rows:
+        return []
+    lines = [
+        "## What is left to the FLOP limit",
+        "",
+        f"Model FLOPs of one GRPO step (`grpo_step_flops`: forward + backward of the {layers}-layer model with "
+        "frozen base weights, recomputation not counted, the same work for every variant) against the H200's dense "
+        f"bf16 peak of {H200_DENSE_BF16_TFLOPS:g} TFLOP/s (NVIDIA's datasheet: 1,979 with sparsity). "
+        "The limit is the step time at that peak; MFU = limit / measured.",
+        "",
+        "| S | linear TFLOP | attention TFLOP | LM head TFLOP | total TFLOP | limit s | limit tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    per_len = {}
+    for s in sorted({r["seq_len"] for r in rows}):
+        f = per_len[s] = grpo_step_flops(config, s, s // 8)
+        limit = f["total"] / (H200_DENSE_BF16_TFLOPS * 1e12)
+        lines.append(
+            f"| {s:,} | {f['linear'] / 1e12:.0f} | {f['attention'] / 1e12:.0f} | {f['lm_head'] / 1e12:.0f} | "
+            f"{f['total'] / 1e12:.0f} | {limit:.3f} | {s / limit:,.0f} |"
+        )
+    lines += ["", "| variant | S | GRPO step s | MFU |", "|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"]))):
+        limit = per_len[r["seq_len"]]["total"] / (H200_DENSE_BF16_TFLOPS * 1e12)
+        sec = r["grpo_step"]["seconds"]
+        lines.append(f"| {VARIANTS[r['variant']]['label']} | {r['seq_len']:,} | {sec:.2f} | {limit / sec:.0%} |")
+    return lines + [""]
+
+
 def write_report(out: Path, results: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Full GRPO step, gpt-oss-20b-shaped model (`benchmarks/full_step.py`)",
         "",
-        f"Measured on {meta['env']['device']} (torch {meta['env']['torch']}, transformers "
-        f"{meta['env']['transformers']}, peft {meta['env']['peft']}, triton {meta['env']['triton']}, kernels "
-        f"{meta['env']['kernels']}{', commit ' + meta['env']['commit'] if meta['env'].get('commit') else ''}). "
-        f"Command: `{meta['command']}`.",
+        f"Measured on {_env_text(meta['env'])}. Command: `{meta['command']}`.",
         f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
         f"gradient checkpointing; one sequence, loss over the last 7/8 of it; {meta['warmup']} warm-up + "
         f"{meta['repeats']} timed repeat(s) (median); PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']!r}.",
@@ -679,6 +792,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
                     )
     lines += ratio_lines or ["- (no pair measured)"]
     lines += ["", f"![full step]({meta['png_name']})", ""]
+    if meta.get("model") == "20b":
+        lines += flop_limit_lines(results, meta["layers"])
     profiled = [r for r in results if r.get("step_profile")]
     for r in sorted(profiled, key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"]))):
         prof = r["step_profile"]
@@ -776,7 +891,10 @@ def main(argv=None) -> list[dict]:
         return []
     if args.report_from is not None:
         saved = json.loads(args.report_from.read_text())
-        write_report(args.out, saved["results"], saved["meta"])
+        if "ragged" in saved["meta"]:
+            write_ragged_report(args.out, saved["results"], saved["meta"])
+        else:
+            write_report(args.out, saved["results"], saved["meta"])
         return saved["results"]
     start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -368,4 +368,32 @@ def test_full_step_ragged_batch_runs_on_cpu(tmp_path):
     # the kernel on packed rows and eager on padded rows score the same tokens alike (fp32)
     assert packed["completion_logp_sum"] == pytest.approx(padded["completion_logp_sum"], rel=1e-5)
     assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
-    assert "useful tokens/s" in (tmp_path / "full_step_ragged.md").read_text()
+    md = (tmp_path / "full_step_ragged.md").read_text()
+    assert "useful tokens/s" in md and "same batch, same loss: eager_grouped_mm (padded) vs project (packed)" in md
+    assert (tmp_path / "full_step_ragged.png").stat().st_size > 0
+    # --report-from re-renders a saved ragged run
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "benchmarks/full_step.py", "--report-from", str(tmp_path / "full_step_ragged.json"),
+                    "--out", str(again)], check=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert (again / "full_step_ragged.md").read_text() == md
+
+
+def test_grpo_step_flops_by_hand():
+    """The FLOP model of the full-step report, on a config small enough to count by hand."""
+    from benchmarks.full_step import grpo_step_flops
+    from hf_gptoss_rl.testing import gptoss_20b_config
+
+    config = gptoss_20b_config(
+        num_hidden_layers=2, hidden_size=8, intermediate_size=4, head_dim=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2, sliding_window=3, vocab_size=10,
+    )  # fmt: skip
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    s, prompt = 5, 1
+    # per token and layer, multiply-adds: q 8x8, k and v 8x4 each, o 8x8, router 8x3, 2 experts of 8x8 + 4x8
+    macs = 64 + 2 * 32 + 64 + 24 + 2 * (64 + 32)
+    pairs = (1 + 2 + 3 + 3 + 3) + (1 + 2 + 3 + 4 + 5)  # window of 3 keys, then causal
+    f = grpo_step_flops(config, s, prompt)
+    assert f["linear"] == 2 * 2 * macs * 2 * s  # 2 FLOPs per multiply-add, forward + input gradient, 2 layers
+    assert f["attention"] == 3.5 * 2 * 2 * pairs * 2 * 4  # QK^T and PV, head_dim 2, 4 heads; backward 2.5x
+    assert f["lm_head"] == 2 * 2 * 8 * 10 * (s - prompt)
+    assert f["total"] == f["linear"] + f["attention"] + f["lm_head"]
