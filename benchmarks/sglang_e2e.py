@@ -666,15 +666,9 @@ async def _timed(rec: dict, coro) -> None:
         rec["transfer_s"] = time.perf_counter() - t0
 
 
-def run_trainer(ctx, mode: str, out: dict) -> None:
-    """One trainer run; fills ``out`` as it goes (a failure keeps the syncs measured before it)."""
-    from transformers import TrainerCallback
-
-    from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
-    from trl_ext.recipes import load_math_dataset, retool_reward_func
-    from trl_ext.tools import CodeInterpreterTool
-
-    args, device = ctx.args, ctx.device
+def start_trainer_server(ctx, mode: str, out: dict) -> str:
+    """The server a trainer mode runs against (LoRA: restarted with ``--enable-lora``); returns its URL."""
+    args = ctx.args
     lora = mode == "lora"
     flags = (
         ["--enable-lora", "--max-lora-rank", str(args.lora_rank), "--lora-target-modules", *LORA_TARGETS]
@@ -689,6 +683,20 @@ def run_trainer(ctx, mode: str, out: dict) -> None:
     )
     if ctx.server.external and flags:
         out["note"] = f"--url: flags {flags} not applied by this script (the server must have been launched with them)"
+    return url
+
+
+def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
+    """One trainer run against the server at ``url``; fills ``out`` as it goes (a failure keeps the syncs measured
+    before it)."""
+    from transformers import TrainerCallback
+
+    from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+    from trl_ext.recipes import load_math_dataset, retool_reward_func
+    from trl_ext.tools import CodeInterpreterTool
+
+    args, device = ctx.args, ctx.device
+    lora = mode == "lora"
     model = load_policy(args.model_dir, device, attn="eager")
     dataset = load_math_dataset(str(TRAIN_DATA), limit=args.train_rows)
     cuda = device.type == "cuda"
@@ -796,8 +804,10 @@ def phase_trainer(ctx, results: dict) -> None:
             ctx.checkpoint()
             continue
         try:
+            # the server start has its own deadline (--ready-timeout-s); the mode's starts once it is up
+            url = start_trainer_server(ctx, mode, rec)
             with deadline(min(ctx.args.trainer_timeout_s, ctx.left()), f"trainer {mode}"):
-                run_trainer(ctx, mode, rec)
+                run_trainer(ctx, mode, rec, url)
             rec["status"] = "ok"
         except BaseException as exc:  # noqa: BLE001 - recorded; the next mode runs
             if isinstance(exc, KeyboardInterrupt):
@@ -855,8 +865,9 @@ def phase_mismatch(ctx, result: dict) -> None:
                 missing = [f for f in flags if f not in ctx.server_flags_known]
                 if ctx.server_flags_known and missing:
                     raise RuntimeError(f"flags not in this sglang's server arguments: {missing}")
+                # the server start has its own deadline (--ready-timeout-s); the configuration's starts once it is up
+                url = ctx.server.ensure(f"mismatch_{name}", flags, args.ready_timeout_s)
                 with deadline(min(args.mismatch_timeout_s, ctx.left()), f"mismatch {name}"):
-                    url = ctx.server.ensure(f"mismatch_{name}", flags, args.ready_timeout_s)
                     engine = sglang_engine(url, args, sync_mode="disk", model_config=model.config)
                     try:
                         if ctx.server.dirty:  # --url server a trainer synced into: back to --model-dir's weights
@@ -1412,8 +1423,12 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0, help="no phase starts after this many seconds")
     p.add_argument("--ready-timeout-s", type=float, default=180.0, help="deadline of one server start")
     p.add_argument("--generate-timeout-s", type=float, default=240.0, help="includes the first server start")
-    p.add_argument("--trainer-timeout-s", type=float, default=200.0, help="per weight sync mode")
-    p.add_argument("--mismatch-timeout-s", type=float, default=180.0, help="per server configuration")
+    p.add_argument(
+        "--trainer-timeout-s", type=float, default=200.0, help="per weight sync mode, from the server being ready"
+    )
+    p.add_argument(
+        "--mismatch-timeout-s", type=float, default=180.0, help="per server configuration, from the server being ready"
+    )
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--agent-prompts", type=int, default=4)
