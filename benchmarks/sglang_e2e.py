@@ -626,16 +626,9 @@ def instrument_engine(engine, records: list[dict]) -> None:
 
     async def verify_logprobs(probe_ids, reference):
         rec = records[-1] if records else {}
-        t0 = time.perf_counter()
         try:
-            await verify(probe_ids, reference)
-            rec["probe_pass"] = True
-        except BaseException as exc:
-            rec["probe_pass"] = False
-            rec["error"] = error_text(exc)
-            raise
+            await _timed(rec, verify(probe_ids, reference), ok_key="probe_pass", seconds_key="verify_s")
         finally:
-            rec["verify_s"] = time.perf_counter() - t0
             probe = engine.last_logprob_probe.get(engine.base_urls[0])  # what the check itself measured
             if probe:
                 rec.update(
@@ -653,17 +646,18 @@ def instrument_engine(engine, records: list[dict]) -> None:
     )
 
 
-async def _timed(rec: dict, coro) -> None:
+async def _timed(rec: dict, coro, *, ok_key: str = "ok", seconds_key: str = "transfer_s") -> None:
+    """Await ``coro``; record in ``rec`` whether it succeeded (``ok_key``), its error, and its seconds."""
     t0 = time.perf_counter()
     try:
         await coro
-        rec["ok"] = True
+        rec[ok_key] = True
     except BaseException as exc:
-        rec["ok"] = False
+        rec[ok_key] = False
         rec["error"] = error_text(exc)
         raise
     finally:
-        rec["transfer_s"] = time.perf_counter() - t0
+        rec[seconds_key] = time.perf_counter() - t0
 
 
 def start_trainer_server(ctx, mode: str, out: dict) -> str:
