@@ -18,6 +18,10 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
   (`hf_gptoss_rl.fused_layers.apply_fused_gptoss_rope`);
   `project_sac_experts_liger_torchlp` is the first of these with the log-prob chunks in PyTorch ops
   (`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch`) instead of the fused Triton kernels, the CUDA default;
+- `project_default` (optional): `AgenticGRPOConfig()`'s stack: `project_sac_experts_liger_rope` with the experts
+  outputs kept only up to the memory-derived token bound of `checkpoint_experts_max_tokens`'s default
+  (`hf_gptoss_rl.checkpointing.experts_max_tokens_for_model`; ~43k tokens for gpt-oss-20b on a 140 GiB GPU, so
+  `project_sac_experts_liger_rope` at 32k and `project_sac_liger_rope` at 64k);
 - `flex_grouped_mm`: `flex_attention` (sinks by LSE renormalisation) + `grouped_mm` experts (transformers'
   default) + full-vocabulary logits (`model(..., logits_to_keep=T+1).logits`, fp32 log-softmax), as a stock
   trainer without a fused LM head computes them;
@@ -54,7 +58,7 @@ going at the deadline is killed and reported as timed out.
 
     python benchmarks/full_step.py                                   # one H200: S = 16k, 32k, 64k (~6-8 min)
     python -m benchmarks.full_step --model tiny --device cpu --seq-lens 64 --out /tmp/x   # smoke test
-    python benchmarks/full_step.py --ragged --variants project_sac_liger_rope,fa4_grouped_mm  # ragged batch
+    python benchmarks/full_step.py --ragged --variants project_default,fa4_grouped_mm  # ragged batch
 
 On a GPU machine, `pip install -e ".[dev]"` gives every variant but FA4; for `fa4_grouped_mm` (Hopper or newer,
 CUDA 12.8+): `pip install flash-attn-4==4.0.0b36`.
@@ -127,6 +131,16 @@ VARIANTS = {
         "experts": "memory_efficient",
         "logprobs": "chunked",
         "checkpoint_saves": ("attention",),
+        "liger": True,
+        "rope": True,
+    },
+    "project_default": {  # AgenticGRPOConfig()'s stack; experts outputs kept up to the memory-derived bound
+        "label": "project, default configuration: SAC (attention + experts where memory allows) + Liger + fused RoPE",
+        "attn": "project",
+        "experts": "memory_efficient",
+        "logprobs": "chunked",
+        "checkpoint_saves": ("attention", "experts"),
+        "experts_max_tokens": "auto",
         "liger": True,
         "rope": True,
     },
@@ -289,7 +303,7 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
-    from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
+    from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model, selective_checkpointing_kwargs
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
     from hf_gptoss_rl.testing import build_random_gptoss, gptoss_20b_config, set_project_attention, tiny_gptoss_config
 
@@ -320,9 +334,14 @@ def worker(spec: dict) -> dict:
         apply_fused_gptoss_rope(model)
     saves = variant.get("checkpoint_saves", ())
     result["checkpoint_saves"] = list(saves)
+    max_tokens = None
+    if variant.get("experts_max_tokens") == "auto":  # the trainer's default bound (checkpoint_experts_max_tokens)
+        max_tokens = result["experts_max_tokens"] = experts_max_tokens_for_model(model, device)
     # selective checkpointing keeps the named ops' outputs instead of recomputing them (hf_gptoss_rl.checkpointing)
     model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs=selective_checkpointing_kwargs(saves) if saves else {"use_reentrant": False}
+        gradient_checkpointing_kwargs=selective_checkpointing_kwargs(saves, experts_max_tokens=max_tokens)
+        if saves
+        else {"use_reentrant": False}
     )
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
     model.train()

@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hf_gptoss_rl  # noqa: F401  (registers the kernel id and the experts implementation)
 from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
 from hf_gptoss_rl.checkpointing import (
+    experts_max_tokens_for_memory,
+    kept_experts_bytes_per_token,
     selective_checkpoint_policy,
     selective_checkpointing_kwargs,
 )
@@ -102,7 +104,44 @@ def test_selective_checkpointing_matches_no_checkpointing(state_dict):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("max_tokens, experts_runs", [(42, NUM_LAYERS), (41, 2 * NUM_LAYERS), (0, 2 * NUM_LAYERS)])
+def test_experts_max_tokens_bounds_what_is_kept(state_dict, max_tokens, experts_runs):
+    """A micro-batch of 2 x 21 = 42 tokens keeps the experts outputs up to a bound of 42 tokens and recomputes them
+    below it; attention is kept either way and the gradients stay bitwise those of plain checkpointing."""
+    _, plain_loss, plain_grads = run_step(state_dict, {"use_reentrant": False})
+    kwargs = selective_checkpointing_kwargs(("attention", "experts"), experts_max_tokens=max_tokens)
+    counts, loss, grads = run_step(state_dict, kwargs)
+    assert dict(counts) == {"attention": NUM_LAYERS, "experts": experts_runs}
+    assert torch.equal(loss, plain_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+def test_experts_max_tokens_for_memory_on_gpt_oss_20b():
+    """The memory rule on gpt-oss-20b's shapes: 51,840 bytes per token and layer in bf16 (output [2880] + biased
+    up-projection [4, 5760]); half of what 39 GiB of weights leave on a 140 GiB GPU keeps 32k-token micro-batches'
+    experts outputs (38 GiB over 24 layers) and not 64k ones (76 GiB)."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4
+    )
+    assert kept_experts_bytes_per_token(config) == 51_840
+    assert kept_experts_bytes_per_token(config, dtype_bytes=4) == 103_680
+    free = (140 - 39) * 2**30
+    tokens = experts_max_tokens_for_memory(config, free)
+    assert tokens == int(0.5 * free) // (51_840 * 24)
+    assert 32_768 < tokens < 65_536
+    assert experts_max_tokens_for_memory(config, free, fraction=1.0) == free // (51_840 * 24)
+    assert experts_max_tokens_for_memory(config, -1) == 0  # weights larger than the GPU: keep nothing
+    with pytest.raises(ValueError, match="fraction"):
+        experts_max_tokens_for_memory(config, free, fraction=0)
+
+
 def test_bad_arguments_are_refused():
+    for bad in (-1, 1.5, True, "32k"):
+        with pytest.raises(ValueError, match="experts_max_tokens"):
+            selective_checkpoint_policy(("experts",), experts_max_tokens=bad)
     with pytest.raises(ValueError, match="unknown checkpoint save target"):
         selective_checkpoint_policy(("attention", "mlp"))
     with pytest.raises(ValueError, match="use_reentrant=False"):

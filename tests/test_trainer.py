@@ -495,8 +495,52 @@ def test_checkpoint_saves_make_gradient_checkpointing_selective(tmp_path, tokeni
     from torch.utils.checkpoint import CheckpointPolicy
 
     experts_op = torch.ops.hf_gptoss_rl.memory_efficient_experts.default
-    assert policy(None, experts_op) == CheckpointPolicy.MUST_SAVE
+    tokens = torch.empty(100, 8)  # the op's [T, H] input
+    assert trainer.checkpoint_experts_max_tokens is None  # CPU: host memory, no bound
+    assert policy(None, experts_op, tokens) == CheckpointPolicy.MUST_SAVE
     assert policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+    with pytest.raises(ValueError, match="checkpoint_experts_max_tokens"):
+        make_config(tmp_path, checkpoint_experts_max_tokens=-2)
+    trainer, _ = scripted_trainer(
+        tmp_path,
+        tokenizer,
+        max_steps=1,
+        experts_implementation="memory_efficient",
+        checkpoint_saves=["attention", "experts"],
+        checkpoint_experts_max_tokens=64,
+    )
+    trainer.train()
+    policy = trainer.model.model.layers[0]._gradient_checkpointing_func.keywords["context_fn"].args[0]
+    assert trainer.checkpoint_experts_max_tokens == 64
+    assert policy(None, experts_op, torch.empty(64, 8)) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, experts_op, tokens) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_checkpoint_experts_max_tokens_default_follows_gpu_memory(monkeypatch):
+    """The default bound on a GPU: half of the memory that the policy's weights leave, over the kept bytes per
+    token of every layer; `-1` and an explicit value are taken as they are."""
+    from types import SimpleNamespace
+
+    from hf_gptoss_rl.checkpointing import kept_experts_bytes_per_token
+
+    model = tiny_model()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = weight_bytes + 10 * 2**20
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+
+    def resolve(setting, saves=("attention", "experts")):
+        fake = SimpleNamespace(
+            args=SimpleNamespace(checkpoint_experts_max_tokens=setting, checkpoint_saves=list(saves)),
+            accelerator=SimpleNamespace(device=torch.device("cuda", 0)),
+            _policy_model=lambda: model,
+        )
+        return AgenticGRPOTrainer._resolve_checkpoint_experts_max_tokens(fake)
+
+    per_token = kept_experts_bytes_per_token(model.config, 4) * model.config.num_hidden_layers  # fp32 experts
+    assert resolve(None) == (5 * 2**20) // per_token > 0
+    assert resolve(-1) is None and resolve(7) == 7
+    assert resolve(None, saves=("attention",)) is None
 
 
 def _ragged_batch(lengths, generator, vocab=1000):
@@ -604,7 +648,8 @@ def test_cpu_defaults_fall_back(tmp_path, tokenizer):
     """Defaults on CPU: selective checkpointing (a no-op for eager attention), no Liger / fused RoPE (CUDA-only),
     packing on; asking for Liger without CUDA is an error."""
     config = make_config(tmp_path)
-    assert config.checkpoint_saves == ["attention"] and config.gradient_checkpointing
+    assert config.checkpoint_saves == ["attention", "experts"] and config.gradient_checkpointing
+    assert config.checkpoint_experts_max_tokens is None
     assert config.liger_rms_norm is None and config.fused_rope is None and config.padding_free is None
     trainer, _ = scripted_trainer(tmp_path, tokenizer, max_steps=1)
     assert (trainer.liger_rms_norm, trainer.fused_rope, trainer.padding_free) == (False, False, True)

@@ -337,17 +337,38 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
 
         saves = tuple(self.args.checkpoint_saves)
+        self.checkpoint_experts_max_tokens = max_tokens = self._resolve_checkpoint_experts_max_tokens()
         model = self.model
         enable = model.gradient_checkpointing_enable
 
         def gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, **kwargs):
             kwargs_ = dict(gradient_checkpointing_kwargs or {})
             kwargs_.pop("use_reentrant", None)  # refused for True in the config; False is what we set
-            return enable(gradient_checkpointing_kwargs=selective_checkpointing_kwargs(saves, **kwargs_), **kwargs)
+            selective = selective_checkpointing_kwargs(saves, experts_max_tokens=max_tokens, **kwargs_)
+            return enable(gradient_checkpointing_kwargs=selective, **kwargs)
 
         model.gradient_checkpointing_enable = gradient_checkpointing_enable
         if self.args.gradient_checkpointing:  # already enabled by TRL for PEFT models: make it selective now
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+
+    def _resolve_checkpoint_experts_max_tokens(self) -> int | None:
+        """`args.checkpoint_experts_max_tokens` as the checkpointing policy takes it (None: no bound); its default
+        is half of the GPU memory that the policy's weights leave (`experts_max_tokens_for_model`)."""
+        from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model
+
+        setting = self.args.checkpoint_experts_max_tokens
+        if "experts" not in self.args.checkpoint_saves or setting == -1:
+            return None
+        if setting is not None:
+            return setting
+        max_tokens = experts_max_tokens_for_model(self._policy_model(), self.accelerator.device)
+        if max_tokens is not None:
+            logger.info(
+                "checkpoint_saves keeps the experts outputs of micro-batches up to %d tokens (half of the GPU memory "
+                "that the policy's weights leave); set checkpoint_experts_max_tokens to change it",
+                max_tokens,
+            )
+        return max_tokens
 
     def _policy_model(self):
         unwrapped = self.accelerator.unwrap_model(self.model)
