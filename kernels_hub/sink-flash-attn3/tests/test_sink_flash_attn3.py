@@ -188,6 +188,33 @@ def test_half_precision_inputs_and_sink_gradient_dtype(kernel, backend, sink_hal
         assert rel_err(g, r) <= 3e-2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sink_dtype", [torch.bfloat16, torch.float16], ids=["bf16_sinks", "fp16_sinks"])
+def test_half_precision_sinks_go_in_as_they_are(kernel, backend, sink_dtype):
+    """GPT-OSS keeps its sinks in the model's dtype: the kernels read 16-bit sink logits themselves (no cast on the
+    way in), fp32 q/k/v keep fp32 accuracy against fp64 with the sink's exact value, and the sink gradient comes
+    back in the sink's dtype."""
+    torch.manual_seed(4)
+    lens = [9, 16]
+    q = torch.randn(sum(lens), 4, 32, requires_grad=True)
+    k = torch.randn(sum(lens), 2, 32, requires_grad=True)
+    v = torch.randn(sum(lens), 2, 32, requires_grad=True)
+    sinks = (torch.randn(4) * 2).to(sink_dtype).requires_grad_()
+    out = kernel.flash_attn_varlen_func(
+        q, k, v, cu_seqlens(lens), cu_seqlens(lens), 16, 16, causal=True, window_size=(5, 0), s_aux=sinks,
+        backend=backend,
+    )  # fmt: skip
+    ref = eager_varlen(q, k, v, sinks, lens, lens, 32**-0.5, True, (5, 0))
+    assert rel_err(out, ref) <= 1e-4
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, sinks), grad_out.double())
+    assert grads[3].dtype == sink_dtype
+    for g, r in zip(grads[:3], ref_grads[:3]):
+        assert rel_err(g, r) <= 1e-4
+    assert rel_err(grads[3], ref_grads[3]) <= 1e-2  # the gradient rounded to the sink's 16-bit dtype
+
+
 def test_backends_agree_and_auto_dispatch(kernel, monkeypatch):
     """The override picks the path; "auto" follows the device, the dtype and TRITON_INTERPRET."""
     cpu = torch.device("cpu")

@@ -52,3 +52,9 @@ def row_vector_start(q_start, off_b):
     must start 16-byte aligned.  With ``c = q_start``: 4 * ceil(c / 4) + 4 * b leaves at least one slot between
     consecutive sequences, so no two rows share a slot."""
     return 4 * tl.cdiv(q_start, 4) + 4 * off_b
+
+
+def host_cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids.  ``triton.cdiv`` is a ``constexpr_function`` in recent Triton releases: on
+    the host each call unwraps its arguments (microseconds per launch on the eager path)."""
+    return -(-a // b)

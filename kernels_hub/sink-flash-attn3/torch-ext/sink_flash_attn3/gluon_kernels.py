@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._bands import host_cdiv as _cdiv
 from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
@@ -879,7 +879,7 @@ def backward(
         return descs[key]
 
     if int(max_seqlen_k) > 0:
-        _dkdv_kernel[(H_kv, triton.cdiv(int(max_seqlen_k), bn), num_seqs)](
+        _dkdv_kernel[(H_kv, _cdiv(int(max_seqlen_k), bn), num_seqs)](
             desc(q, bm),
             desc(k, bn),
             desc(v, bn),
@@ -910,7 +910,7 @@ def backward(
         dv.zero_()
     bm, bn, cfg = _launch_options(dq_config)
     has_sink = sinks is not None
-    _dq_kernel[(H_q, triton.cdiv(int(max_seqlen_q), bm), num_seqs)](
+    _dq_kernel[(H_q, _cdiv(int(max_seqlen_q), bm), num_seqs)](
         desc(q, bm),
         desc(k, bn),
         desc(v, bn),
@@ -943,7 +943,7 @@ def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_s
     """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (three consumers x BLOCK_M query rows per program)."""
     _, H_q, D = q.shape
     bm, bn, cfg = _launch_options(config)
-    grid = (H_q, triton.cdiv(int(max_seqlen_q), 3 * bm), cu_seqlens_q.numel() - 1)
+    grid = (H_q, _cdiv(int(max_seqlen_q), 3 * bm), cu_seqlens_q.numel() - 1)
     has_sink = sinks is not None
     _fwd_ws_kernel[grid](
         _descriptor(q, bm),

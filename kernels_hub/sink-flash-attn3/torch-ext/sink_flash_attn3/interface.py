@@ -107,8 +107,8 @@ def _forward(
     window_right,
     backend,
 ):
-    if sinks is not None and sinks.dtype != torch.float32:
-        sinks = sinks.float()  # the backends take fp32 sink logits
+    # the sink logits go in as they are (fp32, bf16 or fp16): the kernels read them in fp32, and a cast here would
+    # cost a launch and an autograd node per layer call
     return _backend_module(backend).sink_attention_forward(
         q,
         k,
@@ -143,8 +143,6 @@ def _backward_impl(
     window_right,
     backend,
 ):
-    if sinks is not None and sinks.dtype != torch.float32:
-        sinks = sinks.float()
     return _backend_module(backend).sink_attention_backward(
         dout,
         q,

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bands import host_cdiv as _cdiv
 from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
@@ -257,7 +258,7 @@ def _descriptors_if(use_tma: bool, block_rows: int, *tensors: torch.Tensor) -> t
 
 def _row_vector_stride(T_q: int, num_seqs: int) -> int:
     """Row stride of the backward's per-row vectors: room for every sequence at its `row_vector_start`."""
-    return 4 * triton.cdiv(T_q, 4) + 4 * num_seqs
+    return 4 * _cdiv(T_q, 4) + 4 * num_seqs
 
 
 def _window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
@@ -1072,7 +1073,8 @@ def sink_attention_forward(
 ):
     """Sink-aware attention forward on packed sequences.
 
-    q ``[Tq, Hq, D]``; k, v ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``; sinks ``[Hq]`` (float32) or None;
+    q ``[Tq, Hq, D]``; k, v ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``; sinks ``[Hq]`` (any float dtype, read as
+    float32) or None;
     cu_seqlens int32 ``[B + 1]``.  Returns ``out [Tq, Hq, D]`` in q's dtype and the sink-inclusive natural-log
     ``lse [Hq, Tq]`` float32.  A row with no visible key gets out = 0 and lse = sink (or -inf without sink).
     """
@@ -1110,7 +1112,7 @@ def sink_attention_forward(
         return out, lse
     cfg = _config(plan.fwd, D, q.device)
     block_m = cfg.pop("BLOCK_M")
-    grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
+    grid = (H_q, _cdiv(int(max_seqlen_q), block_m), num_seqs)
     k_desc, v_desc = _descriptors_if(plan.tma, cfg["BLOCK_N"], k, v)
     _sink_attn_fwd[grid](
         q,
@@ -1191,7 +1193,7 @@ def sink_attention_backward(
     delta = (torch.zeros if gluon else torch.empty)((H_q, stride_rows), device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
     pre_block = 64 if q.device.type == "cuda" else 16
-    _bwd_preprocess[(max(triton.cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)](
+    _bwd_preprocess[(max(_cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)](
         out,
         dout,
         lse,
@@ -1211,9 +1213,7 @@ def sink_attention_backward(
     # kernel writes them, summed below in a fixed order
     dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
     partials = (
-        torch.zeros(
-            (H_q, num_seqs * triton.cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"])), device=q.device, dtype=torch.float32
-        )
+        torch.zeros((H_q, num_seqs * _cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"])), device=q.device, dtype=torch.float32)
         if sinks is not None
         else None
     )
@@ -1255,7 +1255,7 @@ def sink_attention_backward(
         cfg = _config("dkdv", D, q.device)
         block_n = cfg.pop("BLOCK_N")
         q_desc, do_desc = _descriptors_if(bwd_tma, cfg["BLOCK_M"], q, dout)
-        grid = (H_kv, triton.cdiv(int(max_seqlen_k), block_n), num_seqs)
+        grid = (H_kv, _cdiv(int(max_seqlen_k), block_n), num_seqs)
         _sink_attn_bwd_dkdv[grid](
             q,
             k,
@@ -1296,7 +1296,7 @@ def sink_attention_backward(
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         cfg = dict(dq_cfg)
         block_m = cfg.pop("BLOCK_M")
-        grid = (H_q, triton.cdiv(int(max_seqlen_q), block_m), num_seqs)
+        grid = (H_q, _cdiv(int(max_seqlen_q), block_m), num_seqs)
         k_desc, v_desc = _descriptors_if(bwd_tma, cfg["BLOCK_N"], k, v)
         _sink_attn_bwd_dq[grid](
             q,
