@@ -53,6 +53,10 @@ Per (variant, S), in its own subprocess (an OOM or crash is reported and does no
 3. Plain step: `model(input_ids, labels=input_ids).loss.backward()`, what a stock user runs.
 
 tokens/s = S / step seconds; peak = `torch.cuda.max_memory_allocated()` during the measurement, weights included.
+`--autocast` runs every forward under bf16 autocast, as `accelerate` does with TRL's default `bf16=True` (outputs
+cast to fp32), and the project's variants skip PEFT's LoRA input casts that autocast undoes (`hf_gptoss_rl.lora`, as
+`AgenticGRPOTrainer` does); without it the bf16 model runs as it is and PEFT computes the float32 adapters in
+float32.
 `--max-seconds` bounds the whole sweep: a run that would not start in time is reported as skipped, a run still
 going at the deadline is killed and reported as timed out.
 
@@ -345,6 +349,16 @@ def worker(spec: dict) -> dict:
     )
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
     model.train()
+    if spec.get("autocast"):
+        # what `accelerate` does to the model with mixed_precision="bf16" (TRL's default bf16=True): the forward
+        # under bf16 autocast, floating outputs cast to fp32
+        from accelerate.utils import convert_outputs_to_fp32
+
+        model.forward = convert_outputs_to_fp32(torch.autocast(device.type, dtype=torch.bfloat16)(model.forward))
+        if variant["attn"] == "project":  # as AgenticGRPOTrainer does to a PEFT policy
+            from hf_gptoss_rl.lora import skip_autocast_undone_lora_casts
+
+            skip_autocast_undone_lora_casts(model)
     _sync(device)
     result["build_s"] = time.perf_counter() - t0
     result["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
@@ -480,7 +494,8 @@ def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
         f"Measured on {_env_text(meta['env'])}. Command: `{meta['command']}`.",
         f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
         "gradient checkpointing; on-policy GRPO loss (dapo) with gradient accumulation; "
-        f"{meta.get('warmup', 1)} warm-up + {meta.get('repeats', 1)} timed step(s) (median).",
+        f"{meta.get('warmup', 1)} warm-up + {meta.get('repeats', 1)} timed step(s) (median); "
+        + ("forward under bf16 autocast (`--autocast`)." if meta.get("autocast") else "no autocast."),
         f"Batch: {len(r0['lengths'])} trajectories, lengths ~ log-normal(median {r0['median']}, sigma {r0['sigma']}), "
         f"clipped to [{r0['min']}, {r0['max']}], seed {r0['seed']}: {r0['lengths']} ({sum(r0['lengths']):,} tokens); "
         f"micro-batches of {r0['micro_batch']} rows; prompt = first 1/8 of each.",
@@ -559,7 +574,7 @@ def run_ragged(args, device, layers: int, names: list[str], start: float) -> lis
     for name in names:
         spec = {"variant": name, "seq_len": max(ragged["lengths"]), "device": str(device), "model": args.model,
                 "layers": layers, "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats,
-                "project_attn": args.project_attn, "ragged": ragged}  # fmt: skip
+                "project_attn": args.project_attn, "ragged": ragged, "autocast": args.autocast}  # fmt: skip
         reason = availability(name, device)
         remaining = args.max_seconds - (time.perf_counter() - start)
         if reason or remaining < 1.0:
@@ -573,7 +588,7 @@ def run_ragged(args, device, layers: int, names: list[str], start: float) -> lis
 
     meta = {"env": environment(), "command": "python benchmarks/full_step.py " + " ".join(args.argv), "model": args.model,
             "layers": layers, "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats,
-            "ragged": ragged}  # fmt: skip
+            "ragged": ragged, "autocast": args.autocast}  # fmt: skip
     write_ragged_report(args.out, results, meta)
     print((args.out / "full_step_ragged.md").read_text())
     return results
@@ -775,7 +790,12 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         f"Measured on {_env_text(meta['env'])}. Command: `{meta['command']}`.",
         f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
         f"gradient checkpointing; one sequence, loss over the last 7/8 of it; {meta['warmup']} warm-up + "
-        f"{meta['repeats']} timed repeat(s) (median); PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']!r}.",
+        f"{meta['repeats']} timed repeat(s) (median); PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']!r}; "
+        + (
+            "the forward under bf16 autocast, as `accelerate` runs it with `bf16=True` (`--autocast`)."
+            if meta.get("autocast")
+            else "no autocast (bf16 weights, float32 LoRA adapters computed in float32)."
+        ),
         "Peak = max allocated during the measurement, weights included. tokens/s = S / step time.",
         "",
         "| variant | S | GRPO step s | tokens/s | peak GiB | log-prob pass s | peak GiB "
@@ -888,6 +908,11 @@ def parse_args(argv=None):
     p.add_argument("--run-timeout", type=float, default=240.0, help="limit of one (variant, S) subprocess")
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
     p.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF of the workers")
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="run the forward under bf16 autocast, as accelerate does with TRL's default bf16=True",
+    )
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     p.add_argument("--profile", action="store_true", help="also profile one GRPO step per run: top ops by self time")
     p.add_argument("--report-from", type=Path, default=None, help="re-render the report of a saved full_step.json")
@@ -946,6 +971,7 @@ def main(argv=None) -> list[dict]:
                 "run_plain_step": args.plain_step,
                 "project_attn": args.project_attn,
                 "profile": args.profile,
+                "autocast": args.autocast,
             }
             reason = availability(name, device)
             (skipped if reason else plan).append({**spec, "skip": reason} if reason else spec)
@@ -985,6 +1011,7 @@ def main(argv=None) -> list[dict]:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "autocast": args.autocast,
         "estimated_s": total_est,
         "wall_s": time.perf_counter() - start,
         "png_name": "full_step.png",

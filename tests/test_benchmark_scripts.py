@@ -268,6 +268,22 @@ def test_full_step_runs_on_cpu(tmp_path):
     assert "Where the GRPO step's time goes" in (tmp_path / "full_step.md").read_text()
 
 
+def test_full_step_autocast_runs_the_forward_as_accelerate_does(tmp_path):
+    """`--autocast`: the model's forward under bf16 autocast (accelerate with TRL's default bf16=True); the project's
+    LoRA layers skip the input casts that autocast undoes, as AgenticGRPOTrainer's do."""
+    _run(
+        [
+            "benchmarks/full_step.py", "--model", "tiny", "--device", "cpu", "--seq-lens", "64", "--variants",
+            "project", "--autocast", "--no-plain-step", "--warmup", "0", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "full_step.json").read_text())
+    assert saved["meta"]["autocast"] is True
+    (r,) = saved["results"]
+    assert r["grpo_step"]["seconds"] > 0 and r["lora_grads_finite"], r
+    assert "under bf16 autocast" in (tmp_path / "full_step.md").read_text()
+
+
 def test_full_step_reports_a_crashing_run_without_stopping(tmp_path, monkeypatch):
     """A worker that dies (OOM, crash) becomes an error row; the sweep and the report go on."""
     from benchmarks import full_step
