@@ -215,6 +215,23 @@ def test_half_precision_sinks_go_in_as_they_are(kernel, backend, sink_dtype):
     assert rel_err(grads[3], ref_grads[3]) <= 1e-2  # the gradient rounded to the sink's 16-bit dtype
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_grad_calls_skip_autograd_with_the_same_output(kernel, backend):
+    """Without a gradient to compute (no_grad, or no input that requires one) the call builds no autograd node and
+    returns what the differentiable call returns."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(2, 12, 4, 32), torch.randn(2, 12, 2, 32), torch.randn(2, 12, 2, 32)
+    sinks = torch.randn(4)
+    args = dict(causal=True, window_size=(3, 0), backend=backend)
+    plain = kernel.flash_attn_func(q, k, v, s_aux=sinks, **args)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    differentiable = kernel.flash_attn_func(*leaves[:3], s_aux=leaves[3], **args)
+    with torch.no_grad():
+        no_grad = kernel.flash_attn_func(*leaves[:3], s_aux=leaves[3], **args)
+    assert plain.grad_fn is None and no_grad.grad_fn is None and differentiable.grad_fn is not None
+    assert torch.equal(plain, differentiable) and torch.equal(no_grad, differentiable)
+
+
 def test_backends_agree_and_auto_dispatch(kernel, monkeypatch):
     """The override picks the path; "auto" follows the device, the dtype and TRITON_INTERPRET."""
     cpu = torch.device("cpu")

@@ -175,33 +175,32 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
-        out, lse = _forward(
-            _tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params
-        )
-        out = out.view(q.shape)
-        ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
+        q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
+        out, lse = _forward(q_t, k_t, v_t, sinks, cu_seqlens_q, cu_seqlens_k, *params)
+        # the token-major tensors the backward reads (views of dense inputs; FlashAttention saves its contiguous
+        # copies the same way), so the backward re-lays out nothing but dout
+        ctx.save_for_backward(q_t, k_t, v_t, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
         ctx.params = params
+        ctx.shapes = (q.shape, k.shape, v.shape)
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.view(q.shape), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dq, dk, dv, dsink = _backward_impl(
-            _tokens_major(dout),
-            _tokens_major(q),
-            _tokens_major(k),
-            _tokens_major(v),
-            _tokens_major(out),
-            lse,
-            sinks,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            *ctx.params,
+            _tokens_major(dout), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params
         )
         if dsink is not None and dsink.dtype != sinks.dtype:
             dsink = dsink.to(sinks.dtype)  # the sink gradient in the sink's own dtype
-        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink, None, None, None
+        q_shape, k_shape, v_shape = ctx.shapes
+        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dsink, None, None, None
+
+
+def _needs_grad(q, k, v, sinks) -> bool:
+    return torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    )
 
 
 def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
@@ -211,6 +210,11 @@ def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
     # FlopCounterMode, fake tensors): they see ops, never the inside of an autograd.Function.
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         out, lse = _fwd_op(
+            _tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params
+        )
+        return out.view(q.shape), lse
+    if not _needs_grad(q, k, v, sinks):  # log-prob passes, evaluation, decoding: no autograd node to build
+        out, lse = _forward(
             _tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params
         )
         return out.view(q.shape), lse
