@@ -93,18 +93,35 @@ def experts_max_tokens_for_memory(config, memory_bytes: int, dtype_bytes: int = 
     return max(int(fraction * max(memory_bytes, 0)) // per_token, 0)
 
 
-def experts_max_tokens_for_model(model: torch.nn.Module, device: torch.device, fraction: float = 0.5) -> int | None:
-    """`experts_max_tokens_for_memory` for ``model`` training on ``device``: the GPU's total memory less the bytes
-    of the model's parameters (counted whole: sharded or offloaded weights make the bound conservative), in the
-    experts weights' dtype. None (no bound) off CUDA."""
+def _bytes_on(device: torch.device, modules) -> int:
+    """Bytes of the parameters and buffers of ``modules`` held on ``device`` (a sharded DTensor: its local shard)."""
+    seen, total = set(), 0
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if id(local) in seen or local.device != device:
+                continue
+            seen.add(id(local))
+            total += local.numel() * local.element_size()
+    return total
+
+
+def experts_max_tokens_for_model(
+    model: torch.nn.Module, device: torch.device, fraction: float = 0.5, resident: Iterable[torch.nn.Module] = ()
+) -> int | None:
+    """`experts_max_tokens_for_memory` for ``model`` training on ``device``: the GPU's total memory less what
+    ``model`` and the ``resident`` modules (a reference model, an in-process rollout engine's copy) hold on it, in
+    the experts weights' dtype. None (no bound) off CUDA."""
     if device.type != "cuda":
         return None
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    held = _bytes_on(device, (model, *resident))
     experts_dtype_bytes = next(
         (p.element_size() for name, p in model.named_parameters() if name.endswith("gate_up_proj")), 2
     )
     total = torch.cuda.get_device_properties(device).total_memory
-    return experts_max_tokens_for_memory(model.config, total - weight_bytes, experts_dtype_bytes, fraction)
+    return experts_max_tokens_for_memory(model.config, total - held, experts_dtype_bytes, fraction)
 
 
 def _check_max_tokens(experts_max_tokens: int | None) -> None:

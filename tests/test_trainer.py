@@ -520,29 +520,46 @@ def test_checkpoint_saves_make_gradient_checkpointing_selective(tmp_path, tokeni
 
 
 def test_checkpoint_experts_max_tokens_default_follows_gpu_memory(monkeypatch):
-    """The default bound on a GPU: half of the memory that the policy's weights leave, over the kept bytes per
-    token of every layer; `-1` and an explicit value are taken as they are."""
+    """The default bound on a GPU: half of the memory that the weights on it leave (the policy's, plus a reference
+    model's or an embedded engine's copy), over the kept bytes per token of every layer; `-1` and an explicit value
+    are taken as they are."""
     from types import SimpleNamespace
 
-    from hf_gptoss_rl.checkpointing import kept_experts_bytes_per_token
+    from hf_gptoss_rl import checkpointing
 
-    model = tiny_model()
+    model, engine_copy = tiny_model(), tiny_model(seed=1)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    total = weight_bytes + 10 * 2**20
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    total = 2 * (weight_bytes + buffer_bytes) + 10 * 2**20
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    # the parameters live on the CPU here: count them as if they were on the GPU
+    count = checkpointing._bytes_on
+    monkeypatch.setattr(checkpointing, "_bytes_on", lambda device, modules: count(torch.device("cpu"), modules))
 
-    def resolve(setting, saves=("attention", "experts")):
+    def resolve(setting, saves=("attention", "experts"), engine=None):
         fake = SimpleNamespace(
             args=SimpleNamespace(checkpoint_experts_max_tokens=setting, checkpoint_saves=list(saves)),
             accelerator=SimpleNamespace(device=torch.device("cuda", 0)),
             _policy_model=lambda: model,
+            rollout_engine=SimpleNamespace(model=engine),
         )
         return AgenticGRPOTrainer._resolve_checkpoint_experts_max_tokens(fake)
 
-    per_token = kept_experts_bytes_per_token(model.config, 4) * model.config.num_hidden_layers  # fp32 experts
-    assert resolve(None) == (5 * 2**20) // per_token > 0
+    per_token = checkpointing.kept_experts_bytes_per_token(model.config, 4) * model.config.num_hidden_layers
+    alone = resolve(None)
+    assert alone == (total - weight_bytes - buffer_bytes) // 2 // per_token > 0
+    assert resolve(None, engine=engine_copy) == (10 * 2**20) // 2 // per_token < alone
     assert resolve(-1) is None and resolve(7) == 7
     assert resolve(None, saves=("attention",)) is None
+
+
+def test_bytes_on_counts_each_tensor_on_the_device_once():
+    from hf_gptoss_rl.checkpointing import _bytes_on
+
+    on_cpu = torch.nn.Linear(4, 3)  # 12 + 3 floats
+    elsewhere = torch.nn.Linear(4, 3, device="meta")
+    shared = torch.nn.Sequential(on_cpu, elsewhere)
+    assert _bytes_on(torch.device("cpu"), [on_cpu, shared, elsewhere]) == 15 * 4
 
 
 def _ragged_batch(lengths, generator, vocab=1000):

@@ -135,9 +135,9 @@ class AgenticGRPOConfig(GRPOConfig):
         checkpoint_experts_max_tokens (`int`, *optional*):
             `"experts"` keeps the experts outputs of micro-batches of at most this many tokens; longer ones recompute
             them (the kept outputs grow with the tokens: ~1.24 MB per token for gpt-oss-20b, 76 GiB at 64k). `None`
-            (default): where memory allows, i.e. half of the GPU memory that the policy's weights leave
-            (`hf_gptoss_rl.checkpointing.experts_max_tokens_for_memory`: ~43k tokens for gpt-oss-20b in bf16 on a
-            140 GiB GPU), no bound off CUDA. `-1`: no bound.
+            (default): where memory allows, i.e. half of the GPU memory that the weights on it leave (the policy's,
+            a reference model's, the embedded engine's copy; `hf_gptoss_rl.checkpointing.experts_max_tokens_for_model`:
+            ~43k tokens for gpt-oss-20b in bf16 alone on a 140 GiB GPU), no bound off CUDA. `-1`: no bound.
         liger_rms_norm (`bool`, *optional*):
             Replace GPT-OSS's RMSNorms by Liger-Kernel's Triton RMSNorm with GPT-OSS's own rounding
             (`hf_gptoss_rl.fused_layers`; CUDA, needs `liger-kernel`). Prefer it to `use_liger_kernel=True`, whose

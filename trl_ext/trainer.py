@@ -343,14 +343,18 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
 
         saves = tuple(self.args.checkpoint_saves)
-        self.checkpoint_experts_max_tokens = max_tokens = self._resolve_checkpoint_experts_max_tokens()
+        self.checkpoint_experts_max_tokens = None  # resolved when checkpointing is enabled
         model = self.model
         enable = model.gradient_checkpointing_enable
 
         def gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, **kwargs):
             kwargs_ = dict(gradient_checkpointing_kwargs or {})
             kwargs_.pop("use_reentrant", None)  # refused for True in the config; False is what we set
-            selective = selective_checkpointing_kwargs(saves, experts_max_tokens=max_tokens, **kwargs_)
+            # resolved at each call: `Trainer.train` calls this again once the rollout engine holds its copy
+            self.checkpoint_experts_max_tokens = self._resolve_checkpoint_experts_max_tokens()
+            selective = selective_checkpointing_kwargs(
+                saves, experts_max_tokens=self.checkpoint_experts_max_tokens, **kwargs_
+            )
             return enable(gradient_checkpointing_kwargs=selective, **kwargs)
 
         model.gradient_checkpointing_enable = gradient_checkpointing_enable
@@ -359,7 +363,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _resolve_checkpoint_experts_max_tokens(self) -> int | None:
         """`args.checkpoint_experts_max_tokens` as the checkpointing policy takes it (None: no bound); its default
-        is half of the GPU memory that the policy's weights leave (`experts_max_tokens_for_model`)."""
+        is half of the GPU memory that the weights on it leave (`experts_max_tokens_for_model`)."""
         from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model
 
         setting = self.args.checkpoint_experts_max_tokens
@@ -367,11 +371,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
             return None
         if setting is not None:
             return setting
-        max_tokens = experts_max_tokens_for_model(self._policy_model(), self.accelerator.device)
+        # what else holds weights on this GPU: TRL's reference model (beta > 0, no PEFT), the embedded engine's copy
+        engine = getattr(getattr(self, "rollout_engine", None), "model", None)
+        resident = [m for m in (getattr(self, "ref_model", None), engine) if isinstance(m, torch.nn.Module)]
+        max_tokens = experts_max_tokens_for_model(self._policy_model(), self.accelerator.device, resident=resident)
         if max_tokens is not None:
             logger.info(
                 "checkpoint_saves keeps the experts outputs of micro-batches up to %d tokens (half of the GPU memory "
-                "that the policy's weights leave); set checkpoint_experts_max_tokens to change it",
+                "that the weights on it leave); set checkpoint_experts_max_tokens to change it",
                 max_tokens,
             )
         return max_tokens
