@@ -338,6 +338,7 @@ def worker(spec: dict) -> dict:
         apply_fused_gptoss_rope(model)
     saves = variant.get("checkpoint_saves", ())
     result["checkpoint_saves"] = list(saves)
+    result["autocast"] = bool(spec.get("autocast"))
     max_tokens = None
     if variant.get("experts_max_tokens") == "auto":  # the trainer's default bound (checkpoint_experts_max_tokens)
         max_tokens = result["experts_max_tokens"] = experts_max_tokens_for_model(model, device)
@@ -747,6 +748,15 @@ def grpo_step_flops(config, seq_len: int, prompt_len: int) -> dict:
     return {"linear": linear, "attention": attention, "lm_head": head, "total": total}
 
 
+def row_label(r: dict) -> str:
+    """The variant's label, marked when the row ran the forward under bf16 autocast (`--autocast`)."""
+    return VARIANTS[r["variant"]]["label"] + (" (bf16 autocast)" if r.get("autocast") else "")
+
+
+def _row_order(r: dict) -> tuple:
+    return r["seq_len"], bool(r.get("autocast")), list(VARIANTS).index(r["variant"])
+
+
 def flop_limit_lines(results: list[dict], layers: int) -> list[str]:
     """What is left to the FLOP limit: each measured GRPO step against the model FLOPs at the dense bf16 peak."""
     from hf_gptoss_rl.testing import gptoss_20b_config
@@ -775,11 +785,24 @@ def flop_limit_lines(results: list[dict], layers: int) -> list[str]:
             f"{f['total'] / 1e12:.0f} | {limit:.3f} | {s / limit:,.0f} |"
         )
     lines += ["", "| variant | S | GRPO step s | MFU |", "|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"]))):
+    for r in sorted(rows, key=_row_order):
         limit = per_len[r["seq_len"]]["total"] / (H200_DENSE_BF16_TFLOPS * 1e12)
         sec = r["grpo_step"]["seconds"]
-        lines.append(f"| {VARIANTS[r['variant']]['label']} | {r['seq_len']:,} | {sec:.2f} | {limit / sec:.0%} |")
+        lines.append(f"| {row_label(r)} | {r['seq_len']:,} | {sec:.2f} | {limit / sec:.0%} |")
     return lines + [""]
+
+
+def _autocast_text(results: list[dict]) -> str:
+    with_autocast = {bool(r.get("autocast")) for r in results}
+    if with_autocast == {True}:
+        return "The forward runs under bf16 autocast, as `accelerate` runs it with `bf16=True` (`--autocast`)."
+    without = "without autocast (bf16 weights; PEFT computes the float32 LoRA adapters in float32)"
+    if with_autocast == {False}:
+        return f"Every row ran {without}."
+    return (
+        "Rows marked (bf16 autocast) ran the forward under bf16 autocast, as `accelerate` runs it with `bf16=True` "
+        f"(`--autocast`, what training does); the others ran {without}."
+    )
 
 
 def write_report(out: Path, results: list[dict], meta: dict) -> None:
@@ -790,19 +813,15 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         f"Measured on {_env_text(meta['env'])}. Command: `{meta['command']}`.",
         f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
         f"gradient checkpointing; one sequence, loss over the last 7/8 of it; {meta['warmup']} warm-up + "
-        f"{meta['repeats']} timed repeat(s) (median); PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']!r}; "
-        + (
-            "the forward under bf16 autocast, as `accelerate` runs it with `bf16=True` (`--autocast`)."
-            if meta.get("autocast")
-            else "no autocast (bf16 weights, float32 LoRA adapters computed in float32)."
-        ),
+        f"{meta['repeats']} timed repeat(s) (median); PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']!r}.",
+        _autocast_text(results),
         "Peak = max allocated during the measurement, weights included. tokens/s = S / step time.",
         "",
         "| variant | S | GRPO step s | tokens/s | peak GiB | log-prob pass s | peak GiB "
         "| plain `labels=` step s | tokens/s | peak GiB | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(results, key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"]))):
+    for r in sorted(results, key=_row_order):
         g, lp, pl = r.get("grpo_step"), r.get("logprob_pass"), r.get("plain_step")
         note = r.get("skip") or r.get("error") or ""
         for key, m in (("GRPO", g), ("log-prob", lp), ("plain", pl)):
@@ -811,22 +830,28 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         if g and "seconds" in g and r.get("lora_grads_finite") is False:
             note += " GRPO step: some LoRA gradients not finite"
         lines.append(
-            f"| {VARIANTS[r['variant']]['label']} | {r['seq_len']:,} | {cell_time(g)} | {cell_tps(g, r['seq_len'])} | "
+            f"| {row_label(r)} | {r['seq_len']:,} | {cell_time(g)} | {cell_tps(g, r['seq_len'])} | "
             f"{cell_peak(g)} | {cell_time(lp)} | {cell_peak(lp)} | {cell_time(pl)} | {cell_tps(pl, r['seq_len'])} | "
             f"{cell_peak(pl)} | {note.strip()} |"
         )
-    lines += ["", "Speed-up of the project's GRPO step over each stock variant at the same S (tokens/s ratio):", ""]
-    by_key = {(r["variant"], r["seq_len"]): r for r in results}
+    lines += [
+        "",
+        "Speed-up of the project's GRPO step over each stock variant at the same S, both with or both without "
+        "autocast (tokens/s ratio):",
+        "",
+    ]
+    by_key = {(r["variant"], r["seq_len"], bool(r.get("autocast"))): r for r in results}
     ratio_lines = []
     ours_names = [n for n, v in VARIANTS.items() if v["attn"] == "project"]
-    for s in sorted({r["seq_len"] for r in results}):
+    for s, autocast in sorted({(r["seq_len"], bool(r.get("autocast"))) for r in results}):
+        mark = " (bf16 autocast)" if autocast else ""
         for ours_name in ours_names:
-            ours = (by_key.get((ours_name, s)) or {}).get("grpo_step") or {}
+            ours = (by_key.get((ours_name, s, autocast)) or {}).get("grpo_step") or {}
             for name in VARIANTS:
-                theirs = (by_key.get((name, s)) or {}).get("grpo_step") or {}
+                theirs = (by_key.get((name, s, autocast)) or {}).get("grpo_step") or {}
                 if name not in ours_names and "seconds" in ours and "seconds" in theirs:
                     ratio_lines.append(
-                        f"- S={s:,}: {ours_name}: {theirs['seconds'] / ours['seconds']:.2f}× vs "
+                        f"- S={s:,}{mark}: {ours_name}: {theirs['seconds'] / ours['seconds']:.2f}× vs "
                         f"{VARIANTS[name]['label']}"
                     )
     lines += ratio_lines or ["- (no pair measured)"]
@@ -834,10 +859,10 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     if meta.get("model") == "20b":
         lines += flop_limit_lines(results, meta["layers"])
     profiled = [r for r in results if r.get("step_profile")]
-    for r in sorted(profiled, key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"]))):
+    for r in sorted(profiled, key=_row_order):
         prof = r["step_profile"]
         lines += [
-            f"### Where the GRPO step's time goes: {VARIANTS[r['variant']]['label']}, S={r['seq_len']:,}",
+            f"### Where the GRPO step's time goes: {row_label(r)}, S={r['seq_len']:,}",
             "",
             f"One profiled step (`--profile`; {prof['profiled_wall_s']:.2f} s wall under the profiler), "
             f"{_CLOCKS.get(prof['clock'], prof['clock'])} busy time {prof['busy_ms']:.0f} ms; ops by self "
@@ -862,12 +887,15 @@ def plot(path: Path, results: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_tps, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for name in VARIANTS:
-        rows = sorted((r for r in results if r["variant"] == name), key=lambda r: r["seq_len"])
+    for name, autocast in ((n, a) for a in (False, True) for n in VARIANTS):
+        rows = sorted(
+            (r for r in results if r["variant"] == name and bool(r.get("autocast")) == autocast),
+            key=lambda r: r["seq_len"],
+        )
         ok = [r for r in rows if "seconds" in (r.get("grpo_step") or {})]
         if not rows:
             continue
-        label = VARIANTS[name]["label"]
+        label = row_label(rows[0])
         if ok:
             xs = [r["seq_len"] for r in ok]
             ax_tps.plot(xs, [r["seq_len"] / r["grpo_step"]["seconds"] for r in ok], marker="o", label=label)

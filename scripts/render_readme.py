@@ -120,34 +120,34 @@ def full_step_rows(data: dict) -> list[str]:
     for r in _need(data, "results", where):
         step = r.get("grpo_step") or {}
         if "seconds" in step:
-            steps[(r["variant"], r["seq_len"])] = (step["seconds"], step["peak_gib"], r.get("repeats", 1))
+            key = (r["variant"], r["seq_len"], bool(r.get("autocast")))
+            steps[key] = (step["seconds"], step["peak_gib"], r.get("repeats", 1))
 
-    def fastest_project(seq_len: int):
-        ours = [(v, *m) for (v, s), m in steps.items() if s == seq_len and v.startswith("project")]
-        return min(ours, key=lambda t: t[1]) if ours else None
+    def default_at(seq_len: int, autocast: bool):
+        return next((v for v in DEFAULT_FULL_STEP_VARIANTS if (v, seq_len, autocast) in steps), None)
 
-    # the headline is the trainer's default configuration at 32k (full_step.json's notes say which run each row is)
-    name = next((v for v in DEFAULT_FULL_STEP_VARIANTS if (v, 32768) in steps), None)
-    if name is None or ("fa4_grouped_mm", 32768) not in steps:
+    # the headline is the trainer's default configuration at 32k against FA4 + grouped_mm, both under bf16 autocast
+    # (how training runs the forward) when such rows exist; full_step.json's notes say which run each row is
+    autocast = default_at(32768, True) is not None and ("fa4_grouped_mm", 32768, True) in steps
+    name = default_at(32768, autocast)
+    if name is None or ("fa4_grouped_mm", 32768, autocast) not in steps:
         raise KeyError(f"{where}: needs one of {DEFAULT_FULL_STEP_VARIANTS} and fa4_grouped_mm at S=32768")
-    sec, peak, repeats = steps[(name, 32768)]
-    fa4_sec, fa4_peak, _ = steps[("fa4_grouped_mm", 32768)]
+    how = ", bf16 autocast as in training" if autocast else ""
+    sec, peak, repeats = steps[(name, 32768, autocast)]
+    fa4_sec, fa4_peak, _ = steps[("fa4_grouped_mm", 32768, autocast)]
     median = f" (median of {repeats})" if repeats > 1 else ""
-    ours = [f"default configuration (`{name}`): {sec:.2f} s, {32768 / sec:,.0f} tokens/s, {peak:.1f} GiB{median}"]
-    best = fastest_project(32768)
-    if best[0] != name:
-        ours.append(f"fastest (`{best[0]}`) {best[1]:.2f} s, {best[2]:.1f} GiB")
-    if ("project", 32768) in steps:
-        p_sec, p_peak, _ = steps[("project", 32768)]
-        ours.append(f"plain checkpointing (`project`) {p_sec:.2f} s, {p_peak:.1f} GiB")
-    long = max((s for (v, s) in steps if v.startswith("project")), default=32768)
-    if long > 32768:
-        l_name, l_sec, l_peak, _ = fastest_project(long)
-        ours.append(f"{long // 1024}k fits (`{l_name}` {l_sec:.2f} s, {l_peak:.1f} GiB)")
-    peer = f"FA4 + `grouped_mm` + full logits {fa4_sec:.2f} s, {fa4_peak:.1f} GiB: **{_x(sec, fa4_sec)}**"
-    best16 = fastest_project(16384)
-    if best16 is not None and ("fa4_grouped_mm", 16384) in steps:
-        peer += f" ({_x(best16[1], steps[('fa4_grouped_mm', 16384)][0])} at 16k with `{best16[0]}`)"
+    ours = [f"default configuration (`{name}`{how}): {sec:.2f} s, {32768 / sec:,.0f} tokens/s, {peak:.1f} GiB{median}"]
+    longest = max((s for (v, s, a) in steps if a == autocast and v in DEFAULT_FULL_STEP_VARIANTS), default=32768)
+    if longest > 32768:
+        l_sec, l_peak, _ = steps[(default_at(longest, autocast), longest, autocast)]
+        ours.append(f"{longest // 1024}k fits: {l_sec:.2f} s, {l_peak:.1f} GiB")
+    if ("project", 32768, False) in steps:
+        p_sec, p_peak, _ = steps[("project", 32768, False)]
+        ours.append(f"plain checkpointing (`project`, no autocast) {p_sec:.2f} s, {p_peak:.1f} GiB")
+    peer = (
+        f"FA4 + `grouped_mm` + full logits{how}{', same run' if autocast else ''}: {fa4_sec:.2f} s, "
+        f"{fa4_peak:.1f} GiB: **{_x(sec, fa4_sec)}**"
+    )
     return [
         "| GRPO step, gpt-oss-20b shape, LoRA, S=32k ([full step](docs/benchmarks/full_step.md)) "
         f"| {'; '.join(ours)} | {peer} |"
