@@ -495,8 +495,8 @@ def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
         f"Measured on {_env_text(meta['env'])}. Command: `{meta['command']}`.",
         f"Model: {meta['model']} ({meta['layers']} layers), {meta['dtype']}, random weights, LoRA r=16 on q/k/v/o, "
         "gradient checkpointing; on-policy GRPO loss (dapo) with gradient accumulation; "
-        f"{meta.get('warmup', 1)} warm-up + {meta.get('repeats', 1)} timed step(s) (median); "
-        + ("forward under bf16 autocast (`--autocast`)." if meta.get("autocast") else "no autocast."),
+        f"{meta.get('warmup', 1)} warm-up + {meta.get('repeats', 1)} timed step(s) (median).",
+        _autocast_text(results),
         f"Batch: {len(r0['lengths'])} trajectories, lengths ~ log-normal(median {r0['median']}, sigma {r0['sigma']}), "
         f"clipped to [{r0['min']}, {r0['max']}], seed {r0['seed']}: {r0['lengths']} ({sum(r0['lengths']):,} tokens); "
         f"micro-batches of {r0['micro_batch']} rows; prompt = first 1/8 of each.",

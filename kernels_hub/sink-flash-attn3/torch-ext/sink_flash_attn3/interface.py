@@ -209,16 +209,13 @@ def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
     # torch.compile traces the op, and so do dispatch modes (selective activation checkpointing's caching mode,
     # FlopCounterMode, fake tensors): they see ops, never the inside of an autograd.Function.
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        out, lse = _fwd_op(
-            _tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params
-        )
-        return out.view(q.shape), lse
-    if not _needs_grad(q, k, v, sinks):  # log-prob passes, evaluation, decoding: no autograd node to build
-        out, lse = _forward(
-            _tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params
-        )
-        return out.view(q.shape), lse
-    return _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params)
+        forward = _fwd_op
+    elif not _needs_grad(q, k, v, sinks):  # log-prob passes, evaluation, decoding: no autograd node to build
+        forward = _forward
+    else:
+        return _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params)
+    out, lse = forward(_tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params)
+    return out.view(q.shape), lse
 
 
 # --------------------------------------------------------------------------------------------------------------
