@@ -413,6 +413,26 @@ def test_tensor_descriptor_paths(tk, monkeypatch):
     run_and_compare(tk, decode, True, tol=2e-2)
 
 
+def test_dkdv_head_splits(tk, monkeypatch):
+    # the rule: GPT-OSS (group 8, dK/dV tiles of 64 keys) on 132 multiprocessors splits full layers at 4k and 8k only
+    assert tk._dkdv_head_splits(8, 8 * 64, 132, windowed=False) == 4
+    assert tk._dkdv_head_splits(8, 8 * 128, 132, windowed=False) == 2
+    assert tk._dkdv_head_splits(8, 8 * 256, 132, windowed=False) == 1
+    assert tk._dkdv_head_splits(8, 8 * 64, 132, windowed=True) == 1
+    assert tk._dkdv_head_splits(3, 1, 132, windowed=False) == 1  # no power of two divides the group
+    assert tk._dkdv_head_splits(8, 1, 0, windowed=False) == 1  # CPU
+    # split grids (partial sums over shares of each KV group's query heads) give the same gradients
+    case = make_case([37, 20], [37, 20], 8, 2, 64, seed=13)
+    _, whole = run_and_compare(tk, case, True)
+    for splits in (2, 4):
+        monkeypatch.setattr(tk, "_dkdv_head_splits", lambda *args, n=splits: n)
+        _, split = run_and_compare(tk, case, True)
+        assert torch.equal(split[2], whole[2]) and torch.equal(split[5], whole[5])  # dq, dsink: untouched
+        for a, b in zip(split[3:5], whole[3:5]):  # dk, dv: the same sums in another order
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def interpreter_bf16_dot(tk, monkeypatch):
     """Triton's interpreter stores bf16 as uint16 and multiplies the raw bit patterns in ``tl.dot``
@@ -544,6 +564,35 @@ def test_cuda_gluon_kernels(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, c
     for name, a, b, t in zip(("dq", "dk", "dv", "dsink"), first, again, triton_grads):
         assert torch.equal(a, b), f"{name}: the Gluon backward is not bitwise reproducible"
         assert rel_err(a, t) < 1e-2, f"{name}: Gluon and Triton backward differ by {rel_err(a, t):.2e}"
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("gluon", ["0", "auto"])
+def test_cuda_dkdv_head_splits(monkeypatch, gluon):
+    # a dK/dV grid split over the query heads of each KV group (fp32 partial sums, reduced in a fixed order): the
+    # same dK/dV within rounding, every other output bitwise the same; and the split runs by default on short full
+    # layers of a real GPU
+    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
+    tk_cuda = _load_kernels(interpret=False)
+    case = make_case([700, 1029, 64], [700, 1029, 64], 16, 4, 64, dtype=torch.bfloat16, seed=41, device="cuda")
+    q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
+    args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, True, -1, -1)
+    assert tk_cuda._dkdv_head_splits(4, 4 * 17 * 3, tk_cuda._multiprocessors(q.device), False) == 4
+
+    def run():
+        out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
+        return (out, lse, *tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args))
+
+    split = run()
+    monkeypatch.setattr(tk_cuda, "_dkdv_head_splits", lambda *a: 1)
+    whole = run()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), whole, split):
+        if name in ("dk", "dv"):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert rel_err(b, a) < 4e-3, f"{name}: the split dK/dV grid differs by {rel_err(b, a):.2e}"
+        else:
+            assert torch.equal(a, b), f"{name} changed with a split dK/dV grid"
 
 
 @pytest.mark.gpu

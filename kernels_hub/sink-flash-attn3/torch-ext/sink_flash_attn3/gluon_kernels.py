@@ -85,19 +85,18 @@ def _dkdv_request(
     lo,
     q_start,
     rows_start,
-    off_kh,
+    head0,
     stride_rows,
-    GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """TMA request of step ``step``'s Q and dO tiles and their rows' LSE and D into buffer ``step % STAGES``
-    (nothing past the last step)."""
+    (nothing past the last step); the steps run over query heads ``head0, head0 + 1, ...``, query blocks inner."""
     if step < total:
         g = step // num_m
         start_m = lo + (step - g * num_m) * BLOCK_M
-        off_h = off_kh * GROUP + g
+        off_h = head0 + g
         buf = step % STAGES
         mbarrier.expect(bars.index(buf), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
         _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], bars.index(buf), q_smem.index(buf))
@@ -108,7 +107,7 @@ def _dkdv_request(
         _tma_load(delta_desc, [at], bars.index(buf), delta_smem.index(buf))
 
 
-@gluon.jit(do_not_specialize=["stride_rows"])
+@gluon.jit(do_not_specialize=["stride_rows", "stride_split", "head_splits"])
 def _dkdv_kernel(
     q_desc,
     k_desc,
@@ -125,6 +124,8 @@ def _dkdv_kernel(
     stride_dvt,
     stride_dvh,
     stride_rows,
+    stride_split,
+    head_splits,
     qk_scale,
     sm_scale,
     win_left,
@@ -136,8 +137,11 @@ def _dkdv_kernel(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """dK, dV of one (KV head, key block), looping over the group's query heads and the visible query blocks."""
-    off_kh = gl.program_id(0)
+    """dK, dV of one (KV head, key block), looping over the group's query heads and the visible query blocks.  With
+    ``head_splits`` > 1, each of that many programs takes an equal share of the group's query heads and writes its
+    fp32 partial sums at ``DK / DV + split * stride_split`` (summed afterwards in a fixed order)."""
+    off_kh = gl.program_id(0) // head_splits
+    split = gl.program_id(0) - off_kh * head_splits
     pid_n = gl.program_id(1)
     off_b = gl.program_id(2)
     q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
@@ -178,7 +182,9 @@ def _dkdv_kernel(
 
     lo, full_lo, full_hi, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
     num_m = gl.cdiv(hi - lo, BLOCK_M)
-    total = GROUP * num_m  # steps: (query head g of the group, query block), heads outermost
+    heads = GROUP // head_splits
+    head0 = off_kh * GROUP + split * heads
+    total = heads * num_m  # steps: (query head, query block), heads outermost
     # Q / dO tiles are requested STAGES - 1 steps early (a buffer is free once the MMAs of its step retired)
     AHEAD: gl.constexpr = STAGES - 1
     for i in gl.static_range(AHEAD):
@@ -198,9 +204,8 @@ def _dkdv_kernel(
             lo,
             q_start,
             rows_start,
-            off_kh,
+            head0,
             stride_rows,
-            GROUP,
             HEAD_DIM,
             BLOCK_M,
             STAGES,
@@ -234,9 +239,8 @@ def _dkdv_kernel(
             lo,
             q_start,
             rows_start,
-            off_kh,
+            head0,
             stride_rows,
-            GROUP,
             HEAD_DIM,
             BLOCK_M,
             STAGES,
@@ -279,6 +283,8 @@ def _dkdv_kernel(
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     out_ok = (out_rows < len_k)[:, None]
     rows64 = (k_start + out_rows).to(gl.int64)[:, None]
+    DK += split.to(gl.int64) * stride_split
+    DV += split.to(gl.int64) * stride_split
     gl.store(
         DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :], dk.to(DK.dtype.element_ty), mask=out_ok
     )
@@ -850,6 +856,7 @@ def backward(
     dq_out,
     dk,
     dv,
+    head_splits,
     cu_seqlens_q,
     cu_seqlens_k,
     max_seqlen_q,
@@ -861,7 +868,8 @@ def backward(
     dkdv_config,
     dq_config,
 ):
-    """dK, dV into ``dk``, ``dv`` (``_dkdv_kernel``), then dQ into ``dq_out`` (``_dq_kernel``); see
+    """dK, dV into ``dk``, ``dv`` (``_dkdv_kernel``; with ``head_splits`` > 1 those are fp32 partial sums
+    ``[head_splits, T_k, H_kv, D]``), then dQ into ``dq_out`` (``_dq_kernel``); see
     ``triton_kernels.sink_attention_backward`` for the contract.  ``lse2`` and ``delta`` are the per-row vectors
     ``[H, stride_rows]`` laid out by ``_bands.row_vector_start``.  The two kernels share their Q / K / V / dO
     descriptors when their tiles agree (the host cost of a launch is mostly its arguments).  With ``sinks``, the dQ
@@ -879,7 +887,7 @@ def backward(
         return descs[key]
 
     if int(max_seqlen_k) > 0:
-        _dkdv_kernel[(H_kv, _cdiv(int(max_seqlen_k), bn), num_seqs)](
+        _dkdv_kernel[(H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs)](
             desc(q, bm),
             desc(k, bn),
             desc(v, bn),
@@ -890,11 +898,13 @@ def backward(
             dv,
             cu_seqlens_q,
             cu_seqlens_k,
-            dk.stride(0),
-            dk.stride(1),
-            dv.stride(0),
-            dv.stride(1),
+            dk.stride(-3),
+            dk.stride(-2),
+            dv.stride(-3),
+            dv.stride(-2),
             lse2.stride(0),
+            dk.stride(0) if head_splits > 1 else 0,
+            head_splits,
             qk_scale,
             sm_scale,
             win_left,
@@ -930,7 +940,7 @@ def backward(
         sm_scale,
         win_left,
         win_right,
-        GROUP=H_q // H_kv,
+            GROUP=H_q // H_kv,
         HEAD_DIM=D,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -960,7 +970,7 @@ def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_s
         qk_scale,
         win_left,
         win_right,
-        GROUP=H_q // k.shape[1],
+            GROUP=H_q // k.shape[1],
         HEAD_DIM=D,
         BLOCK_M=bm,
         BLOCK_N=bn,

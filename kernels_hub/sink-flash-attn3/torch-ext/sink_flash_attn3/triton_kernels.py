@@ -94,6 +94,9 @@ _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # C
 # The Gluon forward runs on full-attention layers from this many queries; below, and on sliding layers (a
 # window-128 program sees two or three key blocks, too few to fill its pipeline), the Triton forward is faster.
 _GLUON_FWD_MIN_SEQLEN = 8192
+# The dK/dV grid of a full layer is split over the query heads of a KV group until it has this many programs per
+# multiprocessor (``_dkdv_head_splits``).
+_DKDV_PROGRAMS_PER_SM = 12
 # Without the Gluon kernels, the dQ kernel runs on a side stream next to the dK/dV kernel for sliding layers and up
 # to this many keys (their programs then share the SMs; longer full layers already fill the GPU).
 _CONCURRENT_MAX_SEQLEN = 8192
@@ -226,6 +229,34 @@ def _side_stream(device: torch.device):
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+@functools.cache
+def _multiprocessor_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere: the interpreter runs one program at a time)."""
+    if device.type != "cuda":
+        return 0
+    return _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _dkdv_head_splits(group: int, programs: int, multiprocessors: int, windowed: bool) -> int:
+    """Programs that share one (KV head, key block) of the dK/dV kernel, each taking ``group / splits`` query heads.
+
+    Without a left window the first key blocks see every query: a program loops over all ``group`` query heads of
+    every query block, while the grid of a short sequence has few programs (8 KV heads x 64 key blocks at 4k), so
+    those longest programs outlast the rest of the grid.  Splitting the group (a power of two dividing it) until the
+    grid has ``_DKDV_PROGRAMS_PER_SM`` programs per multiprocessor shortens them; the partial sums cost one reduction.
+    Sliding layers have short, even programs and stay whole."""
+    if windowed or multiprocessors == 0:
+        return 1
+    splits = 1
+    while group % (2 * splits) == 0 and programs * splits < _DKDV_PROGRAMS_PER_SM * multiprocessors:
+        splits *= 2
+    return splits
 
 
 def _check_inputs(tensors) -> None:
@@ -636,7 +667,7 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["stride_rows"])
+@triton.jit(do_not_specialize=["stride_rows", "stride_split", "head_splits"])
 def _sink_attn_bwd_dkdv(
     Q,
     K,
@@ -663,6 +694,8 @@ def _sink_attn_bwd_dkdv(
     stride_dvt,
     stride_dvh,
     stride_rows,
+    stride_split,
+    head_splits,
     qk_scale,
     sm_scale,
     win_left,
@@ -674,7 +707,10 @@ def _sink_attn_bwd_dkdv(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    off_kh = tl.program_id(0)
+    """dK, dV of one (KV head, key block); with ``head_splits`` > 1, of an equal share of the KV group's query heads,
+    written as fp32 partial sums at ``DK / DV + split * stride_split``."""
+    off_kh = tl.program_id(0) // head_splits
+    split = tl.program_id(0) - off_kh * head_splits
     pid_n = tl.program_id(1)
     off_b = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + off_b)
@@ -706,7 +742,8 @@ def _sink_attn_bwd_dkdv(
     # three ranges: an edge (masked), the full blocks, the other edge (masked)
     rows_start = _row_vector_start(q_start, off_b)
     # GQA: the KV head's gradient is the sum over its query heads, accumulated here in a fixed order
-    for g in range(GROUP):
+    heads = GROUP // head_splits
+    for g in range(split * heads, split * heads + heads):
         off_h = off_kh * GROUP + g
         q_base = Q + q_start.to(tl.int64) * stride_qt + off_h * stride_qh
         do_base = DO + q_start.to(tl.int64) * stride_dot + off_h * stride_doh
@@ -804,6 +841,8 @@ def _sink_attn_bwd_dkdv(
             USE_TMA,
         )
     dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
+    DK += split.to(tl.int64) * stride_split
+    DV += split.to(tl.int64) * stride_split
     dk_ptrs = DK + (k_start + offs_n)[:, None].to(tl.int64) * stride_dkt + off_kh * stride_dkh + offs_d[None, :]
     dv_ptrs = DV + (k_start + offs_n)[:, None].to(tl.int64) * stride_dvt + off_kh * stride_dvh + offs_d[None, :]
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
@@ -923,6 +962,7 @@ def _sink_attn_bwd_dq(
     len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
     k_start = tl.load(cu_seqlens_k + off_b)
     len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
+    # last query blocks first: under a causal mask they are the longest, so the tail of the grid is short
     start_m = (tl.num_programs(1) - 1 - pid_m) * BLOCK_M
     if start_m >= len_q:
         return
@@ -1173,8 +1213,9 @@ def sink_attention_backward(
     T_q, H_q, D = q.shape
     T_k, H_kv, _ = k.shape
     num_seqs = cu_seqlens_q.numel() - 1
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
     if T_q == 0 or num_seqs == 0:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
         dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dsink
     lse = lse.contiguous()
@@ -1209,6 +1250,24 @@ def sink_attention_backward(
         HEAD_DIM=D,
         BLOCK=pre_block,
     )
+    # dK / dV: written by the kernel, or, when the dK/dV grid is split over the heads of a KV group, its fp32 partial
+    # sums [splits, T_k, H_kv, D] (dK's and dV's in one buffer), reduced below in a fixed order
+    dkdv_block_n = CONFIGS[("gluon_dkdv", D)]["BLOCK_N"] if gluon else _config("dkdv", D, q.device)["BLOCK_N"]
+    head_splits = _dkdv_head_splits(
+        group, H_kv * _cdiv(int(max_seqlen_k), dkdv_block_n) * num_seqs, _multiprocessors(q.device), left < _UNBOUNDED
+    )
+    if head_splits > 1:
+        partial = torch.empty((2, head_splits, T_k, H_kv, D), device=q.device, dtype=torch.float32)
+        dk_out, dv_out = partial[0], partial[1]
+    else:
+        dk_out, dv_out = torch.empty_like(k), torch.empty_like(v)
+
+    def dkdv_result():
+        if head_splits == 1:
+            return dk_out, dv_out
+        dk, dv = partial.sum(dim=1).to(k.dtype).unbind(0)
+        return dk, dv
+
     # dsink's partial sums, one per (head, dQ program; programs past a sequence's end leave their zero): the dQ
     # kernel writes them, summed below in a fixed order
     dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
@@ -1229,8 +1288,9 @@ def sink_attention_backward(
             sinks,
             partials,
             dq,
-            dk,
-            dv,
+            dk_out,
+            dv_out,
+            head_splits,
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
@@ -1242,20 +1302,20 @@ def sink_attention_backward(
             CONFIGS[("gluon_dkdv", D)],
             dq_cfg,
         )
-        return dq, dk, dv, partials.sum(dim=1) if sinks is not None else None
+        return dq, *dkdv_result(), partials.sum(dim=1) if sinks is not None else None
 
     side = _side_stream(q.device) if plan.concurrent else None
     if side is not None:  # the dQ kernel below starts on the side stream once delta/lse2 are written
         side.wait_stream(torch.cuda.current_stream(q.device))
     bwd_tma = dout_tma and q.element_size() == 2  # fp32 tiles overflow the dK/dV kernel's shared memory
     if T_k == 0 or int(max_seqlen_k) == 0:
-        dk.zero_()
-        dv.zero_()
+        dk_out.zero_()
+        dv_out.zero_()
     else:
         cfg = _config("dkdv", D, q.device)
         block_n = cfg.pop("BLOCK_N")
         q_desc, do_desc = _descriptors_if(bwd_tma, cfg["BLOCK_M"], q, dout)
-        grid = (H_kv, _cdiv(int(max_seqlen_k), block_n), num_seqs)
+        grid = (H_kv * head_splits, _cdiv(int(max_seqlen_k), block_n), num_seqs)
         _sink_attn_bwd_dkdv[grid](
             q,
             k,
@@ -1263,8 +1323,8 @@ def sink_attention_backward(
             dout,
             lse2,
             delta,
-            dk,
-            dv,
+            dk_out,
+            dv_out,
             q_desc,
             do_desc,
             cu_seqlens_q,
@@ -1277,11 +1337,13 @@ def sink_attention_backward(
             v.stride(1),
             dout.stride(0),
             dout.stride(1),
-            dk.stride(0),
-            dk.stride(1),
-            dv.stride(0),
-            dv.stride(1),
+            dk_out.stride(-3),
+            dk_out.stride(-2),
+            dv_out.stride(-3),
+            dv_out.stride(-2),
             stride_rows,
+            dk_out.stride(0) if head_splits > 1 else 0,
+            head_splits,
             qk_scale,
             float(softmax_scale),
             left,
@@ -1339,4 +1401,4 @@ def sink_attention_backward(
     if side is not None:
         # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
         torch.cuda.current_stream(q.device).wait_stream(side)
-    return dq, dk, dv, partials.sum(dim=1) if sinks is not None else None
+    return dq, *dkdv_result(), partials.sum(dim=1) if sinks is not None else None
