@@ -13,6 +13,11 @@ intermediate of a chunk is read and written once:
 - `scatter_add_rows`: dst[index[r]] += w[r] * (src[r] + bias[expert[r]]) in fp32 (the combine over top-k
   and the input-gradient scatter).
 
+Rows whose expert is outside [0, num_experts) (EP sentinels) are masked on the device: the gate kernels read
+nothing of them (their input rows may be garbage, e.g. rows `torch._grouped_mm` left unwritten) and write
+zeros, and the scatter skips them. This lets a chunk hold sentinel rows without the host knowing where they
+start.
+
 All math is fp32; loads and stores use the tensors' dtypes. Kernels work on CPU tensors under
 TRITON_INTERPRET=1 (set before this module is imported), which is how the CPU tests exercise them.
 """
@@ -57,6 +62,7 @@ def _gate_forward_kernel(
     h_ptr,  # [R, I] gate output (unused when not WRITE_H)
     n_rows,
     n_inter,
+    n_experts,
     stride_pre,
     stride_pre_out,
     stride_bias,
@@ -73,11 +79,14 @@ def _gate_forward_kernel(
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < n_inter)[None, :]
     expert = tl.load(expert_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    # Sentinel rows read nothing (garbage input, no bias row) and get finite zeros.
+    valid = row_mask & (expert >= 0) & (expert < n_experts)
+    expert = tl.where(valid, expert, 0)
     rows64 = rows.to(tl.int64)
 
     col0 = tl.program_id(1) * BLOCK_N
-    gate, up = _load_pairs(pre_ptr, rows64, stride_pre, col0, row_mask, n_inter, BLOCK_M, BLOCK_N)
-    gate_b, up_b = _load_pairs(bias_ptr, expert, stride_bias, col0, row_mask, n_inter, BLOCK_M, BLOCK_N)
+    gate, up = _load_pairs(pre_ptr, rows64, stride_pre, col0, valid, n_inter, BLOCK_M, BLOCK_N)
+    gate_b, up_b = _load_pairs(bias_ptr, expert, stride_bias, col0, valid, n_inter, BLOCK_M, BLOCK_N)
     # Round to the storage dtype first so forward and backward see the same pre-activation.
     gate = (gate.to(tl.float32) + gate_b.to(tl.float32)).to(pre_ptr.dtype.element_ty)
     up = (up.to(tl.float32) + up_b.to(tl.float32)).to(pre_ptr.dtype.element_ty)
@@ -87,7 +96,7 @@ def _gate_forward_kernel(
     if WRITE_H:
         gate = tl.minimum(gate.to(tl.float32), limit)
         up = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
-        h = (up + 1.0) * gate * _sigmoid(alpha * gate)
+        h = tl.where(valid[:, None], (up + 1.0) * gate * _sigmoid(alpha * gate), 0.0)
         tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -96,17 +105,20 @@ def _gate_backward_kernel(
     pre_ptr,  # [R, 2I] biased pre-activation
     g_ptr,  # [R, I] dOut[token] @ W_down[e]ᵀ
     w_ptr,  # [R] fp32 routing weight of each row
+    expert_ptr,  # [R] global expert id of each row (when MASK_EXPERT)
     dpre_ptr,  # [R, 2I] out: gradient of the pre-activation (interleaved like pre)
     hw_ptr,  # [R, I] out: w * h (when WRITE_HW)
     dw_ptr,  # [n_col_blocks, R] fp32 out: partial rowsums of g * h per column block (when WRITE_DW)
     n_rows,
     n_inter,
+    n_experts,
     stride_pre,
     stride_g,
     stride_dpre,
     stride_hw,
     alpha,
     limit,
+    MASK_EXPERT: tl.constexpr,
     WRITE_HW: tl.constexpr,
     WRITE_DW: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -116,22 +128,28 @@ def _gate_backward_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < n_inter)[None, :]
+    valid = row_mask
+    if MASK_EXPERT:
+        # Sentinel rows load zeros (their g is garbage), so every output of theirs is an exact zero.
+        expert = tl.load(expert_ptr + rows, mask=row_mask, other=0)
+        valid = row_mask & (expert >= 0) & (expert < n_experts)
+    load_mask = valid[:, None] & (cols < n_inter)[None, :]
     rows64 = rows.to(tl.int64)
-    w = tl.load(w_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + rows, mask=valid, other=0.0).to(tl.float32)
 
     col0 = tl.program_id(1) * BLOCK_N
-    gate, up = _load_pairs(pre_ptr, rows64, stride_pre, col0, row_mask, n_inter, BLOCK_M, BLOCK_N)
+    gate, up = _load_pairs(pre_ptr, rows64, stride_pre, col0, valid, n_inter, BLOCK_M, BLOCK_N)
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
-    g = tl.load(g_ptr + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows64[:, None] * stride_g + cols[None, :], mask=load_mask, other=0.0).to(tl.float32)
 
     gate_c = tl.minimum(gate, limit)
     up_c = tl.minimum(tl.maximum(up, -limit), limit)
     sig = _sigmoid(alpha * gate_c)
     glu = gate_c * sig
-    h = (up_c + 1.0) * glu
+    h = tl.where(valid[:, None], (up_c + 1.0) * glu, 0.0)
     if WRITE_DW:
-        # Partial sums per column block, reduced on the host side in a fixed order (deterministic, no atomics).
+        # Partial sums per column block, summed by the wrapper in a fixed order (deterministic, no atomics).
         tl.store(dw_ptr + tl.program_id(1) * n_rows + rows, tl.sum(g * h, axis=1), mask=row_mask)
     dh = g * w[:, None]
     # d/dgate [gate * sigmoid(alpha gate)] = sig + alpha * gate * sig * (1 - sig); clamp passes the
@@ -152,25 +170,30 @@ def _scatter_add_rows_kernel(
     index_ptr,  # [R] destination row of each source row
     w_ptr,  # [R] fp32 row scale (when HAS_W)
     bias_ptr,  # [E, N] (when HAS_BIAS)
-    expert_ptr,  # [R] (when HAS_BIAS)
+    expert_ptr,  # [R] (when MASK_EXPERT)
     n_rows,
     n_cols,
+    n_experts,
     stride_dst,
     stride_src,
     stride_bias,
     HAS_W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MASK_EXPERT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
+    if MASK_EXPERT:  # sentinel rows (garbage src) are skipped entirely
+        expert = tl.load(expert_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        row_mask = row_mask & (expert >= 0) & (expert < n_experts)
+        expert = tl.where(row_mask, expert, 0)
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
     rows64 = rows.to(tl.int64)
     value = tl.load(src_ptr + rows64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        expert = tl.load(expert_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         value += tl.load(bias_ptr + expert[:, None] * stride_bias + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_W:
         value *= tl.load(w_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -189,7 +212,7 @@ def gate_forward(
     pre_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Return the gated activation `[R, I]` (or None); with `store_pre`, write `pre` + expert bias to `pre_out`
-    (default: `pre` itself, in place)."""
+    (default: `pre` itself, in place). Rows whose expert is outside [0, bias.shape[0]) get zeros in both."""
     pre_out = pre if pre_out is None else pre_out
     n_rows, two_inter = pre.shape
     n_inter = two_inter // 2
@@ -199,8 +222,8 @@ def gate_forward(
     block_m, block_n = 32, 64
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_inter, block_n))
     _gate_forward_kernel[grid](
-        pre, pre_out, bias, expert, h, n_rows, n_inter, pre.stride(0), pre_out.stride(0), bias.stride(0),
-        h.stride(0), float(alpha), float(limit),
+        pre, pre_out, bias, expert, h, n_rows, n_inter, bias.shape[0], pre.stride(0), pre_out.stride(0),
+        bias.stride(0), h.stride(0), float(alpha), float(limit),
         STORE_PRE=store_pre, WRITE_H=write_h, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return h if write_h else None
@@ -214,8 +237,13 @@ def gate_backward(
     limit: float,
     write_hw: bool,
     write_dw: bool,
+    expert: torch.Tensor | None = None,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Return (dpre `[R, 2I]`, w*h `[R, I]` or None, rowsum(g*h) `[R]` fp32 or None)."""
+    """Return (dpre `[R, 2I]`, w*h `[R, I]` or None, rowsum(g*h) `[R]` fp32 or None). With `expert`, rows whose
+    expert is outside [0, num_experts) get exact zeros in all three (`pre`, `g` of those rows are not read)."""
+    if expert is not None and num_experts is None:
+        raise ValueError("gate_backward: `expert` needs `num_experts`")
     n_rows, two_inter = pre.shape
     n_inter = two_inter // 2
     dpre = torch.empty_like(pre)
@@ -226,9 +254,10 @@ def gate_backward(
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_inter, block_n))
     dw_parts = torch.empty(grid[1], n_rows, device=pre.device, dtype=torch.float32) if write_dw else None
     _gate_backward_kernel[grid](
-        pre, g, w, dpre, hw if write_hw else dpre, dw_parts if write_dw else w, n_rows, n_inter,
-        pre.stride(0), g.stride(0), dpre.stride(0), hw.stride(0) if write_hw else 0,
-        float(alpha), float(limit), WRITE_HW=write_hw, WRITE_DW=write_dw, BLOCK_M=block_m, BLOCK_N=block_n,
+        pre, g, w, expert if expert is not None else w, dpre, hw if write_hw else dpre,
+        dw_parts if write_dw else w, n_rows, n_inter, num_experts or 0,
+        pre.stride(0), g.stride(0), dpre.stride(0), hw.stride(0) if write_hw else 0, float(alpha), float(limit),
+        MASK_EXPERT=expert is not None, WRITE_HW=write_hw, WRITE_DW=write_dw, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return dpre, hw, (dw_parts.sum(0) if write_dw else None)
 
@@ -240,8 +269,16 @@ def scatter_add_rows(
     w: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     expert: torch.Tensor | None = None,
+    num_experts: int | None = None,
 ) -> None:
-    """dst[index[r]] += w[r] * (src[r] + bias[expert[r]]), accumulated in fp32 (`dst` must be fp32)."""
+    """dst[index[r]] += w[r] * (src[r] + bias[expert[r]]), accumulated in fp32 (`dst` must be fp32). With
+    `expert`, rows whose expert is outside [0, num_experts) (default: `bias.shape[0]`) are skipped."""
+    if bias is not None and expert is None:
+        raise ValueError("scatter_add_rows: `bias` needs `expert`")
+    if expert is not None and num_experts is None:
+        if bias is None:
+            raise ValueError("scatter_add_rows: `expert` needs `num_experts` or `bias`")
+        num_experts = bias.shape[0]
     n_rows, n_cols = src.shape
     if n_rows == 0:
         return
@@ -249,7 +286,8 @@ def scatter_add_rows(
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
     _scatter_add_rows_kernel[grid](
         dst, src, index, w if w is not None else src, bias if bias is not None else src,
-        expert if expert is not None else index, n_rows, n_cols, dst.stride(0), src.stride(0),
+        expert if expert is not None else index, n_rows, n_cols, num_experts or 0, dst.stride(0), src.stride(0),
         bias.stride(0) if bias is not None else 0,
-        HAS_W=w is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_W=w is not None, HAS_BIAS=bias is not None, MASK_EXPERT=expert is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip

@@ -11,24 +11,41 @@ them from ``config.swiglu_alpha/swiglu_limit``, older releases hard-code 1.702 /
 
 How it saves memory (S = tokens × top_k token-expert pairs):
 
-- The pairs are sorted by expert once (one host sync to learn the expert boundaries) and processed in
-  chunks of at most ``chunk_rows`` pairs. A chunk gathers its token rows, runs the up projection, the gate
-  and the down projection, and scatter-adds ``w * (y + b_down)`` into an fp32 ``[T, H]`` accumulator. No
-  ``[S, H]`` or ``[S, 2I]`` tensor exists in the no-grad pass, and expert weights are sliced, never copied.
+- The pairs are sorted by expert once, on the device, and processed in chunks of at most ``chunk_rows`` pairs.
+  A chunk gathers its token rows, runs the up projection, the gate and the down projection, and scatter-adds
+  ``w * (y + b_down)`` into an fp32 ``[T, H]`` accumulator. No ``[S, H]`` or ``[S, 2I]`` tensor exists in the
+  no-grad pass, and expert weights are never copied.
 - Training goes through the custom op ``hf_gptoss_rl::memory_efficient_experts`` (forward and backward ops
-  joined by ``register_autograd``), which saves only the biased up-projection output (``[S, 2I]``, or nothing
-  with ``recompute_gate_up=True``) and recomputes the gate activations in the backward. Being one op, its
-  outputs can be kept by selective activation checkpointing (``hf_gptoss_rl.checkpointing``), which then skips
-  the whole experts forward in the recompute. Weight and bias gradients are skipped when the experts are
-  frozen (PEFT LoRA on attention), the routing-weight gradient when the router is frozen.
-- EP sentinel indices (``>= num_experts``) are sorted to the tail and never processed: they contribute
-  nothing to the output and get a zero routing-weight gradient, as transformers' ``grouped_mm`` does.
+  joined by ``register_autograd``), which saves only the biased up-projection output (``[S, 2I]`` in sorted-pair
+  order, or nothing with ``recompute_gate_up=True``) and recomputes the gate activations in the backward. Being
+  one op, its outputs can be kept by selective activation checkpointing (``hf_gptoss_rl.checkpointing``), which
+  then skips the whole experts forward in the recompute. Weight and bias gradients are skipped when the experts
+  are frozen (PEFT LoRA on attention), the routing-weight gradient when the router is frozen.
+- EP sentinel indices (``>= num_experts``) are sorted to the tail and contribute nothing: no output and a zero
+  routing-weight gradient, as transformers' ``grouped_mm`` handles them.
+
+Two ways to cut the chunks, chosen from what the host knows (backend, needed gradients):
+
+- Sync-free, whenever the matmuls run in ``torch._grouped_mm`` (CUDA bf16), except a backward that needs
+  expert weight gradients. Chunks are fixed in pair space (``[i*C, (i+1)*C)``), each runs against the full
+  weight tensors, and the per-expert offsets of every chunk are computed on the device (experts absent from a
+  chunk are empty groups). Nothing is read back, so the host keeps queuing kernels instead of draining the GPU
+  twice per layer. Sentinel pairs then sit inside chunks: ``_grouped_mm`` leaves their rows unwritten and the
+  gate / combine steps mask them on the device. Negative indices are caught by a device-side assert.
+- Host-planned otherwise (the per-expert ``torch.mm`` loop needs host row ranges; a chunk spanning all
+  experts would make ``[E, K, N]`` weight-gradient temporaries). One host sync reads the expert boundaries;
+  chunks cover real pairs only, span at most ``MAX_EXPERTS_PER_CHUNK`` experts and use weight slices. Negative
+  indices raise ``ValueError``.
+
+Both sort the pairs the same way and save ``[S, 2I]`` in the same order, so either backward follows either
+forward (a sync-free forward, then a host-planned backward when the experts train).
 
 Backends: on CUDA the gate, bias and combine steps run in fused Triton kernels (``hf_gptoss_rl._experts_triton``)
 and, with bf16 weights, the matmuls in ``torch._grouped_mm``; elsewhere (CPU, fp32 matmuls) a per-expert
 ``torch.mm`` loop over the same chunks and the same math in PyTorch, exact in fp32. Environment overrides (read
 at call time): ``HF_GPTOSS_RL_EXPERTS_BACKEND=torch|triton`` (``triton`` on CPU needs TRITON_INTERPRET=1 set
-before triton is imported) and ``HF_GPTOSS_RL_EXPERTS_GROUPED_MM=1`` (use ``torch._grouped_mm`` on CPU too).
+before triton is imported) and ``HF_GPTOSS_RL_EXPERTS_GROUPED_MM=1`` (use ``torch._grouped_mm``, hence the
+sync-free plan, on CPU too).
 """
 
 from __future__ import annotations
@@ -55,7 +72,8 @@ __all__ = [
 #: Token-expert pairs processed per chunk. At gpt-oss-20b size (H = I = 2880, bf16) a chunk's
 #: intermediates take about 30 KiB per row, so 8192 rows ≈ 0.25 GiB whatever the sequence length.
 DEFAULT_CHUNK_ROWS = 8192
-#: Experts one chunk may span (bounds the per-chunk weight-gradient temporaries: 8 × 32 MiB at 20b size).
+#: Experts one chunk of the host plan may span (bounds the per-chunk weight-gradient temporaries: 8 × 32 MiB at
+#: 20b size).
 MAX_EXPERTS_PER_CHUNK = 8
 
 _DEFAULT_ALPHA = 1.702
@@ -63,7 +81,7 @@ _DEFAULT_LIMIT = 7.0
 
 
 # --------------------------------------------------------------------------------------------------------
-# Routing plan: sort once, then chunk on the host.
+# Routing plan: sort once on the device, then cut the sorted pairs into chunks (on the host or on the device).
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -71,9 +89,9 @@ _DEFAULT_LIMIT = 7.0
 class _Chunk:
     start: int  # first sorted pair of the chunk
     stop: int  # one past the last sorted pair
-    expert_lo: int  # experts [expert_lo, expert_hi) own the chunk's rows
+    expert_lo: int  # experts [expert_lo, expert_hi) own the chunk's rows (all experts on the sync-free plan)
     expert_hi: int
-    ends: list[int]  # cumulative row ends of those experts, local to the chunk (host copy)
+    ends: list[int] | None  # cumulative row ends of those experts, local to the chunk (host plan only)
     offs: torch.Tensor  # the same on the device, int32 (what torch._grouped_mm wants)
 
 
@@ -84,27 +102,65 @@ class _RoutingPlan:
     num_experts: int
     perm: torch.Tensor  # [S] flat (token * top_k + slot) index of each sorted pair
     token: torch.Tensor  # [S] token of each sorted pair
-    expert: torch.Tensor  # [S] expert of each sorted pair (sentinels keep their value; never read)
-    num_valid: int  # pairs routed to a real expert (the sorted prefix)
+    expert: torch.Tensor  # [S] expert of each sorted pair (sentinels keep their value and are masked)
+    sync_free: bool  # chunks cut in pair space, sentinel rows inside chunks (see `_device_chunks`)
     chunks: list[_Chunk]
 
 
-def _plan_routing(top_k_index: torch.Tensor, num_experts: int, chunk_rows: int) -> _RoutingPlan:
+def _use_sync_free_plan(x: torch.Tensor, expert_weight_grads: bool = False) -> bool:
+    """Plan the routing without a host sync? Only with `torch._grouped_mm` (the per-expert `torch.mm` loop needs
+    host row ranges) and without expert weight gradients (a sync-free chunk spans all E experts, so grouped_mm's
+    weight-gradient output would be an [E, K, N] temporary per chunk instead of `MAX_EXPERTS_PER_CHUNK`)."""
+    return not expert_weight_grads and _grouped_mm_supported(x)
+
+
+def _plan_routing(top_k_index: torch.Tensor, num_experts: int, chunk_rows: int, sync_free: bool) -> _RoutingPlan:
     if top_k_index.dim() != 2:
         raise ValueError(f"top_k_index must be [num_tokens, top_k], got shape {tuple(top_k_index.shape)}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     num_tokens, top_k = top_k_index.shape
-    device = top_k_index.device
     flat = top_k_index.reshape(-1)
     sorted_expert, perm = torch.sort(flat, stable=True)
     # bounds[e] = first sorted pair with expert >= e; pairs >= bounds[E] are EP sentinels.
-    bounds = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device, dtype=flat.dtype))
-    bounds = bounds.tolist()  # the one host sync of the layer
+    bounds = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
+    if sync_free:
+        chunks = _device_chunks(bounds, flat.shape[0], num_experts, chunk_rows)
+    else:
+        chunks = _host_chunks(bounds.tolist(), num_experts, chunk_rows, flat.device)  # the host sync
+    return _RoutingPlan(
+        num_tokens=num_tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        perm=perm,
+        token=torch.div(perm, top_k, rounding_mode="floor"),
+        expert=sorted_expert,
+        sync_free=sync_free,
+        chunks=chunks,
+    )
+
+
+def _device_chunks(bounds: torch.Tensor, num_pairs: int, num_experts: int, chunk_rows: int) -> list[_Chunk]:
+    """Chunks fixed in pair space, [i*C, min((i+1)*C, S)), each against all E experts, with `offs` computed on
+    the device: nothing is read back. Experts without rows in a chunk are empty groups; rows past `offs[-1]`
+    (EP sentinels) are left unwritten by `torch._grouped_mm` and masked by the gate / combine steps."""
+    # Negative indices sort to the head and join expert 0's group; the masks then drop them like sentinels, but
+    # they are an error: checked on the device (on CUDA it fails at the next sync point, on CPU at once).
+    torch._assert_async(bounds[0] == 0, "top_k_index holds negative expert indices; expected 0 <= index")
+    starts = range(0, num_pairs, chunk_rows)
+    start = torch.arange(0, num_pairs, chunk_rows, device=bounds.device, dtype=bounds.dtype).unsqueeze(1)
+    # offs[i, e] = row end of expert e local to chunk i, clamped to [0, chunk length]
+    offs = torch.minimum((bounds[1:] - start).clamp(min=0), (num_pairs - start).clamp(max=chunk_rows))
+    offs = offs.to(torch.int32)
+    return [_Chunk(s, min(s + chunk_rows, num_pairs), 0, num_experts, None, offs[i]) for i, s in enumerate(starts)]
+
+
+def _host_chunks(bounds: list[int], num_experts: int, chunk_rows: int, device: torch.device) -> list[_Chunk]:
+    """Chunks over the real pairs only, cut at most `chunk_rows` pairs and `MAX_EXPERTS_PER_CHUNK` experts, each
+    against the weight slices of its experts."""
     if bounds[0] != 0:
         raise ValueError(f"top_k_index holds {bounds[0]} negative expert indices; expected 0 <= index")
     num_valid = bounds[num_experts]
-
     chunks: list[_Chunk] = []
     all_ends: list[int] = []
     start = 0
@@ -125,16 +181,7 @@ def _plan_routing(top_k_index: torch.Tensor, num_experts: int, chunk_rows: int) 
         for chunk in chunks:
             chunk.offs = offs[position : position + len(chunk.ends)]
             position += len(chunk.ends)
-    return _RoutingPlan(
-        num_tokens=num_tokens,
-        top_k=top_k,
-        num_experts=num_experts,
-        perm=perm,
-        token=torch.div(perm, top_k, rounding_mode="floor"),
-        expert=sorted_expert,
-        num_valid=num_valid,
-        chunks=chunks,
-    )
+    return chunks
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -187,9 +234,11 @@ def _gmm_weight_grad(a_t: torch.Tensor, d: torch.Tensor, chunk: _Chunk, use_grou
 
 
 def _segment_sum(d: torch.Tensor, chunk: _Chunk, expert: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """Per-expert sum of the rows of `d` [R, N] (each scaled by `w`) -> [E_c, N], as one small matmul."""
+    """Per-expert sum of the rows of `d` [R, N] (each scaled by `w`) -> [E_c, N], as one small matmul (rows of
+    experts outside the chunk's, such as sentinels, match no expert: their `d` must be finite)."""
     local = expert - chunk.expert_lo
-    one_hot = local.unsqueeze(0) == torch.arange(len(chunk.ends), device=d.device, dtype=local.dtype).unsqueeze(1)
+    experts = torch.arange(chunk.expert_hi - chunk.expert_lo, device=d.device, dtype=local.dtype)
+    one_hot = local.unsqueeze(0) == experts.unsqueeze(1)
     one_hot = one_hot.to(d.dtype) if w is None else one_hot * w.to(d.dtype).unsqueeze(0)
     return one_hot.to(d.dtype) @ d
 
@@ -204,33 +253,47 @@ def _use_triton(t: torch.Tensor) -> bool:
     return use_triton("HF_GPTOSS_RL_EXPERTS_BACKEND", t, _experts_triton is not None)
 
 
+def _valid_rows(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return (expert >= 0) & (expert < num_experts)
+
+
+# Rows of EP sentinels (expert outside [0, E)) are masked on the device by all three steps: on the sync-free plan
+# they sit inside chunks, and `torch._grouped_mm` leaves their rows unwritten (garbage, possibly NaN).
+
+
 def _gate_forward(pre, bias, expert, alpha, limit, write_h=True, store_pre=True, pre_out=None):
     """Return the gated activation of `pre` + bias; `store_pre`: write the biased `pre` (rounded) to `pre_out`
-    (default: `pre` itself, in place)."""
+    (default: `pre` itself, in place). Sentinel rows get zeros in both."""
     if _use_triton(pre):
         return _experts_triton.gate_forward(pre, bias, expert, alpha, limit, write_h, store_pre, pre_out)
+    valid = _valid_rows(expert, bias.shape[0]).unsqueeze(1)
+    row_bias = bias.index_select(0, expert.clamp(0, bias.shape[0] - 1))
     if pre_out is not None and pre_out is not pre:
-        pre = torch.add(pre, bias.index_select(0, expert), out=pre_out)
+        pre = torch.add(pre, row_bias, out=pre_out)
     else:
-        pre.add_(bias.index_select(0, expert))
+        pre.add_(row_bias)
+    pre.masked_fill_(~valid, 0)
     if not write_h:
         return None
     gate, up = pre[:, 0::2].float(), pre[:, 1::2].float()
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(pre.dtype)
+    return torch.where(valid, (up + 1) * gate * torch.sigmoid(alpha * gate), 0.0).to(pre.dtype)
 
 
-def _gate_backward(pre, g, w, alpha, limit, write_hw, write_dw):
+def _gate_backward(pre, g, w, alpha, limit, write_hw, write_dw, expert, num_experts):
+    """Return (dpre, w * h, rowsum(g * h)); sentinel rows (their `g` is garbage) get exact zeros."""
     if _use_triton(pre):
-        return _experts_triton.gate_backward(pre, g, w, alpha, limit, write_hw, write_dw)
-    gate, up = pre[:, 0::2].float(), pre[:, 1::2].float()
-    g = g.float()
+        return _experts_triton.gate_backward(pre, g, w, alpha, limit, write_hw, write_dw, expert, num_experts)
+    valid = _valid_rows(expert, num_experts).unsqueeze(1)
+    gate = torch.where(valid, pre[:, 0::2].float(), 0.0)
+    up = torch.where(valid, pre[:, 1::2].float(), 0.0)
+    g = torch.where(valid, g.float(), 0.0)
     gate_c = gate.clamp(max=limit)
     up_c = up.clamp(min=-limit, max=limit)
     sig = torch.sigmoid(alpha * gate_c)
     glu = gate_c * sig
-    h = (up_c + 1) * glu
+    h = torch.where(valid, (up_c + 1) * glu, 0.0)
     dh = g * w.unsqueeze(1)
     d_gate = torch.where(gate <= limit, dh * (up_c + 1) * (sig + alpha * gate_c * sig * (1 - sig)), 0.0)
     d_up = torch.where((up >= -limit) & (up <= limit), dh * glu, 0.0)
@@ -240,15 +303,19 @@ def _gate_backward(pre, g, w, alpha, limit, write_hw, write_dw):
     return dpre, hw, dw
 
 
-def _scatter_add_rows(dst, src, index, w=None, bias=None, expert=None):
-    """dst[index[r]] += w[r] * (src[r] + bias[expert[r]]) in fp32."""
+def _scatter_add_rows(dst, src, index, w=None, bias=None, expert=None, num_experts=None):
+    """dst[index[r]] += w[r] * (src[r] + bias[expert[r]]) in fp32; with `expert`, sentinel rows (outside
+    [0, num_experts), default `bias.shape[0]`) are skipped."""
     if _use_triton(src):
-        return _experts_triton.scatter_add_rows(dst, src, index, w, bias, expert)
+        return _experts_triton.scatter_add_rows(dst, src, index, w, bias, expert, num_experts)
     value = src.float()
     if bias is not None:
-        value = value + bias.index_select(0, expert).float()
+        value = value + bias.index_select(0, expert.clamp(0, bias.shape[0] - 1)).float()
     if w is not None:
         value = value * w.unsqueeze(1)
+    if expert is not None:
+        valid = _valid_rows(expert, bias.shape[0] if num_experts is None else num_experts)
+        value = torch.where(valid.unsqueeze(1), value, 0.0)
     dst.index_add_(0, index, value)
 
 
@@ -258,11 +325,13 @@ def _scatter_add_rows(dst, src, index, w=None, bias=None, expert=None):
 
 
 def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, alpha, limit, save_pre):
-    """Return (fp32 [T, H] output, the biased pre-activations [S_valid, 2I] in sorted-pair order when `save_pre`)."""
-    use_grouped_mm = _grouped_mm_supported(x)
+    """Return (fp32 [T, H] output, the biased pre-activations [S, 2I] in sorted-pair order when `save_pre`)."""
+    use_grouped_mm = plan.sync_free or _grouped_mm_supported(x)
     out = torch.zeros(plan.num_tokens, x.shape[1], device=x.device, dtype=torch.float32)
-    # One buffer for every chunk's biased pre-activation: the gate kernel writes there directly (no copy).
-    saved = x.new_empty(plan.num_valid, gate_up.shape[-1]) if save_pre else None
+    # One buffer for every chunk's biased pre-activation: the gate kernel writes there directly (no copy). It
+    # has a row per pair, sentinels included (zeros on the sync-free plan, never written nor read on the host
+    # plan), so both plans share one layout and a backward may use either plan.
+    saved = x.new_empty(plan.perm.shape[0], gate_up.shape[-1]) if save_pre else None
     for chunk in plan.chunks:
         token = plan.token[chunk.start : chunk.stop]
         expert = plan.expert[chunk.start : chunk.stop]
@@ -298,9 +367,9 @@ def _experts_op(
     chunk_rows: int,
     save_pre: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts output `[T, H]` (input dtype) and the biased pre-activations `[S_valid, 2I]` for the backward (`[0, 2I]`
-    without `save_pre`: the backward recomputes the up projection chunk by chunk)."""
-    plan = _plan_routing(top_k_index, gate_up_proj.shape[0], chunk_rows)
+    """Experts output `[T, H]` (input dtype) and the biased pre-activations `[T * top_k, 2I]` in sorted-pair order
+    for the backward (`[0, 2I]` without `save_pre`: the backward recomputes the up projection chunk by chunk)."""
+    plan = _plan_routing(top_k_index, gate_up_proj.shape[0], chunk_rows, _use_sync_free_plan(hidden_states))
     out, saved = _experts_forward(
         hidden_states, _sorted_weights(top_k_weights, plan), plan, gate_up_proj, gate_up_proj_bias, down_proj,
         down_proj_bias, alpha, limit, save_pre,
@@ -313,7 +382,7 @@ def _experts_op(
 @_experts_op.register_fake
 def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
       alpha, limit, chunk_rows, save_pre):  # fmt: skip
-    rows = torch.library.get_ctx().new_dynamic_size() if save_pre else 0  # pairs routed to a real expert
+    rows = top_k_index.numel() if save_pre else 0  # one row per pair, EP sentinels included
     return torch.empty_like(hidden_states), hidden_states.new_empty(rows, gate_up_proj.shape[-1])
 
 
@@ -335,13 +404,15 @@ def _experts_backward_op(
 ) -> list[torch.Tensor]:
     """Gradients of (x, top_k_weights, gate_up, gate_up_bias, down, down_bias); an empty tensor where not needed.
 
-    The routing plan is rebuilt from `top_k_index` (a stable sort: the same plan as the forward's).
+    The routing is sorted again from `top_k_index` (a stable sort: the same pair order as the forward's, so
+    `saved_pre` lines up whichever plan each pass used). Expert weight gradients need the host plan.
     """
     need_x, need_w, need_gu, need_gub, need_d, need_db = needs_grad
-    plan = _plan_routing(top_k_index, gate_up.shape[0], chunk_rows)
+    num_experts = gate_up.shape[0]
+    plan = _plan_routing(top_k_index, num_experts, chunk_rows, _use_sync_free_plan(x, need_gu or need_d))
     w_sorted = _sorted_weights(top_k_weights, plan)
     saved = saved_pre if saved_pre.shape[0] > 0 else None  # empty: recompute the up projection
-    use_grouped_mm = _grouped_mm_supported(x)
+    use_grouped_mm = plan.sync_free or _grouped_mm_supported(x)
     grad_out = grad_out.to(x.dtype).contiguous()
 
     grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32) if need_x else None
@@ -371,12 +442,13 @@ def _experts_backward_op(
             pre = saved[chunk.start : chunk.stop]
         dy = grad_out.index_select(0, token)
         g = _gmm(dy, down[lo:hi].transpose(1, 2), chunk, use_grouped_mm)  # dOut @ W_downᵀ, unweighted
-        dpre, hw, dw = _gate_backward(pre, g, w, alpha, limit, write_hw=need_d, write_dw=need_w)
+        dpre, hw, dw = _gate_backward(pre, g, w, alpha, limit, need_d, need_w, expert, num_experts)
         del g, pre
         if need_w:
-            # d w = dOut · (h @ W_down + b_down) = rowsum(g * h) + dOut · b_down
-            local = (expert - lo).unsqueeze(1)
-            dw += (dy @ down_bias[lo:hi].t()).gather(1, local).squeeze(1).float()
+            # d w = dOut · (h @ W_down + b_down) = rowsum(g * h) + dOut · b_down (0 for sentinel rows)
+            local = (expert - lo).clamp(0, hi - lo - 1).unsqueeze(1)
+            bias_term = (dy @ down_bias[lo:hi].t()).gather(1, local).squeeze(1).float()
+            dw += torch.where(_valid_rows(expert, num_experts), bias_term, 0.0)
             grad_w_sorted[chunk.start : chunk.stop] = dw
         if need_d:
             _write_weight_grad(grad_d, _gmm_weight_grad(hw.t(), dy, chunk, use_grouped_mm), lo, split_expert)
@@ -393,7 +465,7 @@ def _experts_backward_op(
             grad_gub[lo:hi] += _segment_sum(dpre, chunk, expert, None)
         if need_x:
             dx = _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)
-            _scatter_add_rows(grad_x, dx, token)
+            _scatter_add_rows(grad_x, dx, token, expert=expert, num_experts=num_experts)
             del dx
         del dpre
         written_hi = hi
@@ -402,10 +474,9 @@ def _experts_backward_op(
         if grad is not None:
             grad[written_hi:].zero_()  # empty experts after the last chunk (or all, with no chunk)
     grad_weights = None
-    if need_w:
-        flat = torch.zeros_like(grad_w_sorted)
-        flat[plan.perm] = grad_w_sorted  # sentinel pairs keep a zero gradient
-        grad_weights = flat.view(plan.num_tokens, plan.top_k)
+    if need_w:  # back to (token, slot) order; sentinel pairs hold a zero gradient
+        grad_weights = torch.empty_like(grad_w_sorted).index_copy_(0, plan.perm, grad_w_sorted)
+        grad_weights = grad_weights.view(plan.num_tokens, plan.top_k)
     if grad_x is not None:
         grad_x = grad_x.to(x.dtype)
     grads = (grad_x, grad_weights, grad_gu, grad_gub, grad_d, grad_db)
@@ -523,7 +594,7 @@ def memory_efficient_experts_forward(
         if needs_grad:
             out, _ = _experts_op(x, top_k_index, top_k_weights, *weights, alpha, limit, chunk_rows, not recompute)
         else:
-            plan = _plan_routing(top_k_index, self.num_experts, chunk_rows)
+            plan = _plan_routing(top_k_index, self.num_experts, chunk_rows, _use_sync_free_plan(x))
             out, _ = _experts_forward(x, _sorted_weights(top_k_weights, plan), plan, *weights, alpha, limit, False)
     return out.to(hidden_states.dtype)
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GptOssForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -309,7 +310,8 @@ def test_triton_kernels_match_torch_path(monkeypatch):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_bad_inputs_raise_clear_errors():
+def test_bad_inputs_raise_clear_errors(monkeypatch):
+    monkeypatch.delenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", raising=False)  # the host plan raises ValueError
     module = _experts_module()
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="negative expert"):
@@ -322,3 +324,239 @@ def test_bad_inputs_raise_clear_errors():
 
     with pytest.raises(NotImplementedError, match="GPT-OSS experts only"):
         me.memory_efficient_experts_forward(NotGptOss(), x, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The sync-free plan (torch._grouped_mm; chunks fixed in pair space, offsets computed on the device) against
+# the host plan and the fp64 reference, and proof that it reads nothing back to the host.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _skip_unless_triton_runs(backend):
+    if backend != "triton":
+        return
+    if me._experts_triton is None:
+        pytest.skip("triton is not importable")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 set before triton is imported (CPU tensors)")
+
+
+def _sentinel_routing(tokens, top_k, num_experts, seed):
+    """Expert 0 most often (more rows than a small chunk), 2 and 4 sometimes, 1 and 3 never (empty experts), EP
+    sentinels `num_experts` and `num_experts + 4` in about a quarter of the slots, and a token (0) whose slots are
+    all sentinels."""
+    g = torch.Generator().manual_seed(seed)
+    choices = torch.tensor([0, 0, 0, 2, 4, 4, num_experts, num_experts + 4])
+    index = choices[torch.randint(0, len(choices), (tokens, top_k), generator=g)]
+    index[0] = num_experts
+    return index
+
+
+def _nan_past_groups(monkeypatch):
+    """Make `torch._grouped_mm` fill the rows past its last group with NaN (it leaves them unwritten), so that any
+    sentinel row reaching the output or a gradient shows."""
+    real = torch._grouped_mm
+
+    def grouped_mm(a, b, *args, offs=None, **kwargs):
+        out = real(a, b, *args, offs=offs, **kwargs)
+        if a.dim() == 2 and b.dim() == 3:
+            out[int(offs[-1]) :] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", grouped_mm)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("top_k", [1, 4])
+@pytest.mark.parametrize("chunk_rows", [5, 4096])
+@pytest.mark.parametrize("trainable", ["none", "biases", "all"])
+def test_sync_free_plan_matches_host_plan_and_fp64(backend, top_k, chunk_rows, trainable, monkeypatch):
+    """Output and every gradient, with EP sentinels, empty experts, S not a multiple of the chunk, chunks smaller
+    than one expert's rows (and chunks of sentinels only), saved or recomputed pre-activations. Frozen expert
+    weights keep the backward sync-free (bias gradients included); trainable ones take the host plan there."""
+    _skip_unless_triton_runs(backend)
+    _nan_past_groups(monkeypatch)
+    num_experts, tokens = 5, 17
+    module = _experts_module(num_experts=num_experts)
+    module.experts_chunk_rows = chunk_rows
+    module.experts_recompute_gate_up = chunk_rows == 5
+    params = [module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias]
+    for p in params:
+        p.requires_grad_(trainable == "all" or (trainable == "biases" and p.dim() == 2))
+    g = torch.Generator().manual_seed(top_k)
+    x = torch.randn(tokens, 32, generator=g)
+    index = _sentinel_routing(tokens, top_k, num_experts, seed=4)
+    assert index.numel() % 5 and (index == 0).sum() > 5  # S not a multiple of 5; expert 0 outgrows a chunk
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    grad_out = torch.randn(tokens, 32, generator=g)
+    plans = []
+    real_plan = me._plan_routing
+    monkeypatch.setattr(me, "_plan_routing", lambda *a: plans.append(a[-1]) or real_plan(*a))
+
+    def run(grouped):
+        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_BACKEND", backend)
+        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1" if grouped else "0")
+        module.zero_grad(set_to_none=True)
+        plans.clear()
+        xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(xr, index, wr)
+        out.backward(grad_out)
+        with torch.no_grad():
+            out_no_grad = module(x, index, weights)
+        torch.testing.assert_close(out_no_grad, out.detach(), rtol=0, atol=0)
+        return plans.copy(), [out, xr.grad, wr.grad] + [p.grad for p in params if p.requires_grad]
+
+    plans_free, free = run(grouped=True)
+    plans_host, host = run(grouped=False)
+    assert plans_free == [True, trainable != "all", True]  # forward, backward, no-grad forward
+    assert plans_host == [False, False, False]
+    for got, ref in zip(free, host):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+    leaves = [x.double().requires_grad_(), weights.double().requires_grad_()]
+    leaves += [p.detach().double().requires_grad_(p.requires_grad) for p in params]
+    ref = _reference_experts(leaves[0], index, *leaves[1:])
+    ref.backward(grad_out.double())
+    refs = [ref] + [leaf.grad for leaf in leaves if leaf.requires_grad]
+    assert len(refs) == len(free)
+    for got, expected in zip(free, refs):
+        assert torch.isfinite(got).all() and _rel(got, expected) < 1e-5
+
+    out, grad_x, grad_w = free[:3]
+    assert torch.all(grad_w[index >= num_experts] == 0)  # sentinels: no routing-weight gradient
+    assert torch.all(out[0] == 0) and torch.all(grad_x[0] == 0)  # a token with only sentinel slots
+    for grad in free[3:]:  # empty experts 1 and 3: exactly zero
+        assert torch.all(grad[[1, 3]] == 0)
+
+
+def test_sync_free_plan_bf16_matches_host_plan(monkeypatch):
+    """bf16 (the CUDA configuration's dtype), frozen experts: the two plans agree to bf16 rounding."""
+    _nan_past_groups(monkeypatch)
+    module = _experts_module(num_experts=5, dtype=torch.bfloat16).requires_grad_(False)
+    module.experts_chunk_rows = 5
+    index = _sentinel_routing(20, 4, 5, seed=2)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 32, generator=g).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(20, 4, generator=g), -1).to(torch.bfloat16)
+    grad_out = torch.randn(20, 32, generator=g).to(torch.bfloat16)
+
+    def run(grouped):
+        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1" if grouped else "0")
+        xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(xr, index, wr)
+        out.backward(grad_out)
+        return [out, xr.grad, wr.grad]
+
+    for got, ref in zip(run(grouped=True), run(grouped=False)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts reads of device data by the host: `aten._local_scalar_dense` (what `.item()`, `bool()`, `int()` of a
+    tensor dispatch to) and ops whose output size depends on the data. Custom ops are run inside the mode so their
+    own aten calls are seen. `Tensor.tolist` / `.cpu()` / `.numpy()` do not dispatch on CPU tensors: the test
+    patches them."""
+
+    SYNCING = {
+        "_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+        "bincount", "repeat_interleave",
+    }  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "hf_gptoss_rl":
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        if func.overloadpacket.__name__ in self.SYNCING:
+            self.reads.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _recording(method, name, calls):
+    def wrapper(self, *args, **kwargs):
+        calls.append(name)
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sync_free_plan_reads_nothing_back(backend, monkeypatch):
+    """With torch._grouped_mm, the forward (training op and no-grad) and the frozen-experts backward read nothing
+    back to the host; the host plan does (so the count can fail), and so does a backward with expert weight
+    gradients."""
+    _skip_unless_triton_runs(backend)
+    monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_BACKEND", backend)
+    module = _experts_module(num_experts=5)
+    module.experts_chunk_rows = 7
+    index = _sentinel_routing(12, 4, 5, seed=0)
+    x = torch.randn(12, 32, requires_grad=True)
+    weights = torch.rand(12, 4, requires_grad=True)
+
+    method_calls = []
+    for name in ("tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, _recording(getattr(torch.Tensor, name), name, method_calls))
+
+    def host_reads(fn):
+        method_calls.clear()
+        with _HostReads() as mode:
+            result = fn()
+        return mode.reads + method_calls, result
+
+    def counts(grouped, frozen):
+        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1" if grouped else "0")
+        module.requires_grad_(not frozen)
+        x.grad = weights.grad = None
+        forward, out = host_reads(lambda: module(x, index, weights))
+        backward, _ = host_reads(lambda: out.backward(torch.ones_like(out)))
+        with torch.no_grad():
+            no_grad, _ = host_reads(lambda: module(x, index, weights))
+        assert x.grad is not None and weights.grad is not None
+        return forward, backward, no_grad
+
+    assert counts(grouped=True, frozen=True) == ([], [], [])
+    forward, backward, no_grad = counts(grouped=True, frozen=False)
+    assert forward == [] and no_grad == [] and backward  # expert weight gradients: the host plan
+    assert all(counts(grouped=False, frozen=True))
+
+
+def test_sync_free_plan_rejects_negative_indices(monkeypatch):
+    """The sync-free plan checks negative indices on the device (at once on CPU, at the next sync on CUDA)."""
+    monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1")
+    module = _experts_module()
+    with pytest.raises(RuntimeError, match="negative expert"):
+        module(torch.randn(4, 32), torch.tensor([[0, -1]] * 4), torch.rand(4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sync_free_plan_does_not_synchronize():
+    """On CUDA (bf16, grouped_mm, Triton): forward, frozen-experts backward and no-grad forward under
+    `torch.cuda.set_sync_debug_mode("error")`, which raises on any synchronizing CUDA call."""
+    module = _experts_module(num_experts=8, hidden=128, inter=128, dtype=torch.bfloat16).cuda().requires_grad_(False)
+    module.experts_chunk_rows = 100
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    index = torch.randint(0, 9, (256, 4), generator=g).cuda()  # 8: EP sentinel
+    weights = torch.rand(256, 4, generator=g).cuda().requires_grad_()
+    assert me._use_sync_free_plan(x)
+
+    def step():
+        out = module(x, index, weights)
+        out.float().square().sum().backward()
+        with torch.no_grad():
+            module(x, index, weights)
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
