@@ -256,7 +256,8 @@ def cold_start(model, tokenizer, dataset, tool=None, *, args=None, max_rows: int
         args: a `trl.SFTConfig` (its `output_dir`, `max_steps`, `learning_rate`, batch size, ...). `max_length`
             is honoured: demonstrations longer than it are truncated by `SFTTrainer`. `router_aux_loss_coef=0.0`
             makes the logged loss the demonstrations' negative log-likelihood alone. Defaults to the CPU demo's
-            warm-up: 40 steps of 4 demonstrations, AdamW at 5e-2 with a cosine schedule, no checkpoints.
+            warm-up: steps of 4 demonstrations, AdamW at a constant 1e-2 after 6 warm-up steps, until the mean loss
+            of 5 steps is below 0.05 (`StopAtLoss`) or for at most 120 steps, no checkpoints.
         max_rows: most distinct problems to practise.
         reasoning_effort: written into the demonstrations' harmony system message; use the same value for RL.
         callbacks: extra `TrainerCallback`s (e.g. `StopAtLoss(0.015)`).
@@ -267,10 +268,11 @@ def cold_start(model, tokenizer, dataset, tool=None, *, args=None, max_rows: int
 
     if args is None:
         args = SFTConfig(
-            output_dir="cold_start", max_steps=40, per_device_train_batch_size=4, learning_rate=5e-2,
-            lr_scheduler_type="cosine", warmup_steps=2, logging_steps=10, save_strategy="no",
+            output_dir="cold_start", max_steps=120, per_device_train_batch_size=4, learning_rate=1e-2,
+            lr_scheduler_type="constant_with_warmup", warmup_steps=6, logging_steps=5, save_strategy="no",
             gradient_checkpointing=False, bf16=False, max_length=None, router_aux_loss_coef=0.0,
         )  # fmt: skip
+        callbacks = [*(callbacks or []), StopAtLoss(0.05, window=1)]  # logged every 5 steps: the mean of 5 steps
     if not isinstance(args, SFTConfig):
         raise TypeError(f"cold_start: args must be a trl.SFTConfig, got {type(args).__name__}")
     demonstrations = tool_call_demonstrations(
