@@ -77,9 +77,10 @@ def test_every_config_field_is_a_flag(name):
     assert args.report_to == ["tensorboard"] and args.push_to_hub is False
     with pytest.raises(ValueError, match="no_such_flag"):
         _parse(module, ["--no_such_flag", "1"])
-    for flag, value in (("--cold_start_target_nll", "-1"), ("--cold_start_steps", "-1"), ("--rl_problems", "some")):
-        with pytest.raises(ValueError, match=flag):
-            _parse(module, [flag, value])
+    if name == "grpo_retool":  # the script's own arguments are validated, naming the flag
+        for flag, value in (("--cold_start_target_nll", "-1"), ("--cold_start_steps", "-1"), ("--rl_problems", "x")):
+            with pytest.raises(ValueError, match=f"{flag} must be"):
+                _parse(module, [flag, value])
 
 
 def test_yaml_config_sets_fields(tmp_path):
