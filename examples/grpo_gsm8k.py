@@ -46,6 +46,10 @@ class ScriptArguments:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
 
+    def __post_init__(self):
+        if self.cold_start_steps is not None and self.cold_start_steps < 0:
+            raise ValueError(f"--cold_start_steps must be >= 0, got {self.cold_start_steps}")
+
 
 DEMO_DEFAULTS = dict(
     output_dir="outputs/grpo_gsm8k",
