@@ -352,6 +352,28 @@ def test_custom_op_passes_opcheck(kernel):
     torch.library.opcheck(ops.fwd.default, (q, k, v, sinks, cu, cu, 6, 6, 0.125, True, 2, 2, "torch"))
 
 
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs TRITON_INTERPRET=1 (set before triton is imported)")
+def test_backward_op_with_a_split_dkdv_grid_passes_opcheck(kernel, monkeypatch):
+    """The backward op (what torch.compile and dispatch modes such as selective checkpointing's run) with the dK/dV
+    grid split over each KV group's query heads (short full-attention layers on a GPU): its outputs must not alias
+    one another, or the custom op refuses them."""
+    pytest.importorskip("triton")
+    import importlib
+
+    triton_kernels = importlib.import_module(f"{kernel.interface.__package__}.triton_kernels")
+    splits = []
+    monkeypatch.setattr(triton_kernels, "_dkdv_head_splits", lambda *args: splits.append(2) or 2)
+    ops = getattr(torch.ops, kernel.interface.OPS_NAMESPACE)
+    q, k, v = _qkv(t=10)
+    sinks = torch.randn(4)
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
+    out, lse = ops.fwd.default(q, k, v, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton")
+    args = (torch.randn_like(out), q, k, v, out, lse, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton")
+    dq, dk, dv, dsink = ops.bwd.default(*args)
+    assert splits and dk.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr()
+    torch.library.opcheck(ops.bwd.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_two_loaded_copies_do_not_clash(kernel, hub_kernel, built_kernel_repo):
     """get_local_kernel and get_kernel(LOCAL_KERNELS) may import the same sources twice: distinct op namespaces."""
     # Two separately executed copies of the ops module must register distinct namespaces; a loader that reuses the

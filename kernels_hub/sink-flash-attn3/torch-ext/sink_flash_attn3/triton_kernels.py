@@ -1265,8 +1265,9 @@ def sink_attention_backward(
     def dkdv_result():
         if head_splits == 1:
             return dk_out, dv_out
-        dk, dv = partial.sum(dim=1).to(k.dtype).unbind(0)
-        return dk, dv
+        # one tensor each: the custom op (the path torch.compile and dispatch modes take) may not return outputs
+        # that alias one another
+        return partial[0].sum(dim=0).to(k.dtype), partial[1].sum(dim=0).to(v.dtype)
 
     # dsink's partial sums, one per (head, dQ program; programs past a sequence's end leave their zero): the dQ
     # kernel writes them, summed below in a fixed order
