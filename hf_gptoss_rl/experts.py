@@ -12,9 +12,10 @@ them from ``config.swiglu_alpha/swiglu_limit``, older releases hard-code 1.702 /
 How it saves memory (S = tokens × top_k token-expert pairs):
 
 - The pairs are sorted by expert once, on the device, and processed in chunks of at most ``chunk_rows`` pairs.
-  A chunk gathers its token rows, runs the up projection, the gate and the down projection, and scatter-adds
-  ``w * (y + b_down)`` into an fp32 ``[T, H]`` accumulator. No ``[S, H]`` or ``[S, 2I]`` tensor exists in the
-  no-grad pass, and expert weights are never copied.
+  A chunk gathers its token rows, runs the up projection, the gate and the down projection into its rows of a
+  ``[S, H]`` buffer (in the input's dtype); one pass then sums ``w * (y + b_down)`` per token over its top-k
+  slots, in fp32 and in slot order (deterministic, no atomics). No ``[S, 2I]`` tensor exists in the no-grad
+  pass, and expert weights are never copied.
 - Training goes through the custom op ``hf_gptoss_rl::memory_efficient_experts`` (forward and backward ops
   joined by ``register_autograd``), which saves only the biased up-projection output (``[S, 2I]`` in sorted-pair
   order, or nothing with ``recompute_gate_up=True``) and recomputes the gate activations in the backward. Being
@@ -103,6 +104,7 @@ class _RoutingPlan:
     top_k: int
     num_experts: int
     perm: torch.Tensor  # [S] flat (token * top_k + slot) index of each sorted pair
+    position: torch.Tensor  # [S] sorted position of each flat pair (the inverse of `perm`)
     token: torch.Tensor  # [S] token of each sorted pair
     expert: torch.Tensor  # [S] expert of each sorted pair (sentinels keep their value and are masked)
     sync_free: bool  # chunks cut in pair space, sentinel rows inside chunks (see `_device_chunks`)
@@ -135,6 +137,7 @@ def _plan_routing(top_k_index: torch.Tensor, num_experts: int, chunk_rows: int, 
         top_k=top_k,
         num_experts=num_experts,
         perm=perm,
+        position=torch.empty_like(perm).index_copy_(0, perm, torch.arange(perm.shape[0], device=perm.device)),
         token=torch.div(perm, top_k, rounding_mode="floor"),
         expert=sorted_expert,
         sync_free=sync_free,
@@ -305,20 +308,23 @@ def _gate_backward(pre, g, w, alpha, limit, write_hw, write_dw, expert, num_expe
     return dpre, hw, dw
 
 
-def _scatter_add_rows(dst, src, index, w=None, bias=None, expert=None, num_experts=None):
-    """dst[index[r]] += w[r] * (src[r] + bias[expert[r]]) in fp32; with `expert`, sentinel rows (outside
-    [0, num_experts), default `bias.shape[0]`) are skipped."""
+def _gather_rows_sum(src, plan, w=None, bias=None):
+    """fp32 `[T, N]`: out[t] = sum over slots k of w[s] * (src[s] + bias[expert[s]]), s the sorted row of pair
+    (t, k), summed in slot order; sentinel rows (expert outside [0, E)) are skipped. `src` `[S, N]` and `w` `[S]`
+    are in sorted-pair order."""
     if _use_triton(src):
-        return _experts_triton.scatter_add_rows(dst, src, index, w, bias, expert, num_experts)
-    value = src.float()
+        return _experts_triton.gather_rows_sum(src, plan.position, plan.expert, plan.num_experts, plan.top_k, w, bias)
+    expert = plan.expert.index_select(0, plan.position)  # flat pair order from here
+    value = src.index_select(0, plan.position).float()
     if bias is not None:
         value = value + bias.index_select(0, expert.clamp(0, bias.shape[0] - 1)).float()
     if w is not None:
-        value = value * w.unsqueeze(1)
-    if expert is not None:
-        valid = _valid_rows(expert, bias.shape[0] if num_experts is None else num_experts)
-        value = torch.where(valid.unsqueeze(1), value, 0.0)
-    dst.index_add_(0, index, value)
+        value = value * w.index_select(0, plan.position).unsqueeze(1)
+    value = torch.where(_valid_rows(expert, plan.num_experts).unsqueeze(1), value, 0.0)
+    total = value.new_zeros(plan.num_tokens, src.shape[1])
+    for slot in value.view(plan.num_tokens, plan.top_k, -1).unbind(1):  # slot order, as the kernel sums
+        total += slot
+    return total
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -329,7 +335,8 @@ def _scatter_add_rows(dst, src, index, w=None, bias=None, expert=None, num_exper
 def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, alpha, limit, save_pre):
     """Return (fp32 [T, H] output, the biased pre-activations [S, 2I] in sorted-pair order when `save_pre`)."""
     use_grouped_mm = plan.sync_free or _grouped_mm_supported(x)
-    out = torch.zeros(plan.num_tokens, x.shape[1], device=x.device, dtype=torch.float32)
+    # every chunk's down-projection rows, summed per token once at the end (`_gather_rows_sum`)
+    y_sorted = x.new_empty(plan.perm.shape[0], down.shape[-1])
     # One buffer for every chunk's biased pre-activation: the gate kernel writes there directly (no copy). It
     # has a row per pair, sentinels included (zeros on the sync-free plan, never written nor read on the host
     # plan), so both plans share one layout and a backward may use either plan.
@@ -343,10 +350,9 @@ def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, 
         pre_out = saved[chunk.start : chunk.stop] if save_pre else None
         h = _gate_forward(pre, gate_up_bias, expert, alpha, limit, store_pre=save_pre, pre_out=pre_out)
         del pre
-        y = _gmm(h, down[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)
+        y_sorted[chunk.start : chunk.stop] = _gmm(h, down[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)
         del h
-        _scatter_add_rows(out, y, token, w_sorted[chunk.start : chunk.stop], down_bias, expert)
-    return out, saved
+    return _gather_rows_sum(y_sorted, plan, w_sorted, down_bias), saved
 
 
 # The training path is a pair of custom ops (forward, backward) joined by `register_autograd`, rather than an
@@ -417,7 +423,8 @@ def _experts_backward_op(
     use_grouped_mm = plan.sync_free or _grouped_mm_supported(x)
     grad_out = grad_out.to(x.dtype).contiguous()
 
-    grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32) if need_x else None
+    # every chunk's input-gradient rows, summed per token once at the end (`_gather_rows_sum`)
+    dx_sorted = x.new_empty(plan.perm.shape[0], x.shape[1]) if need_x else None
     grad_w_sorted = torch.zeros(plan.perm.shape[0], device=x.device, dtype=torch.float32) if need_w else None
     # Expert weight gradients are written chunk by chunk: copied where an expert is first seen, added only
     # for the one expert a chunk boundary splits; experts no chunk touches are zeroed.
@@ -466,9 +473,7 @@ def _experts_backward_op(
         if need_gub:
             grad_gub[lo:hi] += _segment_sum(dpre, chunk, expert, None)
         if need_x:
-            dx = _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)
-            _scatter_add_rows(grad_x, dx, token, expert=expert, num_experts=num_experts)
-            del dx
+            dx_sorted[chunk.start : chunk.stop] = _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)
         del dpre
         written_hi = hi
 
@@ -479,8 +484,7 @@ def _experts_backward_op(
     if need_w:  # back to (token, slot) order; sentinel pairs hold a zero gradient
         grad_weights = torch.empty_like(grad_w_sorted).index_copy_(0, plan.perm, grad_w_sorted)
         grad_weights = grad_weights.view(plan.num_tokens, plan.top_k)
-    if grad_x is not None:
-        grad_x = grad_x.to(x.dtype)
+    grad_x = _gather_rows_sum(dx_sorted, plan).to(x.dtype) if need_x else None
     grads = (grad_x, grad_weights, grad_gu, grad_gub, grad_d, grad_db)
     return [x.new_empty(0) if g is None else g for g in grads]
 
