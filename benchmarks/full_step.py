@@ -6,8 +6,10 @@ one sequence of S random token ids: the first S/8 are the "prompt", the rest the
 
 Variants (only attention, experts and the log-prob computation differ; the loss is the same):
 
-- `project`: the project's sink kernel + `experts_implementation="memory_efficient"` + chunked log-probs
-  (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`, no `[T, vocab]` logits);
+- `project`: the project's sink kernel + `experts_implementation="memory_efficient"` + chunked log-probs, called
+  as `AgenticGRPOTrainer` calls them with `padding_free` (`hf_gptoss_rl.packing.packed_completion_logprobs`: the
+  chunked head of `add_chunked_logprob_head`, no `[T, vocab]` logits; the varlen attention arguments passed with
+  the forward);
 - `project_sac` / `project_sac_experts` (optional, `--variants`): the project's stack with selective activation
   checkpointing (`hf_gptoss_rl.checkpointing`): the recompute skips the sink kernel's forward (and the experts op),
   whose outputs are kept instead (~0.26 GiB and ~1.6 GiB per layer at 32k tokens);
@@ -18,10 +20,11 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
   (`hf_gptoss_rl.fused_layers.apply_fused_gptoss_rope`);
   `project_sac_experts_liger_torchlp` is the first of these with the log-prob chunks in PyTorch ops
   (`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch`) instead of the fused Triton kernels, the CUDA default;
-- `project_default` (optional): `AgenticGRPOConfig()`'s stack: `project_sac_experts_liger_rope` with the experts
-  outputs kept only up to the memory-derived token bound of `checkpoint_experts_max_tokens`'s default
-  (`hf_gptoss_rl.checkpointing.experts_max_tokens_for_model`; ~43k tokens for gpt-oss-20b on a 140 GiB GPU, so
-  `project_sac_experts_liger_rope` at 32k and `project_sac_liger_rope` at 64k);
+- `project_default` (optional): `AgenticGRPOConfig()`'s stack: `project_sac_experts_liger_rope` that also keeps the
+  projections (`checkpoint_saves=["attention", "experts", "projections"]`), the experts and the projections kept
+  only up to the memory-derived token bounds of `checkpoint_experts_max_tokens` / `checkpoint_projections_max_tokens`
+  (`hf_gptoss_rl.checkpointing.experts_max_tokens_for_model` / `projections_max_tokens_for_model`; for gpt-oss-20b on
+  a 140 GiB GPU ~33k and ~140k tokens: both kept at 32k, the projections only at 64k);
 - `flex_grouped_mm`: `flex_attention` (sinks by LSE renormalisation) + `grouped_mm` experts (transformers'
   default) + full-vocabulary logits (`model(..., logits_to_keep=T+1).logits`, fp32 log-softmax), as a stock
   trainer without a fused LM head computes them;
@@ -138,13 +141,14 @@ VARIANTS = {
         "liger": True,
         "rope": True,
     },
-    "project_default": {  # AgenticGRPOConfig()'s stack; experts outputs kept up to the memory-derived bound
-        "label": "project, default configuration: SAC (attention + experts where memory allows) + Liger + fused RoPE",
+    "project_default": {  # AgenticGRPOConfig()'s stack; experts / projections kept up to the memory-derived bounds
+        "label": "project, default configuration: SAC (attention + experts + projections where memory allows) + "
+        "Liger + fused RoPE",
         "attn": "project",
         "experts": "memory_efficient",
         "logprobs": "chunked",
-        "checkpoint_saves": ("attention", "experts"),
-        "experts_max_tokens": "auto",
+        "checkpoint_saves": ("attention", "experts", "projections"),
+        "max_tokens": "auto",
         "liger": True,
         "rope": True,
     },
@@ -234,15 +238,24 @@ def grpo_loss(
     return loss
 
 
-def completion_logps(model, input_ids: torch.Tensor, keep: int, how: str, with_aux: bool):
+def completion_logps(model, input_ids: torch.Tensor, keep: int, how: str, with_aux: bool, packed: bool = False):
     """Per-token log-probs `[B, keep]` of the last `keep` tokens (and the router aux loss if `with_aux`).
 
     - `how="chunked"`: the trainer's memory-efficient path: the model was patched by
       `hf_gptoss_rl.logprobs.add_chunked_logprob_head`, and is called exactly as TRL calls its fused LM head
       (`model(input_ids, labels=..., fused_lm_head=True)`, labels -100 on the prompt): no `[T, vocab]` logits.
+      With `packed`, through `hf_gptoss_rl.packing.packed_completion_logprobs`, as `AgenticGRPOTrainer` runs it
+      with `padding_free` (the default where the attention honours packing, the sink kernel's included): the
+      same head, the varlen attention arguments passed with the forward.
     - `how="full"`: stock: `model(..., logits_to_keep=keep + 1).logits`, fp32 log-softmax, gathered at the targets.
     """
     extra = {"output_router_logits": True} if with_aux else {}
+    if how == "chunked" and packed:
+        from hf_gptoss_rl.packing import packed_completion_logprobs
+
+        mask = torch.ones_like(input_ids)
+        logps, _, aux = packed_completion_logprobs(model, input_ids, mask, keep, compute_aux_loss=with_aux)
+        return logps, aux
     if how == "chunked":
         labels = input_ids.clone()
         labels[:, :-keep] = -100
@@ -307,7 +320,11 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
-    from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model, selective_checkpointing_kwargs
+    from hf_gptoss_rl.checkpointing import (
+        experts_max_tokens_for_model,
+        projections_max_tokens_for_model,
+        selective_checkpointing_kwargs,
+    )
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
     from hf_gptoss_rl.testing import build_random_gptoss, gptoss_20b_config, set_project_attention, tiny_gptoss_config
 
@@ -339,12 +356,18 @@ def worker(spec: dict) -> dict:
     saves = variant.get("checkpoint_saves", ())
     result["checkpoint_saves"] = list(saves)
     result["autocast"] = bool(spec.get("autocast"))
-    max_tokens = None
-    if variant.get("experts_max_tokens") == "auto":  # the trainer's default bound (checkpoint_experts_max_tokens)
-        max_tokens = result["experts_max_tokens"] = experts_max_tokens_for_model(model, device)
+    bounds = {}
+    if variant.get("max_tokens") == "auto":  # the trainer's default bounds (checkpoint_*_max_tokens)
+        if "experts" in saves:
+            bounds["experts_max_tokens"] = experts_max_tokens_for_model(
+                model, device, with_projections="projections" in saves
+            )
+        if "projections" in saves:
+            bounds["projections_max_tokens"] = projections_max_tokens_for_model(model, device)
+        result.update(bounds)
     # selective checkpointing keeps the named ops' outputs instead of recomputing them (hf_gptoss_rl.checkpointing)
     model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs=selective_checkpointing_kwargs(saves, experts_max_tokens=max_tokens)
+        gradient_checkpointing_kwargs=selective_checkpointing_kwargs(saves, **bounds)
         if saves
         else {"use_reentrant": False}
     )
@@ -374,12 +397,13 @@ def worker(spec: dict) -> dict:
     mask = torch.ones(1, keep, device=device)
     advantages = torch.ones(1, device=device)
     how = variant["logprobs"]
+    packed = variant["attn"] == "project"  # the trainer's padding-free path (AgenticGRPOTrainer's default here)
     aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     result["router_aux_loss_coef"] = aux_coef
 
     def grpo_step():
         model.zero_grad(set_to_none=True)
-        logps, aux = completion_logps(model, input_ids, keep, how, with_aux=aux_coef != 0.0)
+        logps, aux = completion_logps(model, input_ids, keep, how, with_aux=aux_coef != 0.0, packed=packed)
         # on-policy, as AgenticGRPOTrainer: old log-probs = the detached new ones (ratio 1)
         loss = grpo_loss(logps, logps.detach(), advantages, mask, aux, aux_coef)
         loss.backward()
@@ -388,7 +412,7 @@ def worker(spec: dict) -> dict:
 
     def logprob_pass():  # TRL's old/reference log-prob pass: no grad, no aux loss
         with torch.no_grad():
-            completion_logps(model, input_ids, keep, how, with_aux=False)
+            completion_logps(model, input_ids, keep, how, with_aux=False, packed=packed)
 
     def plain_step():
         model.zero_grad(set_to_none=True)

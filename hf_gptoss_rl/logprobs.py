@@ -6,6 +6,12 @@ reduced to a log-sum-exp and the target logit, then freed. The backward pass rec
 turns it into the gradients of the hidden states, the head weight and its bias, so the peak extra memory is one
 `[chunk_size, vocab]` float32 tile whatever the sequence length.
 
+When only the hidden states need a gradient (LoRA or a frozen head: the usual RL setup), the forward computes it
+instead: d log p_t / dh = (onehot(t) - p) W / T is known per token before the loss is, so each chunk's logits serve
+the forward and that product, and the backward only scales the kept `[N, H]` float32 rows by the upstream gradient.
+That is two passes over the head instead of three (forward, recompute, gradient). An entropy that receives a
+gradient adds its part by the recompute above.
+
 Math, with `z = (h W^T + b) / T` for one token, `p = softmax(z)`, `lse = logsumexp(z)`, target `t`:
     log p_t = z_t - lse                          d log p_t / dz = onehot(t) - p
     H       = lse - sum_j p_j z_j                dH / dz        = -p * (z - (lse - H))
@@ -31,6 +37,7 @@ __all__ = [
     "ChunkedLogProbs",
     "ChunkedLogProbOutput",
     "add_chunked_logprob_head",
+    "apply_chunked_logprobs",
     "causal_lm_token_logprobs",
     "chunked_logprobs",
 ]
@@ -74,7 +81,7 @@ def _accumulate_head_grads(grad_logits, h, weight, start, end, grad_hidden, grad
     """One chunk's logit gradient `[C, V]` -> the hidden states' rows, the head weight's and bias' sums."""
     if grad_hidden is not None:
         # each token's hidden gradient is one matmul over the vocabulary (accumulated in fp32 by the GEMM)
-        grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(acc)
+        grad_hidden[start:end] += _mm_fp32(grad_logits.to(weight.dtype), weight).to(acc)
     if grad_weight is not None:
         grad_weight += grad_logits.to(acc).t() @ h.to(acc)  # summed over chunks: keep fp32
     if grad_bias is not None:
@@ -85,16 +92,19 @@ class ChunkedLogProbs(torch.autograd.Function):
     """`log_softmax((hidden @ weight.T + bias) / T)[target]` and the entropy, chunked over tokens.
 
     hidden `[N, H]`, weight `[V, H]`, bias `[V]` or None, targets `[N]` (int64) → log-probs `[N]`, entropy `[N]`
-    (float32; float64 for float64 inputs).
+    (float32; float64 for float64 inputs). `hidden_grad_in_forward`: compute d log p / d hidden during the forward
+    (only valid when the hidden states alone need a gradient; `apply_chunked_logprobs` decides).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int, hidden_grad_in_forward=False):
         n = hidden.shape[0]
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logps = torch.empty(n, device=hidden.device, dtype=acc)
         entropy = torch.empty_like(logps)
         lse = torch.empty_like(logps)
+        # d log p_t / d hidden per token, float32 `[N, H]`
+        dlogp_dh = torch.empty(hidden.shape, device=hidden.device, dtype=acc) if hidden_grad_in_forward else None
         fused = _use_triton(hidden)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
@@ -103,6 +113,14 @@ class ChunkedLogProbs(torch.autograd.Function):
                 lse[start:end], logps[start:end], entropy[start:end] = _logprobs_triton.row_stats(
                     logits, bias, targets[start:end], 1.0 / temperature
                 )
+                if dlogp_dh is not None:  # (onehot - p) / T, then the same product the backward would run
+                    unit = torch.ones(end - start, device=hidden.device, dtype=acc)
+                    grad_logits = _logprobs_triton.grad_logits(
+                        logits, bias, targets[start:end], lse[start:end], entropy[start:end], unit, None,
+                        1.0 / temperature, weight.dtype,
+                    )  # fmt: skip
+                    dlogp_dh[start:end] = _mm_fp32(grad_logits, weight)
+                    del grad_logits
                 del logits
                 continue
             z = _chunk_logits(hidden[start:end], weight, bias, temperature)  # [C, V] float32
@@ -110,22 +128,36 @@ class ChunkedLogProbs(torch.autograd.Function):
             lse[start:end] = chunk_lse
             logps[start:end] = z.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1) - chunk_lse
             p = torch.exp(z - chunk_lse.unsqueeze(-1))
+            if dlogp_dh is not None:  # d log p_t / dz = onehot(t) - p; dz / dlogits = 1 / T
+                grad_logits = p.neg().scatter_add_(-1, targets[start:end].unsqueeze(-1), torch.ones_like(p[:, :1]))
+                dlogp_dh[start:end] = _mm_fp32(grad_logits.div_(temperature).to(weight.dtype), weight).to(acc)
+                del grad_logits
             entropy[start:end] = chunk_lse - p.mul_(z).sum(-1)  # in place: one [C, V] temporary besides z
             del z, p
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, dlogp_dh)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros to work through
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         return logps, entropy
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, dlogp_dh = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse.dtype  # float32, or float64 for float64 inputs
-        grad_hidden = torch.zeros_like(hidden, dtype=acc) if need_h else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_w else None
         grad_bias = torch.zeros_like(bias, dtype=acc) if (need_b and bias is not None) else None
+        if dlogp_dh is not None:  # the log-probs' part was computed in the forward
+            grad_hidden = dlogp_dh * grad_logps.to(acc).unsqueeze(-1) if grad_logps is not None else None
+            if grad_entropy is None:
+                none = (None,) * 6
+                return (None, *none) if grad_hidden is None else (grad_hidden.to(hidden.dtype), *none)
+            grad_logps = None  # the entropy's part follows, by recomputation
+            if grad_hidden is None:
+                grad_hidden = torch.zeros_like(hidden, dtype=acc)
+        else:
+            grad_hidden = torch.zeros_like(hidden, dtype=acc) if need_h else None
         n = hidden.shape[0]
         fused = _use_triton(hidden)
         # the hidden-state gradient's matmul runs in the head's dtype; weight / bias gradients need fp32 logits
@@ -173,7 +205,20 @@ class ChunkedLogProbs(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def apply_chunked_logprobs(hidden, weight, bias, targets, temperature: float, chunk_size: int):
+    """`ChunkedLogProbs` on flat `[N, H]` hidden states, with the hidden states' gradient computed in the forward
+    when they alone need one (grad mode on, the head's weight and bias frozen)."""
+    in_forward = (
+        torch.is_grad_enabled()
+        and hidden.requires_grad
+        and not weight.requires_grad
+        and not (bias is not None and bias.requires_grad)
+    )
+    return ChunkedLogProbs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size), in_forward)
 
 
 def chunked_logprobs(
@@ -202,8 +247,8 @@ def chunked_logprobs(
     flat_targets = targets.reshape(-1).long()
     if flat_targets.numel() and (flat_targets.min() < 0 or flat_targets.max() >= vocab):
         raise ValueError(f"targets must lie in [0, {vocab}); mask ignored positions before calling")
-    logps, entropy = ChunkedLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, float(temperature), int(chunk_size)
+    logps, entropy = apply_chunked_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, temperature, chunk_size
     )
     return logps.view(lead), entropy.view(lead)
 
@@ -284,8 +329,8 @@ def add_chunked_logprob_head(model: nn.Module, *, temperature: float = 1.0, chun
         head = self.get_output_embeddings()
         # the head math runs in float32 even under autocast (a bf16 logit is off by ~0.03 at |logit| ~ 10)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            logps, entropy = ChunkedLogProbs.apply(
-                hidden[mask], head.weight, head.bias, targets[mask], float(temperature), int(chunk_size)
+            logps, entropy = apply_chunked_logprobs(
+                hidden[mask], head.weight, head.bias, targets[mask], temperature, chunk_size
             )
         # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero)
         log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)

@@ -9,9 +9,12 @@ reads (0 where TRL's padded forward gives 0: prompt tokens, pads).
 Sequence boundaries follow transformers' packed-sequence convention, ``position_ids`` restarting at 0 for every
 row:
 
-- flash-attention implementations (the ``hf-gptoss-rl/sink-flash-attn3`` kernel included) derive varlen
-  ``cu_seqlens`` from ``position_ids`` (``modeling_flash_attention_utils._is_packed_sequence``) and run
-  ``flash_attn_varlen_func``: one sequence per row, GPT-OSS's sliding window inside each;
+- flash-attention implementations (the ``hf-gptoss-rl/sink-flash-attn3`` kernel included) run
+  ``flash_attn_varlen_func``: one sequence per row, GPT-OSS's sliding window inside each. Their varlen arguments
+  are passed with the forward (``cu_seq_lens_q/k`` and ``max_length_q/k``, transformers' ``FlashAttentionKwargs``,
+  as TRL's ``DataCollatorWithFlattening`` does): without them transformers derives them from ``position_ids`` in
+  every layer (``modeling_flash_attention_utils._is_packed_sequence`` and ``prepare_fa_kwargs_from_position_ids``),
+  which reads values back from the GPU, i.e. a host sync per layer and per recomputed layer;
 - GPT-OSS's model builds its masks without ``position_ids``, so for ``eager`` and ``flex_attention``
   :func:`packed_attention_masks` builds its per-layer-type masks (causal / sliding window) with transformers' own
   builders restricted to each row (``masking_utils.packed_sequence_mask_function``: block-diagonal), and the model
@@ -32,6 +35,7 @@ __all__ = [
     "pack_rows",
     "packed_attention_masks",
     "packed_completion_logprobs",
+    "packed_varlen_kwargs",
     "rows_are_contiguous",
     "unpack_token_values",
 ]
@@ -101,6 +105,22 @@ def unpack_token_values(packed: torch.Tensor, attention_mask: torch.Tensor, logi
     return per_token.new_zeros(mask.shape).masked_scatter(mask, per_token)[:, -logits_to_keep:]
 
 
+def packed_varlen_kwargs(attention_mask: torch.Tensor) -> dict:
+    """transformers' varlen ``FlashAttentionKwargs`` for the row `pack_rows` makes of a padded batch: int32
+    ``cu_seq_lens_q/k`` (one sequence per non-empty row) and ``max_length_q/k`` as Python ints (one host read
+    here instead of one per layer)."""
+    lengths = [n for n in attention_mask.bool().sum(1).tolist() if n > 0]
+    cu_seq_lens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_seq_lens = cu_seq_lens.to(attention_mask.device, non_blocking=True)
+    max_length = max(lengths, default=0)
+    return {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
+
+
 def packed_attention_masks(config, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
     """GPT-OSS's `{layer type: mask}` mapping for one packed row: causal (and sliding-window) within each sequence."""
     from transformers.masking_utils import (
@@ -157,6 +177,8 @@ def packed_completion_logprobs(
         model_inputs["attention_mask"] = packed_attention_masks(
             config, positions, base.get_input_embeddings().weight.dtype
         )
+    else:
+        model_inputs.update(packed_varlen_kwargs(attention_mask))
     if compute_aux_loss:
         model_inputs["output_router_logits"] = True
     if autocast is None:

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_gptoss_rl  # noqa: F401  (registers the kernel id and the experts implementation)
+from hf_gptoss_rl import checkpointing
 from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
 from hf_gptoss_rl.checkpointing import (
     experts_max_tokens_for_memory,
@@ -35,6 +36,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.products: Counter[int] = Counter()  # matrix products run, by inner dimension
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -42,6 +44,9 @@ class OpCounter(TorchDispatchMode):
             self.counts["attention"] += 1
         elif name == "hf_gptoss_rl::memory_efficient_experts":
             self.counts["experts"] += 1
+        elif name in ("aten::addmm", "aten::mm"):
+            inner = args[1].shape[-1] if name == "aten::addmm" else args[0].shape[-1]
+            self.products[inner] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -55,8 +60,9 @@ def state_dict():
     return model.state_dict()
 
 
-def run_step(state_dict, checkpoint_kwargs):
-    """One forward + backward; returns (op counts, loss, {name: grad})."""
+def run_step(state_dict, checkpoint_kwargs, lora_rank=None, counter=None):
+    """One forward + backward (with LoRA adapters of `lora_rank` on q/k/v/o, as peft adds them, if given); returns
+    (op counts, loss, {name: grad})."""
     model = GptOssForCausalLM(tiny_gptoss_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS))
     model.load_state_dict(state_dict)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -64,10 +70,18 @@ def run_step(state_dict, checkpoint_kwargs):
     model.train()
     if checkpoint_kwargs is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(2)
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        for name, p in model.named_parameters():  # peft zero-initialises lora_B: make every adapter matter
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
     input_ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
-    counter = OpCounter()
+    counter = counter if counter is not None else OpCounter()
     with counter:
-        loss = model(input_ids, labels=input_ids).loss
+        loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return counter.counts, loss.detach(), grads
@@ -102,6 +116,33 @@ def test_selective_checkpointing_matches_no_checkpointing(state_dict):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_projections_keep_the_compute_bound_products(state_dict, monkeypatch):
+    """``"projections"`` keeps q/k/v/o and the router's products (inner dimension >= the bound: the tiny model's
+    hidden size here) and recomputes LoRA's rank-r ``lora_B`` products; gradients, LoRA's included, stay bitwise
+    those of plain checkpointing."""
+    monkeypatch.setattr(checkpointing, "PROJECTION_MIN_INNER_DIM", 64)
+    config = tiny_gptoss_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS)
+    assert config.hidden_size == config.num_attention_heads * config.head_dim == 64
+    rank = 4
+    plain = OpCounter()
+    _, plain_loss, plain_grads = run_step(state_dict, {"use_reentrant": False}, lora_rank=rank, counter=plain)
+    kept = OpCounter()
+    counts, loss, grads = run_step(
+        state_dict,
+        selective_checkpointing_kwargs(("attention", "experts", "projections")),
+        lora_rank=rank,
+        counter=kept,
+    )
+    assert dict(counts) == {"attention": NUM_LAYERS, "experts": NUM_LAYERS}
+    # per layer, the recompute skips q, k, v, o (base and lora_A: 8 products of inner dimension 64) and the router
+    assert plain.products[64] - kept.products[64] == 9 * NUM_LAYERS
+    assert plain.products[rank] == kept.products[rank] > 0  # lora_B products: recomputed, as in plain checkpointing
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys() and any("lora_A" in name for name in grads)
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
 
 
 @pytest.mark.parametrize("max_tokens, experts_runs", [(42, NUM_LAYERS), (41, 2 * NUM_LAYERS), (0, 2 * NUM_LAYERS)])

@@ -36,12 +36,13 @@ def backend(request, monkeypatch):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("chunk_size", [3, 64])
-def test_values_and_gradients_match_fp64(temperature, with_bias, chunk_size, backend):
+@pytest.mark.parametrize("frozen_head", [False, True])  # frozen: the hidden-state gradient comes from the forward
+def test_values_and_gradients_match_fp64(temperature, with_bias, chunk_size, frozen_head, backend):
     torch.manual_seed(0)
     n, h, v = 37, 24, 301
     hidden = torch.randn(n, h, requires_grad=True)
-    weight = (torch.randn(v, h) * 0.3).requires_grad_()
-    bias = (torch.randn(v) * 0.1).requires_grad_() if with_bias else None
+    weight = (torch.randn(v, h) * 0.3).requires_grad_(not frozen_head)
+    bias = (torch.randn(v) * 0.1).requires_grad_(not frozen_head) if with_bias else None
     targets = torch.randint(0, v, (n,))
     g_lp, g_h = torch.randn(n), torch.randn(n)
 
@@ -49,7 +50,7 @@ def test_values_and_gradients_match_fp64(temperature, with_bias, chunk_size, bac
         hidden, weight, targets, bias=bias, temperature=temperature, chunk_size=chunk_size
     )
     ((logps * g_lp).sum() + (entropy * g_h).sum()).backward()
-    grads = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
+    grads = [hidden.grad] + ([] if frozen_head else [weight.grad] + ([bias.grad] if with_bias else []))
 
     leaves = [x.detach().double().requires_grad_() for x in [hidden, weight] + ([bias] if with_bias else [])]
     ref_lp, ref_h = _reference(leaves[0], leaves[1], leaves[2] if with_bias else None, targets, temperature)
@@ -57,8 +58,35 @@ def test_values_and_gradients_match_fp64(temperature, with_bias, chunk_size, bac
 
     torch.testing.assert_close(logps.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy.double(), ref_h.detach(), rtol=1e-5, atol=1e-5)
+    assert len(grads) == (1 if frozen_head else 2 + with_bias)
     for got, leaf in zip(grads, leaves):
         torch.testing.assert_close(got.double(), leaf.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_frozen_head_backward_skips_the_head_unless_the_entropy_needs_it(entropy_grad, backend, monkeypatch):
+    """With a frozen head, the forward runs the vocabulary products (the logits and d log p / d hidden) and the
+    backward none -- two passes over the head instead of three; an entropy gradient adds the recomputing pass.
+    Under no_grad the forward runs only the logits."""
+    from hf_gptoss_rl import logprobs
+
+    products = []
+    real_mm = logprobs._mm_fp32
+    monkeypatch.setattr(logprobs, "_mm_fp32", lambda a, b: products.append(a.shape) or real_mm(a, b))
+    torch.manual_seed(0)
+    n, h, v, chunk = 10, 8, 64, 4
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight, targets = torch.randn(v, h), torch.randint(0, v, (n,))
+    chunks = -(-n // chunk)
+    with torch.no_grad():
+        chunked_logprobs(hidden, weight, targets, chunk_size=chunk)
+    assert len(products) == chunks  # the logits only
+    products.clear()
+    logps, entropy = chunked_logprobs(hidden, weight, targets, chunk_size=chunk)
+    assert len(products) == 2 * chunks
+    products.clear()
+    (logps.sum() + (entropy.sum() if entropy_grad else 0)).backward()
+    assert len(products) == (2 * chunks if entropy_grad else 0)
 
 
 def test_no_full_vocab_tensor_is_kept_for_backward():
@@ -171,7 +199,8 @@ def test_fused_kernel_bad_logits_raise():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_kernels_cuda_gptoss_head_match_fp64(monkeypatch):
+@pytest.mark.parametrize("grads", ["both", "logps"])  # logps: the hidden-state gradient computed in the forward
+def test_fused_kernels_cuda_gptoss_head_match_fp64(grads, monkeypatch):
     """On CUDA, the fused kernels (the default there) with GPT-OSS's head shape (vocab 201,088, hidden 2880, bf16,
     frozen): log-probs, entropies and the hidden-state gradient against float64, no worse than the PyTorch ops."""
     torch.manual_seed(0)
@@ -186,7 +215,7 @@ def test_fused_kernels_cuda_gptoss_head_match_fp64(monkeypatch):
         hidden = hidden0.to(torch.float64 if name == "fp64" else torch.bfloat16, copy=True).requires_grad_()
         w = weight.double() if name == "fp64" else weight
         logps, entropy = chunked_logprobs(hidden, w, targets, temperature=0.7, chunk_size=32)
-        ((logps * g_lp).sum() + (entropy * g_h).sum()).backward()
+        ((logps * g_lp).sum() + ((entropy * g_h).sum() if grads == "both" else 0)).backward()
         results[name] = [logps, entropy, hidden.grad]
         del w
     for got, ops, exact in zip(results["triton"], results["torch"], results["fp64"]):

@@ -504,6 +504,8 @@ def test_checkpoint_saves_make_gradient_checkpointing_selective(tmp_path, tokeni
 
     with pytest.raises(ValueError, match="checkpoint_experts_max_tokens"):
         make_config(tmp_path, checkpoint_experts_max_tokens=-2)
+    with pytest.raises(ValueError, match="checkpoint_projections_max_tokens"):
+        make_config(tmp_path, checkpoint_projections_max_tokens=-3)
     trainer, _ = scripted_trainer(
         tmp_path,
         tokenizer,
@@ -519,10 +521,10 @@ def test_checkpoint_saves_make_gradient_checkpointing_selective(tmp_path, tokeni
     assert policy(None, experts_op, tokens) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_checkpoint_experts_max_tokens_default_follows_gpu_memory(monkeypatch):
-    """The default bound on a GPU: half of the memory that the weights on it leave (the policy's, plus a reference
-    model's or an embedded engine's copy), over the kept bytes per token of every layer; `-1` and an explicit value
-    are taken as they are."""
+def test_checkpoint_max_tokens_defaults_follow_gpu_memory(monkeypatch):
+    """The default bounds on a GPU: half of the memory that the weights on it leave (the policy's, plus a reference
+    model's or an embedded engine's copy), over the kept bytes per token of every layer (experts: with the kept
+    projections' when those are kept too); `-1` and an explicit value are taken as they are."""
     from types import SimpleNamespace
 
     from hf_gptoss_rl import checkpointing
@@ -536,21 +538,28 @@ def test_checkpoint_experts_max_tokens_default_follows_gpu_memory(monkeypatch):
     count = checkpointing._bytes_on
     monkeypatch.setattr(checkpointing, "_bytes_on", lambda device, modules: count(torch.device("cpu"), modules))
 
-    def resolve(setting, saves=("attention", "experts"), engine=None):
+    def resolve(kept, setting, saves=("attention", "experts"), engine=None):
         fake = SimpleNamespace(
-            args=SimpleNamespace(checkpoint_experts_max_tokens=setting, checkpoint_saves=list(saves)),
+            args=SimpleNamespace(**{f"checkpoint_{kept}_max_tokens": setting}, checkpoint_saves=list(saves)),
             accelerator=SimpleNamespace(device=torch.device("cuda", 0)),
             _policy_model=lambda: model,
             rollout_engine=SimpleNamespace(model=engine),
         )
-        return AgenticGRPOTrainer._resolve_checkpoint_experts_max_tokens(fake)
+        return AgenticGRPOTrainer._resolve_checkpoint_max_tokens(fake, kept)
 
-    per_token = checkpointing.kept_experts_bytes_per_token(model.config, 4) * model.config.num_hidden_layers
-    alone = resolve(None)
-    assert alone == (total - weight_bytes - buffer_bytes) // 2 // per_token > 0
-    assert resolve(None, engine=engine_copy) == (10 * 2**20) // 2 // per_token < alone
-    assert resolve(-1) is None and resolve(7) == 7
-    assert resolve(None, saves=("attention",)) is None
+    layers, free = model.config.num_hidden_layers, total - weight_bytes - buffer_bytes
+    experts = checkpointing.kept_experts_bytes_per_token(model.config, 4) * layers
+    projections = checkpointing.kept_projection_bytes_per_token(model.config, 4) * layers
+    alone = resolve("experts", None)
+    assert alone == free // 2 // experts > 0
+    assert resolve("experts", None, engine=engine_copy) == (10 * 2**20) // 2 // experts < alone
+    assert resolve("experts", -1) is None and resolve("experts", 7) == 7
+    assert resolve("experts", None, saves=("attention",)) is None
+    all_three = ("attention", "experts", "projections")
+    assert resolve("experts", None, saves=all_three) == free // 2 // (experts + projections) < alone
+    assert resolve("projections", None, saves=all_three) == free // 2 // projections > alone
+    assert resolve("projections", None) is None  # not kept
+    assert resolve("projections", -1, saves=all_three) is None and resolve("projections", 9, saves=all_three) == 9
 
 
 def test_bytes_on_counts_each_tensor_on_the_device_once():
@@ -594,10 +603,17 @@ def test_padding_free_loss_and_gradients_equal_padded(tmp_path, tokenizer, attn,
     @functools.wraps(original_varlen)  # transformers reads the signature
     def counting_varlen(*args, **kwargs):
         varlen_calls.append(kwargs.get("cu_seqlens_q", args[3] if len(args) > 3 else None))
+        # packed rows pass their varlen arguments with the forward: a Python int, no per-layer read from the GPU
+        assert type(kwargs.get("max_seqlen_q", args[5] if len(args) > 5 else None)) is int
         return original_varlen(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "flash_attn_varlen_func", counting_varlen)
     from transformers import modeling_flash_attention_utils
+
+    def no_derivation(*args, **kwargs):
+        raise AssertionError("varlen arguments derived from position_ids in a layer (a host sync per layer)")
+
+    monkeypatch.setattr(modeling_flash_attention_utils, "_prepare_from_posids", no_derivation)
 
     # transformers caches the kernel's functions at first use: make it look them up again
     monkeypatch.setattr(modeling_flash_attention_utils, "_loaded_implementation", None)
@@ -664,11 +680,11 @@ def test_padding_free_refuses_what_cannot_honour_boundaries(tmp_path, tokenizer)
 
 
 def test_cpu_defaults_fall_back(tmp_path, tokenizer):
-    """Defaults on CPU: selective checkpointing (a no-op for eager attention), no Liger / fused RoPE (CUDA-only),
-    packing on; asking for Liger without CUDA is an error."""
+    """Defaults on CPU: selective checkpointing (the projections kept; eager attention is not matched), no Liger /
+    fused RoPE (CUDA-only), packing on; asking for Liger without CUDA is an error."""
     config = make_config(tmp_path)
-    assert config.checkpoint_saves == ["attention", "experts"] and config.gradient_checkpointing
-    assert config.checkpoint_experts_max_tokens is None
+    assert config.checkpoint_saves == ["attention", "experts", "projections"] and config.gradient_checkpointing
+    assert config.checkpoint_experts_max_tokens is None and config.checkpoint_projections_max_tokens is None
     assert config.liger_rms_norm is None and config.fused_rope is None and config.padding_free is None
     trainer, _ = scripted_trainer(tmp_path, tokenizer, max_steps=1)
     assert (trainer.liger_rms_norm, trainer.fused_rope, trainer.padding_free) == (False, False, True)

@@ -123,21 +123,27 @@ class AgenticGRPOConfig(GRPOConfig):
             `"trl"` (TRL's fused LM head, Triton on GPUs) or `"auto"` (`"trl"` where Triton runs, else `"chunked"`).
         logprobs_chunk_size (`int`, defaults to `512`):
             Tokens per `[chunk, vocab]` float32 tile of the `"chunked"` implementation (201,088 × 512 × 4 B = 412 MB).
-        checkpoint_saves (`list[str]`, defaults to `["attention", "experts"]`):
+        checkpoint_saves (`list[str]`, defaults to `["attention", "experts", "projections"]`):
             Selective activation checkpointing (`hf_gptoss_rl.checkpointing`; only with `gradient_checkpointing=True`,
             TRL's default): ops whose outputs are kept instead of recomputed in the backward. `"attention"` (the sink
-            kernel; ~0.26 GiB per layer at 32k tokens for gpt-oss-20b) and `"experts"` (the `memory_efficient`
-            experts; ~1.6 GiB per layer at 32k, bounded by `checkpoint_experts_max_tokens`). Gradients are bitwise
-            those of plain checkpointing; ops of other implementations (eager, sdpa, `grouped_mm`, ...) are not
-            matched, so elsewhere it is plain checkpointing. Keeping the experts outputs too made the 32k
-            gpt-oss-20b LoRA step 2.58 s instead of 2.75 s, at 92.0 GiB instead of 55.3 GiB
-            (`docs/benchmarks/full_step.md`). `[]`: plain checkpointing.
+            kernel; ~0.26 GiB per layer at 32k tokens for gpt-oss-20b), `"experts"` (the `memory_efficient`
+            experts; ~1.6 GiB per layer at 32k, bounded by `checkpoint_experts_max_tokens`) and `"projections"` (the
+            q/k/v/o projections and the router, whatever runs them; ~0.49 GiB per layer at 32k, bounded by
+            `checkpoint_projections_max_tokens`). Gradients are bitwise those of plain checkpointing; attention and
+            experts ops of other implementations (eager, sdpa, `grouped_mm`, ...) are not matched, so for them it is
+            plain checkpointing. The speed and memory of each choice on the 32k gpt-oss-20b LoRA step are in
+            `docs/benchmarks/full_step.md`. `[]`: plain checkpointing.
         checkpoint_experts_max_tokens (`int`, *optional*):
             `"experts"` keeps the experts outputs of micro-batches of at most this many tokens; longer ones recompute
             them (the kept outputs grow with the tokens: ~1.24 MB per token for gpt-oss-20b, 76 GiB at 64k). `None`
-            (default): where memory allows, i.e. half of the GPU memory that the weights on it leave (the policy's,
-            a reference model's, the embedded engine's copy; `hf_gptoss_rl.checkpointing.experts_max_tokens_for_model`:
-            ~43k tokens for gpt-oss-20b in bf16 alone on a 140 GiB GPU), no bound off CUDA. `-1`: no bound.
+            (default): where memory allows, i.e. the kept experts outputs (and projections, when kept) take at most
+            half of the GPU memory that the weights on it leave (the policy's, a reference model's, the embedded
+            engine's copy; `hf_gptoss_rl.checkpointing.experts_max_tokens_for_model`: ~33k tokens for gpt-oss-20b in
+            bf16 alone on a 140 GiB GPU with the projections kept, ~43k without), no bound off CUDA. `-1`: no bound.
+        checkpoint_projections_max_tokens (`int`, *optional*):
+            The same bound for `"projections"` (~0.39 MB per token for gpt-oss-20b). `None` (default): where the kept
+            projections take at most half of the GPU memory that the weights leave (~140k tokens for gpt-oss-20b on a
+            140 GiB GPU, ~57k on an 80 GiB one), no bound off CUDA. `-1`: no bound.
         liger_rms_norm (`bool`, *optional*):
             Replace GPT-OSS's RMSNorms by Liger-Kernel's Triton RMSNorm with GPT-OSS's own rounding
             (`hf_gptoss_rl.fused_layers`; CUDA, needs `liger-kernel`). Prefer it to `use_liger_kernel=True`, whose
@@ -226,12 +232,19 @@ class AgenticGRPOConfig(GRPOConfig):
     logprobs_implementation: str = field(default="auto", metadata={"help": "auto | chunked | trl."})
     logprobs_chunk_size: int = field(default=512, metadata={"help": "Tokens per tile of the chunked log-probs."})
     checkpoint_saves: list[str] = field(
-        default_factory=lambda: ["attention", "experts"],
-        metadata={"help": "Ops kept under gradient checkpointing: attention, experts ([] for plain checkpointing)."},
+        default_factory=lambda: ["attention", "experts", "projections"],
+        metadata={
+            "help": "Ops kept under gradient checkpointing: attention, experts, projections ([] for plain "
+            "checkpointing)."
+        },
     )
     checkpoint_experts_max_tokens: int | None = field(
         default=None,
         metadata={"help": "Most tokens per micro-batch whose experts outputs are kept. Default: where memory allows."},
+    )
+    checkpoint_projections_max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Most tokens per micro-batch whose projections are kept. Default: where memory allows."},
     )
     liger_rms_norm: bool | None = field(
         default=None,
@@ -316,11 +329,10 @@ class AgenticGRPOConfig(GRPOConfig):
             self.checkpoint_saves = parse_checkpoint_saves(self.checkpoint_saves)
         except ValueError as e:
             raise ValueError(f"checkpoint_saves: {e}") from None
-        if self.checkpoint_experts_max_tokens is not None and self.checkpoint_experts_max_tokens < -1:
-            raise ValueError(
-                "checkpoint_experts_max_tokens must be None (where memory allows), -1 (no bound) or >= 0, got "
-                f"{self.checkpoint_experts_max_tokens}."
-            )
+        for name in ("checkpoint_experts_max_tokens", "checkpoint_projections_max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < -1:
+                raise ValueError(f"{name} must be None (where memory allows), -1 (no bound) or >= 0, got {value}.")
         if (
             self.checkpoint_saves
             and self.gradient_checkpointing

@@ -325,13 +325,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _selective_checkpointing_matches(self) -> bool:
         """Whether `checkpoint_saves` names an op this policy runs (else plain checkpointing, without the
-        selective-checkpointing dispatch mode): the sink kernel's attention, the `memory_efficient` experts."""
+        selective-checkpointing dispatch mode): the sink kernel's attention, the `memory_efficient` experts, the
+        projections (any implementation)."""
         from hf_gptoss_rl.attention import KERNEL_REPO_ID
 
         config = self._policy_model().config
         saves = set(self.args.checkpoint_saves)
-        return ("attention" in saves and getattr(config, "_attn_implementation", None) == KERNEL_REPO_ID) or (
-            "experts" in saves and getattr(config, "_experts_implementation", None) == "memory_efficient"
+        return (
+            "projections" in saves
+            or ("attention" in saves and getattr(config, "_attn_implementation", None) == KERNEL_REPO_ID)
+            or ("experts" in saves and getattr(config, "_experts_implementation", None) == "memory_efficient")
         )
 
     def _install_selective_checkpointing(self):
@@ -343,7 +346,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
 
         saves = tuple(self.args.checkpoint_saves)
-        self.checkpoint_experts_max_tokens = None  # resolved when checkpointing is enabled
+        # resolved when checkpointing is enabled
+        self.checkpoint_experts_max_tokens = self.checkpoint_projections_max_tokens = None
         model = self.model
         enable = model.gradient_checkpointing_enable
 
@@ -351,9 +355,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
             kwargs_ = dict(gradient_checkpointing_kwargs or {})
             kwargs_.pop("use_reentrant", None)  # refused for True in the config; False is what we set
             # resolved at each call: `Trainer.train` calls this again once the rollout engine holds its copy
-            self.checkpoint_experts_max_tokens = self._resolve_checkpoint_experts_max_tokens()
+            self.checkpoint_experts_max_tokens = self._resolve_checkpoint_max_tokens("experts")
+            self.checkpoint_projections_max_tokens = self._resolve_checkpoint_max_tokens("projections")
             selective = selective_checkpointing_kwargs(
-                saves, experts_max_tokens=self.checkpoint_experts_max_tokens, **kwargs_
+                saves,
+                experts_max_tokens=self.checkpoint_experts_max_tokens,
+                projections_max_tokens=self.checkpoint_projections_max_tokens,
+                **kwargs_,
             )
             return enable(gradient_checkpointing_kwargs=selective, **kwargs)
 
@@ -361,25 +369,36 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if self.args.gradient_checkpointing:  # already enabled by TRL for PEFT models: make it selective now
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
 
-    def _resolve_checkpoint_experts_max_tokens(self) -> int | None:
-        """`args.checkpoint_experts_max_tokens` as the checkpointing policy takes it (None: no bound); its default
-        is half of the GPU memory that the weights on it leave (`experts_max_tokens_for_model`)."""
-        from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model
+    def _resolve_checkpoint_max_tokens(self, kept: str) -> int | None:
+        """`args.checkpoint_{kept}_max_tokens` (`kept`: "experts" or "projections") as the checkpointing policy takes
+        it (None: no bound); its default is where memory allows: the kept outputs take at most half of the GPU
+        memory that the weights on it leave (`experts_max_tokens_for_model`, `projections_max_tokens_for_model`)."""
+        from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model, projections_max_tokens_for_model
 
-        setting = self.args.checkpoint_experts_max_tokens
-        if "experts" not in self.args.checkpoint_saves or setting == -1:
+        setting = getattr(self.args, f"checkpoint_{kept}_max_tokens")
+        saves = self.args.checkpoint_saves
+        if kept not in saves or setting == -1:
             return None
         if setting is not None:
             return setting
         # what else holds weights on this GPU: TRL's reference model (beta > 0, no PEFT), the embedded engine's copy
         engine = getattr(getattr(self, "rollout_engine", None), "model", None)
         resident = [m for m in (getattr(self, "ref_model", None), engine) if isinstance(m, torch.nn.Module)]
-        max_tokens = experts_max_tokens_for_model(self._policy_model(), self.accelerator.device, resident=resident)
+        policy, device = self._policy_model(), self.accelerator.device
+        if kept == "experts":
+            with_projections = "projections" in saves
+            max_tokens = experts_max_tokens_for_model(
+                policy, device, resident=resident, with_projections=with_projections
+            )
+        else:
+            max_tokens = projections_max_tokens_for_model(policy, device, resident=resident)
         if max_tokens is not None:
             logger.info(
-                "checkpoint_saves keeps the experts outputs of micro-batches up to %d tokens (half of the GPU memory "
-                "that the weights on it leave); set checkpoint_experts_max_tokens to change it",
+                "checkpoint_saves keeps the %s outputs of micro-batches up to %d tokens (half of the GPU memory that "
+                "the weights on it leave); set checkpoint_%s_max_tokens to change it",
+                kept,
                 max_tokens,
+                kept,
             )
         return max_tokens
 
