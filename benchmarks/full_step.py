@@ -554,6 +554,8 @@ def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
                 f"{abs(r['completion_logp_sum'] - ref['completion_logp_sum']) / max(abs(ref['completion_logp_sum']), 1e-30):.1e})"
             )
     lines += ["", "![ragged batch](full_step_ragged.png)"]
+    if meta.get("notes"):
+        lines += ["", "## Notes", "", *[f"- {note}" for note in meta["notes"]]]
     (out / "full_step_ragged.md").write_text("\n".join(lines) + "\n")
     plot_ragged(out / "full_step_ragged.png", results)
 

@@ -10,7 +10,8 @@ When only the hidden states need a gradient (LoRA or a frozen head: the usual RL
 instead: d log p_t / dh = (onehot(t) - p) W / T is known per token before the loss is, so each chunk's logits serve
 the forward and that product, and the backward only scales the kept `[N, H]` float32 rows by the upstream gradient.
 That is two passes over the head instead of three (forward, recompute, gradient). An entropy that receives a
-gradient adds its part by the recompute above.
+gradient adds its part by the recompute above, so such a loss pays four passes unless it asks for the plain path
+(`hidden_grad_in_forward=False`).
 
 Math, with `z = (h W^T + b) / T` for one token, `p = softmax(z)`, `lse = logsumexp(z)`, target `t`:
     log p_t = z_t - lse                          d log p_t / dz = onehot(t) - p
@@ -209,11 +210,16 @@ class ChunkedLogProbs(torch.autograd.Function):
         )
 
 
-def apply_chunked_logprobs(hidden, weight, bias, targets, temperature: float, chunk_size: int):
-    """`ChunkedLogProbs` on flat `[N, H]` hidden states, with the hidden states' gradient computed in the forward
-    when they alone need one (grad mode on, the head's weight and bias frozen)."""
+def apply_chunked_logprobs(
+    hidden, weight, bias, targets, temperature: float, chunk_size: int, hidden_grad_in_forward: bool | None = None
+):
+    """`ChunkedLogProbs` on flat `[N, H]` hidden states. `hidden_grad_in_forward`: None (default) computes the hidden
+    states' log-prob gradient in the forward when they alone need one (grad mode on, the head's weight and bias
+    frozen); False never does (for losses that also differentiate the entropy: the forward's extra product is then
+    wasted, as the backward recomputes the logits for the entropy's part anyway)."""
     in_forward = (
-        torch.is_grad_enabled()
+        hidden_grad_in_forward is not False
+        and torch.is_grad_enabled()
         and hidden.requires_grad
         and not weight.requires_grad
         and not (bias is not None and bias.requires_grad)
@@ -229,10 +235,12 @@ def chunked_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    hidden_grad_in_forward: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies of `targets` under the head `(weight, bias)` at `temperature`.
 
     `hidden` is `[..., H]` and `targets` `[...]` (any leading shape); returns two float32 tensors of `targets`' shape.
+    `hidden_grad_in_forward`: see `apply_chunked_logprobs` (pass False when the loss differentiates the entropy).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -248,7 +256,13 @@ def chunked_logprobs(
     if flat_targets.numel() and (flat_targets.min() < 0 or flat_targets.max() >= vocab):
         raise ValueError(f"targets must lie in [0, {vocab}); mask ignored positions before calling")
     logps, entropy = apply_chunked_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, temperature, chunk_size
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        flat_targets,
+        temperature,
+        chunk_size,
+        hidden_grad_in_forward,
     )
     return logps.view(lead), entropy.view(lead)
 
@@ -298,13 +312,20 @@ class ChunkedLogProbOutput(ModelOutput):
     aux_loss: torch.Tensor | None = None
 
 
-def add_chunked_logprob_head(model: nn.Module, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def add_chunked_logprob_head(
+    model: nn.Module,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    hidden_grad_in_forward: bool | None = None,
+):
     """Patch `model.forward` so that `model(..., labels=labels, fused_lm_head=True)` returns per-token log-probs.
 
     The same call contract as TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`), so a TRL trainer can use
     either; this one only needs torch, scores *only* the labelled positions (prompt positions cost nothing, on every
     device) with `ChunkedLogProbs`, and leaves every other call (generation, plain forward) untouched. The call goes
-    through `model.forward`, so DDP / FSDP wrappers see a normal forward.
+    through `model.forward`, so DDP / FSDP wrappers see a normal forward. `hidden_grad_in_forward`: see
+    `apply_chunked_logprobs` (pass False when the loss differentiates the returned entropy).
     """
     original_forward = type(model).forward
     text_config = model.config.get_text_config()
@@ -330,7 +351,7 @@ def add_chunked_logprob_head(model: nn.Module, *, temperature: float = 1.0, chun
         # the head math runs in float32 even under autocast (a bf16 logit is off by ~0.03 at |logit| ~ 10)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             logps, entropy = apply_chunked_logprobs(
-                hidden[mask], head.weight, head.bias, targets[mask], temperature, chunk_size
+                hidden[mask], head.weight, head.bias, targets[mask], temperature, chunk_size, hidden_grad_in_forward
             )
         # masked_scatter keeps an all-masked batch connected to the graph (a differentiable zero)
         log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)

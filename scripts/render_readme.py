@@ -108,8 +108,8 @@ def attention_rows(data: dict) -> list[str]:
 
 
 # `AgenticGRPOConfig()`'s stack on a 140 GiB GPU: the sink kernel, memory-efficient experts, chunked log-probs,
-# Liger RMSNorm, fused RoPE and checkpoint_saves=["attention", "experts"], the experts outputs kept up to ~43k tokens
-# (checkpoint_experts_max_tokens' default). `project_default` measures exactly that; until a run has it, the
+# Liger RMSNorm, fused RoPE and checkpoint_saves=["attention", "experts", "projections"], the experts outputs kept up
+# to ~33k tokens (checkpoint_experts_max_tokens' default). `project_default` measures exactly that; until a run has it, the
 # variant with the same settings at 32k (experts kept) stands for it.
 DEFAULT_FULL_STEP_VARIANTS = ("project_default", "project_sac_experts_liger_rope")
 

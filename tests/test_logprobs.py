@@ -87,6 +87,16 @@ def test_frozen_head_backward_skips_the_head_unless_the_entropy_needs_it(entropy
     products.clear()
     (logps.sum() + (entropy.sum() if entropy_grad else 0)).backward()
     assert len(products) == (2 * chunks if entropy_grad else 0)
+    products.clear()
+    # hidden_grad_in_forward=False: the forward runs the logits only, the backward recomputes them as for a
+    # trained head (what a loss that differentiates the entropy wants); the same gradient
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    logps, entropy = chunked_logprobs(hidden, weight, targets, chunk_size=chunk, hidden_grad_in_forward=False)
+    assert len(products) == chunks
+    (logps.sum() + (entropy.sum() if entropy_grad else 0)).backward()
+    assert len(products) == 3 * chunks
+    torch.testing.assert_close(hidden.grad, grad, rtol=1e-5, atol=1e-6)
 
 
 def test_no_full_vocab_tensor_is_kept_for_backward():
