@@ -41,11 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.masking_utils import (
     AttentionMaskInterface,
     create_causal_mask,
     create_sliding_window_causal_mask,
 )
+from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = [
@@ -331,6 +333,7 @@ class _SPState:
     _source: tuple = ()
     _full: dict = field(default_factory=dict)
     _masks: dict = field(default_factory=dict)
+    _varlen: dict | None = None
 
     def __deepcopy__(self, memo):
         # A deep-copied model (e.g. TRL's reference model) shares the group (process groups cannot be copied); the
@@ -347,7 +350,25 @@ class _SPState:
                 if full_mask.all():  # as transformers' flash path: an all-ones mask is no mask (packing detectable)
                     full_mask = None
             self._source, self._full, self._masks = source, {"position_ids": full_pos, "attention_mask": full_mask}, {}
+            self._varlen = None
         return self._full
+
+    def flash_varlen_kwargs(self) -> dict:
+        """transformers' varlen ``FlashAttentionKwargs`` of the full row (one sequence or packed ones), computed
+        once per forward: without them transformers' flash path reads ``position_ids`` back from the GPU in every
+        layer (``modeling_flash_attention_utils._is_packed_sequence``). Empty for several rows or a padding mask,
+        which take the dense / unpadding paths."""
+        if self._varlen is None:
+            full, self._varlen = self._full, {}
+            if full["attention_mask"] is None and full["position_ids"].shape[0] == 1:
+                (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(full["position_ids"])
+                self._varlen = {
+                    "cu_seq_lens_q": cu_q,
+                    "cu_seq_lens_k": cu_k,
+                    "max_length_q": int(max_q),
+                    "max_length_k": int(max_k),
+                }
+        return self._varlen
 
     def full_mask(self, config, sliding_window: int | None, like: torch.Tensor):
         """The mask transformers builds for the inner implementation on the full sequence (cached per forward)."""
@@ -363,6 +384,9 @@ class _SPState:
                 position_ids=self._full["position_ids"],
             )
         return self._masks[key]
+
+
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 class _InnerConfig:
@@ -468,7 +492,10 @@ def ulysses_attention_forward(
     full_mask = state.full_mask(module.config, sliding_window, query)
 
     local_module = _RankLocalModule(module, local_sinks, local_groups, inner)
-    out, _ = _inner_attention_function(module, inner)(
+    inner_fn = _inner_attention_function(module, inner)
+    if getattr(inner_fn, "func", inner_fn) is flash_attention_forward and not any(k in kwargs for k in _VARLEN_KWARGS):
+        kwargs = {**kwargs, **state.flash_varlen_kwargs()}
+    out, _ = inner_fn(
         local_module,
         query,
         key,

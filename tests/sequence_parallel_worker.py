@@ -138,8 +138,15 @@ def _wrapped_scenarios(state_dict, batch, group):
 
 def _kernel_scenarios(state_dict, inputs, group):
     """The same scenarios with the project's sink kernel as the inner attention (its CPU path)."""
+    from transformers import modeling_flash_attention_utils
+
     from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
 
+    # the wrapper passes the varlen arguments it computed once per forward: transformers never derives them from
+    # position_ids in a layer (a read-back from the device per layer)
+    derive = modeling_flash_attention_utils._prepare_from_posids
+    derivations = []
+    modeling_flash_attention_utils._prepare_from_posids = lambda *a, **k: derivations.append(1) or derive(*a, **k)
     try:
         model = build_model(state_dict)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -149,9 +156,12 @@ def _kernel_scenarios(state_dict, inputs, group):
             "single": _lm_scenario(model, inputs["single"], group),
             "packed": _lm_scenario(model, inputs["packed"], group),
             "padded": _logprob_scenario(model, inputs["padded"], group),
+            "derivations_from_position_ids": len(derivations),
         }
     except Exception:
         return {"error": traceback.format_exc()}
+    finally:
+        modeling_flash_attention_utils._prepare_from_posids = derive
 
 
 def run(rank: int, world: int, init_file: str, state_path: str, out_dir: str) -> None:

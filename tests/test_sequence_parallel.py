@@ -150,6 +150,7 @@ def test_sink_kernel_as_inner_attention(sp_run, reference, scenario):
     kernel = results[0]["kernel"]
     assert "error" not in kernel, kernel["error"]
     assert kernel["inner"] == "hf-gptoss-rl/sink-flash-attn3"
+    assert kernel["derivations_from_position_ids"] == 0  # varlen arguments computed once per forward, passed in
     got, want = kernel[scenario], reference[scenario]
     if scenario == "padded":
         mask = sp_worker.make_inputs()["padded"]["attention_mask"][:, 1:].bool()

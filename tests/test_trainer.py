@@ -544,6 +544,7 @@ def test_checkpoint_max_tokens_defaults_follow_gpu_memory(monkeypatch):
             accelerator=SimpleNamespace(device=torch.device("cuda", 0)),
             _policy_model=lambda: model,
             rollout_engine=SimpleNamespace(model=engine),
+            _checkpoint_saves=lambda: list(saves),
         )
         return AgenticGRPOTrainer._resolve_checkpoint_max_tokens(fake, kept)
 
@@ -560,6 +561,17 @@ def test_checkpoint_max_tokens_defaults_follow_gpu_memory(monkeypatch):
     assert resolve("projections", None, saves=all_three) == free // 2 // projections > alone
     assert resolve("projections", None) is None  # not kept
     assert resolve("projections", -1, saves=all_three) is None and resolve("projections", 9, saves=all_three) == 9
+
+
+def test_projections_are_kept_for_gpt_oss_policies_only():
+    """`"projections"` is sized for GPT-OSS's layers (attention and router products); in another model the same
+    rule would keep its MLP products too, so it matches nothing there, like `"attention"` with another attention."""
+    from types import SimpleNamespace
+
+    saves = ["attention", "experts", "projections"]
+    for gpt_oss, expected in ((True, saves), (False, ["attention", "experts"])):
+        fake = SimpleNamespace(args=SimpleNamespace(checkpoint_saves=saves), _harmony=gpt_oss)
+        assert AgenticGRPOTrainer._checkpoint_saves(fake) == expected
 
 
 def test_bytes_on_counts_each_tensor_on_the_device_once():

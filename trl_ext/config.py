@@ -128,7 +128,7 @@ class AgenticGRPOConfig(GRPOConfig):
             TRL's default): ops whose outputs are kept instead of recomputed in the backward. `"attention"` (the sink
             kernel; ~0.26 GiB per layer at 32k tokens for gpt-oss-20b), `"experts"` (the `memory_efficient`
             experts; ~1.6 GiB per layer at 32k, bounded by `checkpoint_experts_max_tokens`) and `"projections"` (the
-            q/k/v/o projections and the router, whatever runs them; ~0.49 GiB per layer at 32k, bounded by
+            q/k/v/o projections and the router of a GPT-OSS policy; ~0.49 GiB per layer at 32k, bounded by
             `checkpoint_projections_max_tokens`). Gradients are bitwise those of plain checkpointing; attention and
             experts ops of other implementations (eager, sdpa, `grouped_mm`, ...) are not matched, so for them it is
             plain checkpointing. The speed and memory of each choice on the 32k gpt-oss-20b LoRA step are in

@@ -325,17 +325,23 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _selective_checkpointing_matches(self) -> bool:
         """Whether `checkpoint_saves` names an op this policy runs (else plain checkpointing, without the
-        selective-checkpointing dispatch mode): the sink kernel's attention, the `memory_efficient` experts, the
-        projections (any implementation)."""
+        selective-checkpointing dispatch mode): the sink kernel's attention, the `memory_efficient` experts, a
+        GPT-OSS policy's projections."""
         from hf_gptoss_rl.attention import KERNEL_REPO_ID
 
         config = self._policy_model().config
-        saves = set(self.args.checkpoint_saves)
+        saves = set(self._checkpoint_saves())
         return (
             "projections" in saves
             or ("attention" in saves and getattr(config, "_attn_implementation", None) == KERNEL_REPO_ID)
             or ("experts" in saves and getattr(config, "_experts_implementation", None) == "memory_efficient")
         )
+
+    def _checkpoint_saves(self) -> list[str]:
+        """`args.checkpoint_saves` as this policy runs it: `"projections"` keeps a layer's attention and router
+        products, sized for GPT-OSS (`kept_projection_bytes_per_token`); in another model the same rule would also
+        keep its MLP products, so there it matches nothing, like `"attention"` with another attention."""
+        return [name for name in self.args.checkpoint_saves if name != "projections" or self._harmony]
 
     def _install_selective_checkpointing(self):
         """Make every `gradient_checkpointing_enable` call on the policy selective (`args.checkpoint_saves`).
@@ -345,7 +351,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """
         from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
 
-        saves = tuple(self.args.checkpoint_saves)
+        saves = tuple(self._checkpoint_saves())
         # resolved when checkpointing is enabled
         self.checkpoint_experts_max_tokens = self.checkpoint_projections_max_tokens = None
         model = self.model
@@ -376,7 +382,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model, projections_max_tokens_for_model
 
         setting = getattr(self.args, f"checkpoint_{kept}_max_tokens")
-        saves = self.args.checkpoint_saves
+        saves = self._checkpoint_saves()
         if kept not in saves or setting == -1:
             return None
         if setting is not None:
