@@ -563,6 +563,29 @@ def test_checkpoint_max_tokens_defaults_follow_gpu_memory(monkeypatch):
     assert resolve("projections", -1, saves=all_three) is None and resolve("projections", 9, saves=all_three) == 9
 
 
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_chunked_head_is_the_default_and_follows_the_entropy_bonus(tmp_path, tokenizer, monkeypatch, entropy_coef):
+    """`logprobs_implementation="auto"` installs the chunked head on every device; the hidden states' gradient is
+    computed in its forward unless TRL's entropy bonus differentiates the entropy (then it would be a wasted pass)."""
+    from types import SimpleNamespace
+
+    from hf_gptoss_rl import logprobs
+
+    calls = []
+    install = logprobs.add_chunked_logprob_head
+    monkeypatch.setattr(logprobs, "add_chunked_logprob_head", lambda *a, **k: calls.append(k) or install(*a, **k))
+    for device in ("cpu", "cuda", "xpu"):
+        for choice, expected in (("auto", True), ("chunked", True), ("trl", False)):
+            fake = SimpleNamespace(
+                args=SimpleNamespace(logprobs_implementation=choice),
+                accelerator=SimpleNamespace(device=torch.device(device)),
+            )
+            assert AgenticGRPOTrainer._use_chunked_logprobs(fake) == expected, (device, choice)
+    trainer, _ = scripted_trainer(tmp_path, tokenizer, entropy_coef=entropy_coef)
+    assert trainer.entropy_coef == entropy_coef
+    assert calls and calls[-1]["hidden_grad_in_forward"] is (False if entropy_coef else None)
+
+
 def test_projections_are_kept_for_gpt_oss_policies_only():
     """`"projections"` is sized for GPT-OSS's layers (attention and router products); in another model the same
     rule would keep its MLP products too, so it matches nothing there, like `"attention"` with another attention."""

@@ -120,7 +120,10 @@ class AgenticGRPOConfig(GRPOConfig):
         logprobs_implementation (`str`, defaults to `"auto"`):
             How the loss gets per-token log-probs without full-vocabulary float logits: `"chunked"`
             (`hf_gptoss_rl.logprobs`: only completion positions are scored, `logprobs_chunk_size` tokens at a time),
-            `"trl"` (TRL's fused LM head, Triton on GPUs) or `"auto"` (`"trl"` where Triton runs, else `"chunked"`).
+            `"trl"` (TRL's fused LM head, Triton on GPUs) or `"auto"` (`"chunked"`). With a frozen head (LoRA) and no
+            entropy bonus, `"chunked"` computes the hidden states' gradient in the forward: two passes over the
+            vocabulary per step instead of the three of a head that recomputes its logits in the backward, as TRL's
+            does (`trl/kernels/chunked_logprob.py`); with `entropy_coef` or adaptive entropy it recomputes as TRL does.
         logprobs_chunk_size (`int`, defaults to `512`):
             Tokens per `[chunk, vocab]` float32 tile of the `"chunked"` implementation (201,088 × 512 × 4 B = 412 MB).
         checkpoint_saves (`list[str]`, defaults to `["attention", "experts", "projections"]`):

@@ -204,6 +204,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped,
                 temperature=self.temperature,
                 chunk_size=args.logprobs_chunk_size,
+                # an entropy bonus differentiates the entropy: its gradient needs the logits again in the backward,
+                # so computing the log-probs' part in the forward would be a wasted pass over the vocabulary
+                hidden_grad_in_forward=False if getattr(self, "_entropy_bonus_enabled", False) else None,
             )
 
         from .rollout import AgentLoop
@@ -461,10 +464,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return reason is None if args.padding_free is None else bool(args.padding_free)
 
     def _use_chunked_logprobs(self) -> bool:
-        choice = self.args.logprobs_implementation
-        if choice == "auto":
-            return self.accelerator.device.type not in ("cuda", "xpu")  # TRL's Triton head runs there
-        return choice == "chunked"
+        return self.args.logprobs_implementation in ("auto", "chunked")
 
     def _setup_sequence_parallel(self):
         """Ulysses SP over groups of `sequence_parallel_size` consecutive ranks (DDP).
