@@ -32,10 +32,10 @@ from torch import nn
 __all__ = [
     "PACKED_MASK_ATTENTION",
     "attention_honours_packing",
+    "flash_varlen_kwargs",
     "pack_rows",
     "packed_attention_masks",
     "packed_completion_logprobs",
-    "packed_varlen_kwargs",
     "rows_are_contiguous",
     "unpack_token_values",
 ]
@@ -105,20 +105,14 @@ def unpack_token_values(packed: torch.Tensor, attention_mask: torch.Tensor, logi
     return per_token.new_zeros(mask.shape).masked_scatter(mask, per_token)[:, -logits_to_keep:]
 
 
-def packed_varlen_kwargs(attention_mask: torch.Tensor) -> dict:
-    """transformers' varlen ``FlashAttentionKwargs`` for the row `pack_rows` makes of a padded batch: int32
-    ``cu_seq_lens_q/k`` (one sequence per non-empty row) and ``max_length_q/k`` as Python ints (one host read
-    here instead of one per layer)."""
-    lengths = [n for n in attention_mask.bool().sum(1).tolist() if n > 0]
-    cu_seq_lens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_seq_lens = cu_seq_lens.to(attention_mask.device, non_blocking=True)
-    max_length = max(lengths, default=0)
-    return {
-        "cu_seq_lens_q": cu_seq_lens,
-        "cu_seq_lens_k": cu_seq_lens,
-        "max_length_q": max_length,
-        "max_length_k": max_length,
-    }
+def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
+    """transformers' varlen ``FlashAttentionKwargs`` of one row whose ``position_ids`` restart at every sequence
+    (transformers' own ``prepare_fa_kwargs_from_position_ids``), the max lengths as Python ints: computed once per
+    forward and passed with it, so that no layer derives them again (a read-back from the device per layer)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(position_ids)
+    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": int(max_q), "max_length_k": int(max_k)}
 
 
 def packed_attention_masks(config, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -178,7 +172,7 @@ def packed_completion_logprobs(
             config, positions, base.get_input_embeddings().weight.dtype
         )
     else:
-        model_inputs.update(packed_varlen_kwargs(attention_mask))
+        model_inputs.update(flash_varlen_kwargs(positions))
     if compute_aux_loss:
         model_inputs["output_router_logits"] = True
     if autocast is None:

@@ -47,8 +47,9 @@ from transformers.masking_utils import (
     create_causal_mask,
     create_sliding_window_causal_mask,
 )
-from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .packing import flash_varlen_kwargs
 
 __all__ = [
     "ULYSSES_ATTENTION",
@@ -361,13 +362,7 @@ class _SPState:
         if self._varlen is None:
             full, self._varlen = self._full, {}
             if full["attention_mask"] is None and full["position_ids"].shape[0] == 1:
-                (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(full["position_ids"])
-                self._varlen = {
-                    "cu_seq_lens_q": cu_q,
-                    "cu_seq_lens_k": cu_k,
-                    "max_length_q": int(max_q),
-                    "max_length_k": int(max_k),
-                }
+                self._varlen = flash_varlen_kwargs(full["position_ids"])
         return self._varlen
 
     def full_mask(self, config, sliding_window: int | None, like: torch.Tensor):
