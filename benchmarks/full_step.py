@@ -151,6 +151,7 @@ VARIANTS = {
         "max_tokens": "auto",
         "liger": True,
         "rope": True,
+        "fuse_lora_update": True,
     },
     "project_sac_experts_liger_torchlp": {  # the previous log-prob chunk math, to time the fused kernels' share
         "label": "project + SAC (attention + experts) + Liger RMSNorm, log-prob chunks in PyTorch ops",
@@ -383,6 +384,10 @@ def worker(spec: dict) -> dict:
             from hf_gptoss_rl.lora import skip_autocast_undone_lora_casts
 
             skip_autocast_undone_lora_casts(model)
+    if variant.get("fuse_lora_update"):  # AgenticGRPOConfig.fuse_lora_update (on by default)
+        from hf_gptoss_rl.lora import fuse_lora_update
+
+        fuse_lora_update(model)
     _sync(device)
     result["build_s"] = time.perf_counter() - t0
     result["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None

@@ -12,9 +12,10 @@ them from ``config.swiglu_alpha/swiglu_limit``, older releases hard-code 1.702 /
 How it saves memory (S = tokens × top_k token-expert pairs):
 
 - The pairs are sorted by expert once, on the device, and processed in chunks of at most ``chunk_rows`` pairs.
-  A chunk gathers its token rows, runs the up projection, the gate and the down projection into its rows of a
-  ``[S, H]`` buffer (in the input's dtype); one pass then sums ``w * (y + b_down)`` per token over its top-k
-  slots, in fp32 and in slot order (deterministic, no atomics). No ``[S, 2I]`` tensor exists in the no-grad
+  A chunk gathers its token rows, runs the up projection, the gate and the down projection (its rows of the
+  ``[S, H]`` result, in the input's dtype, kept as the matmul returned them); one pass then sums
+  ``w * (y + b_down)`` per token over its top-k slots, reading every chunk's rows where they are, in fp32 and in
+  slot order (deterministic, no atomics). No ``[S, 2I]`` tensor exists in the no-grad
   pass, and expert weights are never copied.
 - Training goes through the custom op ``hf_gptoss_rl::memory_efficient_experts`` (forward and backward ops
   joined by ``register_autograd``), which saves only the biased up-projection output (``[S, 2I]`` in sorted-pair
@@ -308,12 +309,18 @@ def _gate_backward(pre, g, w, alpha, limit, write_hw, write_dw, expert, num_expe
     return dpre, hw, dw
 
 
-def _gather_rows_sum(src, plan, w=None, bias=None):
-    """fp32 `[T, N]`: out[t] = sum over slots k of w[s] * (src[s] + bias[expert[s]]), s the sorted row of pair
-    (t, k), summed in slot order; sentinel rows (expert outside [0, E)) are skipped. `src` `[S, N]` and `w` `[S]`
-    are in sorted-pair order."""
-    if _use_triton(src):
-        return _experts_triton.gather_rows_sum(src, plan.position, plan.expert, plan.num_experts, plan.top_k, w, bias)
+def _gather_rows_sum(parts, n_cols, like, plan, w=None, bias=None):
+    """fp32 `[T, n_cols]`: out[t] = sum over slots k of w[s] * (src[s] + bias[expert[s]]), s the sorted row of pair
+    (t, k), summed in slot order; sentinel rows (expert outside [0, E)) are skipped. `src` `[S, n_cols]` comes as
+    `parts`, (start, rows) per chunk as its matmul returned them; `w` `[S]` is in sorted-pair order. `like`: a
+    tensor of the device and dtype of the rows (for a plan without chunks)."""
+    if _use_triton(like):
+        return _experts_triton.gather_rows_sum(
+            parts, n_cols, plan.position, plan.expert, plan.num_experts, plan.top_k, w, bias
+        )
+    src = like.new_zeros(plan.perm.shape[0], n_cols)  # sentinel rows: no part, masked below
+    for start, rows in parts:
+        src[start : start + rows.shape[0]] = rows
     expert = plan.expert.index_select(0, plan.position)  # flat pair order from here
     value = src.index_select(0, plan.position).float()
     if bias is not None:
@@ -336,7 +343,7 @@ def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, 
     """Return (fp32 [T, H] output, the biased pre-activations [S, 2I] in sorted-pair order when `save_pre`)."""
     use_grouped_mm = plan.sync_free or _grouped_mm_supported(x)
     # every chunk's down-projection rows, summed per token once at the end (`_gather_rows_sum`)
-    y_sorted = x.new_empty(plan.perm.shape[0], down.shape[-1])
+    y_parts = []
     # One buffer for every chunk's biased pre-activation: the gate kernel writes there directly (no copy). It
     # has a row per pair, sentinels included (zeros on the sync-free plan, never written nor read on the host
     # plan), so both plans share one layout and a backward may use either plan.
@@ -350,9 +357,9 @@ def _experts_forward(x, w_sorted, plan, gate_up, gate_up_bias, down, down_bias, 
         pre_out = saved[chunk.start : chunk.stop] if save_pre else None
         h = _gate_forward(pre, gate_up_bias, expert, alpha, limit, store_pre=save_pre, pre_out=pre_out)
         del pre
-        y_sorted[chunk.start : chunk.stop] = _gmm(h, down[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)
+        y_parts.append((chunk.start, _gmm(h, down[chunk.expert_lo : chunk.expert_hi], chunk, use_grouped_mm)))
         del h
-    return _gather_rows_sum(y_sorted, plan, w_sorted, down_bias), saved
+    return _gather_rows_sum(y_parts, down.shape[-1], x, plan, w_sorted, down_bias), saved
 
 
 # The training path is a pair of custom ops (forward, backward) joined by `register_autograd`, rather than an
@@ -424,7 +431,7 @@ def _experts_backward_op(
     grad_out = grad_out.to(x.dtype).contiguous()
 
     # every chunk's input-gradient rows, summed per token once at the end (`_gather_rows_sum`)
-    dx_sorted = x.new_empty(plan.perm.shape[0], x.shape[1]) if need_x else None
+    dx_parts = []
     grad_w_sorted = torch.zeros(plan.perm.shape[0], device=x.device, dtype=torch.float32) if need_w else None
     # Expert weight gradients are written chunk by chunk: copied where an expert is first seen, added only
     # for the one expert a chunk boundary splits; experts no chunk touches are zeroed.
@@ -473,7 +480,7 @@ def _experts_backward_op(
         if need_gub:
             grad_gub[lo:hi] += _segment_sum(dpre, chunk, expert, None)
         if need_x:
-            dx_sorted[chunk.start : chunk.stop] = _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)
+            dx_parts.append((chunk.start, _gmm(dpre, gate_up[lo:hi].transpose(1, 2), chunk, use_grouped_mm)))
         del dpre
         written_hi = hi
 
@@ -484,7 +491,7 @@ def _experts_backward_op(
     if need_w:  # back to (token, slot) order; sentinel pairs hold a zero gradient
         grad_weights = torch.empty_like(grad_w_sorted).index_copy_(0, plan.perm, grad_w_sorted)
         grad_weights = grad_weights.view(plan.num_tokens, plan.top_k)
-    grad_x = _gather_rows_sum(dx_sorted, plan).to(x.dtype) if need_x else None
+    grad_x = _gather_rows_sum(dx_parts, x.shape[1], x, plan).to(x.dtype) if need_x else None
     grads = (grad_x, grad_weights, grad_gu, grad_gub, grad_d, grad_db)
     return [x.new_empty(0) if g is None else g for g in grads]
 
@@ -501,9 +508,14 @@ def _experts_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, output[1])
     ctx.params = (alpha, limit, chunk_rows)
     ctx.mark_non_differentiable(output[1])
+    # the saved pre-activations get no gradient: without this autograd would hand the backward a zero-filled
+    # [T * top_k, 2I] tensor for them (a 1.5 GB fill per layer at 32k tokens for gpt-oss-20b)
+    ctx.set_materialize_grads(False)
 
 
 def _experts_backward(ctx, grad_out, _grad_saved):
+    if grad_out is None:  # the output took no part in the loss
+        return (None,) * 11
     x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, saved_pre = ctx.saved_tensors
     need_x, _, need_w, *need_params = ctx.needs_input_grad[:7]
     needs = [need_x, need_w, *need_params]

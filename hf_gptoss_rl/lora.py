@@ -1,4 +1,4 @@
-"""PEFT LoRA under autocast without the input copies that autocast undoes.
+"""PEFT LoRA layers for training: no input copies that autocast undoes, and the adapter update in one product.
 
 PEFT keeps LoRA adapters in float32 on a bf16 model (``get_peft_model``'s ``autocast_adapter_dtype=True``) and casts
 each LoRA layer's input to the adapter's dtype before the adapter matmuls (``peft.tuners.lora.layer.Linear.forward``
@@ -13,6 +13,23 @@ on for the input's device, in the input's dtype): the adapter matmuls see the sa
 gradients are bitwise those of stock PEFT (``tests/test_lora.py``). Outside autocast, or with an autocast dtype other
 than the input's, PEFT casts as before. Layers whose result could depend on the cast are left alone: LoRA variants
 (DoRA, ...) and a non-zero ``lora_dropout`` (dropout in float32 then rounded is not always dropout in bf16).
+
+:func:`fuse_lora_update` computes a LoRA ``Linear`` layer as two matrix products instead of PEFT's five passes
+over the layer's ``[tokens, out_features]`` output. PEFT computes ``base_layer(x) + lora_B(lora_A(x)) * scaling``:
+the base product and ``lora_B`` each write the output's size, the scaling reads and writes it, the sum reads two
+and writes one, and the backward scales the gradient once more. The patched layers compute::
+
+    update = torch.addmm(bias, lora_A(x), lora_B.weight.T, alpha=scaling)   # bias + scaling * B A x
+    y = torch.addmm(update, x, base_layer.weight.T)                           # + W x
+
+The result is rounded twice instead of four times (not bitwise PEFT's), autograd's ``addmm`` backward passes the
+gradient to ``update`` as it is and scales only the rank-r products, and the layer's output is the output of its
+base product. That matters with selective checkpointing (``hf_gptoss_rl.checkpointing``, ``"projections"``), which
+keeps that product's output: the recompute then re-runs only the rank-r ``update`` product instead of the adapter's
+product, scale and sum. Applied to vanilla LoRA layers over a plain ``nn.Linear`` (no hooks, no sharded or quantized
+weight) called as ``layer(x)``, whose ``lora_B`` has no bias and whose operands share a dtype (or that run under
+autocast); anything else (a merged or disabled adapter, mixed-adapter batches, LoRA variants, dropout,
+``lora_bias``, ``fan_in_fan_out``) runs PEFT's own forward.
 """
 
 from __future__ import annotations
@@ -22,7 +39,7 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["skip_autocast_undone_lora_casts"]
+__all__ = ["fuse_lora_update", "skip_autocast_undone_lora_casts"]
 
 
 def _autocast_undoes_cast(x: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -68,5 +85,81 @@ def skip_autocast_undone_lora_casts(model: nn.Module) -> int:
                 _cast_unless_autocast_undoes_it, module, module._cast_input_dtype
             )
             module._hf_gptoss_rl_autocast_casts = True
+        patched += 1
+    return patched
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is ``F.linear`` on plain parameters: no hooks to run (FSDP2 sharding it on
+    its own, ...), no DTensor or quantized weight."""
+    return (
+        type(layer) is nn.Linear
+        and type(layer.weight) is nn.Parameter
+        and (layer.bias is None or type(layer.bias) is nn.Parameter)
+        and not (layer._forward_pre_hooks or layer._forward_hooks)
+    )
+
+
+def _fusable_adapter(module, name: str) -> bool:
+    lora_b = module.lora_B[name]
+    return (
+        name not in getattr(module, "lora_variant", {})
+        and isinstance(module.lora_dropout[name], nn.Identity)
+        and _plain_linear(lora_b)
+        and lora_b.bias is None
+        and isinstance(module.scaling[name], (int, float))
+        and not getattr(module, "fan_in_fan_out", False)
+    )
+
+
+def _dtypes_agree(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # addmm casts every operand to the autocast dtype
+        return x.dtype == torch.get_autocast_dtype(device)
+    return all(t is None or t.dtype == x.dtype for t in tensors)
+
+
+def _fused_lora_forward(module, original, x, *args, **kwargs):
+    if args or kwargs or module.disable_adapters or module.merged or not isinstance(x, torch.Tensor):
+        return original(x, *args, **kwargs)
+    base = module.base_layer
+    adapters = [name for name in module.active_adapters if name in module.lora_A]
+    if not adapters or not _plain_linear(base) or not all(_fusable_adapter(module, name) for name in adapters):
+        return original(x, *args, **kwargs)
+    module._check_forward_args(x)
+    updates = []
+    for name in adapters:
+        lora_a = module.lora_A[name]
+        updates.append(lora_a(module._cast_input_dtype(x, lora_a.weight.dtype)))  # (dropout is an identity here)
+    weights = [module.lora_B[name].weight for name in adapters]
+    if not _dtypes_agree(x, base.weight, base.bias, *updates, *weights):
+        return original(x, *args, **kwargs)  # PEFT's dtype promotion (e.g. float32 adapters on a bf16 model)
+    rows = x.reshape(-1, x.shape[-1])
+    update = base.bias
+    for name, a, weight in zip(adapters, updates, weights):
+        a = a.reshape(-1, a.shape[-1])
+        if update is None:
+            update = torch.mm(a, weight.t() * module.scaling[name])
+        else:
+            update = torch.addmm(update, a, weight.t(), alpha=module.scaling[name])
+    out = torch.addmm(update, rows, base.weight.t())
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fuse_lora_update(model: nn.Module) -> int:
+    """Make the LoRA ``Linear`` layers of ``model`` add their update in the B product's epilogue (see the module
+    docstring); idempotent. Returns the number of LoRA ``Linear`` layers patched (0 without ``peft`` or LoRA)."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return 0
+    patched = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        if not getattr(module, "_hf_gptoss_rl_fused_update", False):
+            # an instance attribute shadows the class's forward; `original` is the bound stock method
+            module.forward = functools.partial(_fused_lora_forward, module, module.forward)
+            module._hf_gptoss_rl_fused_update = True
         patched += 1
     return patched

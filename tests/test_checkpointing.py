@@ -60,9 +60,9 @@ def state_dict():
     return model.state_dict()
 
 
-def run_step(state_dict, checkpoint_kwargs, lora_rank=None, counter=None):
-    """One forward + backward (with LoRA adapters of `lora_rank` on q/k/v/o, as peft adds them, if given); returns
-    (op counts, loss, {name: grad})."""
+def run_step(state_dict, checkpoint_kwargs, lora_rank=None, counter=None, fused_lora=False):
+    """One forward + backward (with LoRA adapters of `lora_rank` on q/k/v/o, as peft adds them, if given, their
+    update fused into the products with `fused_lora`); returns (op counts, loss, {name: grad})."""
     model = GptOssForCausalLM(tiny_gptoss_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS))
     model.load_state_dict(state_dict)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -78,6 +78,10 @@ def run_step(state_dict, checkpoint_kwargs, lora_rank=None, counter=None):
         for name, p in model.named_parameters():  # peft zero-initialises lora_B: make every adapter matter
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1)
+        if fused_lora:
+            from hf_gptoss_rl.lora import fuse_lora_update
+
+            assert fuse_lora_update(model) == 4 * NUM_LAYERS
     input_ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
     counter = counter if counter is not None else OpCounter()
     with counter:
@@ -118,22 +122,26 @@ def test_selective_checkpointing_matches_no_checkpointing(state_dict):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_projections_keep_the_compute_bound_products(state_dict, monkeypatch):
+@pytest.mark.parametrize("fused_lora", [False, True], ids=["peft_lora", "fused_lora"])
+def test_projections_keep_the_compute_bound_products(state_dict, monkeypatch, fused_lora):
     """``"projections"`` keeps q/k/v/o and the router's products (inner dimension >= the bound: the tiny model's
-    hidden size here) and recomputes LoRA's rank-r ``lora_B`` products; gradients, LoRA's included, stay bitwise
-    those of plain checkpointing."""
+    hidden size here) and recomputes LoRA's rank-r ``lora_B`` products (with `fuse_lora_update`, the rank-r update
+    products); gradients, LoRA's included, stay bitwise those of plain checkpointing."""
     monkeypatch.setattr(checkpointing, "PROJECTION_MIN_INNER_DIM", 64)
     config = tiny_gptoss_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS)
     assert config.hidden_size == config.num_attention_heads * config.head_dim == 64
     rank = 4
     plain = OpCounter()
-    _, plain_loss, plain_grads = run_step(state_dict, {"use_reentrant": False}, lora_rank=rank, counter=plain)
+    _, plain_loss, plain_grads = run_step(
+        state_dict, {"use_reentrant": False}, lora_rank=rank, counter=plain, fused_lora=fused_lora
+    )
     kept = OpCounter()
     counts, loss, grads = run_step(
         state_dict,
         selective_checkpointing_kwargs(("attention", "experts", "projections")),
         lora_rank=rank,
         counter=kept,
+        fused_lora=fused_lora,
     )
     assert dict(counts) == {"attention": NUM_LAYERS, "experts": NUM_LAYERS}
     # per layer, the recompute skips q, k, v, o (base and lora_A: 8 products of inner dimension 64) and the router

@@ -560,3 +560,34 @@ def test_cuda_sync_free_plan_does_not_synchronize():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_backward_fills_no_gradient_for_the_saved_pre_activations():
+    """The op's second output (the saved pre-activations) is non-differentiable: the backward must not be handed a
+    zero-filled `[T * top_k, 2I]` gradient for it (a full pass over the largest activation of the layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_gptoss_rl.experts import _experts_op
+
+    torch.manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 12, 16, 8, 4, 2
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    index = torch.randint(0, experts, (tokens, top_k))
+    weights = torch.rand(tokens, top_k, requires_grad=True)
+    gate_up, gate_up_bias = torch.randn(experts, hidden, 2 * inter), torch.randn(experts, 2 * inter)
+    down, down_bias = torch.randn(experts, inter, hidden), torch.randn(experts, hidden)
+    out, saved = _experts_op(x, index, weights, gate_up, gate_up_bias, down, down_bias, 1.702, 7.0, 8, True)
+    assert saved.shape == (tokens * top_k, 2 * inter) and not saved.requires_grad
+
+    class Fills(TorchDispatchMode):
+        shapes: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::fill_", "aten::zeros", "aten::zeros_like", "aten::zero_"):
+                self.shapes.append(tuple(args[0]) if func._schema.name == "aten::zeros" else tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with Fills() as mode:
+        out.sum().backward()
+    assert (tokens * top_k, 2 * inter) not in mode.shapes
+    assert x.grad is not None and weights.grad is not None

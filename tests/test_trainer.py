@@ -397,6 +397,8 @@ def test_lora_policy_is_merged_for_the_engine(tmp_path, tokenizer):
     assert not any("lora" in name for name in engine.model.state_dict())  # the engine serves a plain GPT-OSS
     # its LoRA layers skip the input casts that bf16 autocast undoes (hf_gptoss_rl.lora)
     assert trainer.model.get_base_model().model.layers[0].self_attn.q_proj._hf_gptoss_rl_autocast_casts
+    # and add the adapter update in lora_B's product (fuse_lora_update: on by default; merging falls back to PEFT)
+    assert trainer.model.get_base_model().model.layers[0].self_attn.q_proj._hf_gptoss_rl_fused_update
     trainer.train()
     assert engine.weight_version == 1
     merged = copy.deepcopy(trainer.model).merge_and_unload().state_dict()

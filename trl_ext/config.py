@@ -167,6 +167,12 @@ class AgenticGRPOConfig(GRPOConfig):
             `None` (default): on for GPT-OSS with one of those attention implementations and
             `sequence_parallel_size=1`; `True` elsewhere is an error naming the reason. A micro-batch whose
             attention mask has a hole inside a trajectory runs padded (with a warning).
+        fuse_lora_update (`bool`, *optional*, defaults to `True`):
+            For a PEFT LoRA policy: add each adapter's update in the epilogue of its B product,
+            `torch.addmm(result, lora_A(x), lora_B.weight.T, alpha=scaling)`, instead of PEFT's
+            `result + lora_B(lora_A(x)) * scaling` (three elementwise passes over the layer's output fewer in the
+            forward, one in the backward; the sum is rounded once instead of three times, so results are not
+            bitwise PEFT's). Vanilla LoRA layers only (`hf_gptoss_rl.lora.fuse_lora_update`); `False`: PEFT's forward.
     """
 
     rollout_backend: str = field(
@@ -259,6 +265,13 @@ class AgenticGRPOConfig(GRPOConfig):
     padding_free: bool | None = field(
         default=None,
         metadata={"help": "Pack each micro-batch into one row without padding. Default: on where supported."},
+    )
+    fuse_lora_update: bool = field(
+        default=True,
+        metadata={
+            "help": "Add a LoRA adapter's update in its B product's epilogue (one addmm) instead of PEFT's "
+            "scale-and-add."
+        },
     )
 
     def __post_init__(self):

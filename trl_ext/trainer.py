@@ -188,11 +188,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
             apply_fused_gptoss_rope(self.accelerator.unwrap_model(self.model))
         self.padding_free = self._resolve_padding_free(args)
         if is_peft_model(self.accelerator.unwrap_model(self.model)):
-            from hf_gptoss_rl.lora import skip_autocast_undone_lora_casts
+            from hf_gptoss_rl.lora import fuse_lora_update, skip_autocast_undone_lora_casts
 
             # bf16 autocast runs the float32 adapters' matmuls in bf16: PEFT's float32 copy of every LoRA input
             # would only be cast back (bitwise the same results without it)
             skip_autocast_undone_lora_casts(self.accelerator.unwrap_model(self.model))
+            if args.fuse_lora_update:
+                fuse_lora_update(self.accelerator.unwrap_model(self.model))
         if args.checkpoint_saves and self._selective_checkpointing_matches():
             self._install_selective_checkpointing()
         if self._use_chunked_logprobs():
