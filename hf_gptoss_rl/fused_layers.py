@@ -22,7 +22,11 @@ accurate than the stock bf16 model (router weights 0.10 vs 0.01 relative error).
 
 :func:`apply_liger_gptoss_rms_norm` replaces every ``GptOssRMSNorm`` module by a
 ``LigerRMSNorm(casting_mode="gemma", offset=0.0)`` holding the *same* weight ``Parameter`` (optimizer state, PEFT and
-state-dict names are unchanged). CUDA only (Liger's kernels do not run on CPU tensors).
+state-dict names are unchanged). CUDA only (Liger's kernels do not run on CPU tensors). When the weight is frozen
+(LoRA on the attention projections), the backward is ``hf_gptoss_rl._rms_norm_triton`` instead of Liger's: Liger
+always runs its weight-gradient kernel (one program per SM looping over rows, each with a weight-gradient partial
+sum) and zero-fills the input gradient first (``in_place=False``), which cost 0.33 ms per call on a
+``[32768, 2880]`` bf16 input on an H200 where the input gradient alone is one pass over ~0.55 GB.
 
 Rotary embedding
 ----------------
@@ -37,6 +41,7 @@ gradient, other layouts) go to the original function, so other models in the pro
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import warnings
@@ -77,7 +82,38 @@ def apply_liger_gptoss_rms_norm(model: nn.Module) -> nn.Module:
         fused.weight = module.weight  # the same Parameter: nothing about the training state changes
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, fused)
+    for module in model.modules():
+        if isinstance(module, LigerRMSNorm) and not getattr(module, "_hf_gptoss_rl_frozen_weight_backward", False):
+            # an instance attribute shadows the class's forward; `original` is the bound Liger forward
+            module.forward = functools.partial(_rms_norm_forward, module, module.forward)
+            module._hf_gptoss_rl_frozen_weight_backward = True
     return model
+
+
+class _RMSNormFrozenWeight(torch.autograd.Function):
+    """Liger's forward (run without autograd: grad mode is off inside `forward`), the input-gradient kernel of
+    `hf_gptoss_rl._rms_norm_triton` as the backward; the weight gets no gradient (it is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, liger_forward):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return liger_forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ._rms_norm_triton import rms_norm_input_grad
+
+        x, weight = ctx.saved_tensors
+        return rms_norm_input_grad(x, weight, grad, ctx.eps), None, None, None
+
+
+def _rms_norm_forward(module, original, hidden_states):
+    frozen = module.weight is not None and not module.weight.requires_grad
+    gptoss_math = module.offset == 0.0 and module.casting_mode == "gemma"
+    if frozen and gptoss_math and hidden_states.requires_grad and torch.is_grad_enabled():
+        return _RMSNormFrozenWeight.apply(hidden_states, module.weight, module.variance_epsilon, original)
+    return original(hidden_states)
 
 
 # ------------------------------------------------------------------------------------------------- rotary embedding

@@ -15,20 +15,24 @@ than the input's, PEFT casts as before. Layers whose result could depend on the 
 (DoRA, ...) and a non-zero ``lora_dropout`` (dropout in float32 then rounded is not always dropout in bf16).
 
 :func:`fuse_lora_update` computes a LoRA ``Linear`` layer as two matrix products instead of PEFT's five passes
-over the layer's ``[tokens, out_features]`` output. PEFT computes ``base_layer(x) + lora_B(lora_A(x)) * scaling``:
-the base product and ``lora_B`` each write the output's size, the scaling reads and writes it, the sum reads two
-and writes one, and the backward scales the gradient once more. The patched layers compute::
+over the layer's ``[tokens, out_features]`` output, and its input gradient as one. PEFT computes
+``base_layer(x) + lora_B(lora_A(x)) * scaling``: the base product and ``lora_B`` each write the output's size, the
+scaling reads and writes it, the sum reads two and writes one; in the backward the gradient is scaled once more
+and autograd sums the base's and ``lora_A``'s input gradients (two more passes over ``[tokens, in_features]``). The
+patched layers run one autograd function::
 
-    update = torch.addmm(bias, lora_A(x), lora_B.weight.T, alpha=scaling)   # bias + scaling * B A x
-    y = torch.addmm(update, x, base_layer.weight.T)                           # + W x
+    a = x @ A.T
+    update = torch.addmm(bias, a, B.T, alpha=scaling)        # bias + scaling * B A x (rank-r product)
+    y = torch.addmm(update, x, W.T)                          # + W x
+    backward:  dx = g @ W, then dx += scaling * (g @ B) @ A in place (one addmm_)
 
-The result is rounded twice instead of four times (not bitwise PEFT's), autograd's ``addmm`` backward passes the
-gradient to ``update`` as it is and scales only the rank-r products, and the layer's output is the output of its
-base product. That matters with selective checkpointing (``hf_gptoss_rl.checkpointing``, ``"projections"``), which
-keeps that product's output: the recompute then re-runs only the rank-r ``update`` product instead of the adapter's
-product, scale and sum. Applied to vanilla LoRA layers over a plain ``nn.Linear`` (no hooks, no sharded or quantized
-weight) called as ``layer(x)``, whose ``lora_B`` has no bias and whose operands share a dtype (or that run under
-autocast); anything else (a merged or disabled adapter, mixed-adapter batches, LoRA variants, dropout,
+The output is rounded twice instead of four times and the input gradient once instead of three times (not bitwise
+PEFT's). The layer's output is the output of its base product, which matters with selective checkpointing
+(``hf_gptoss_rl.checkpointing``, ``"projections"``): it keeps that product's output (and ``a``), so the recompute
+re-runs only the rank-r ``update`` product instead of the adapter's product, scale and sum. Applied to layers with
+one active vanilla LoRA adapter over a plain ``nn.Linear`` (no hooks, no sharded or quantized weight) called as
+``layer(x)``, whose ``lora_B`` has no bias and whose operands share a dtype (or that run under autocast); anything
+else (a merged or disabled adapter, several active adapters, mixed-adapter batches, LoRA variants, dropout,
 ``lora_bias``, ``fan_in_fan_out``) runs PEFT's own forward.
 """
 
@@ -112,11 +116,52 @@ def _fusable_adapter(module, name: str) -> bool:
     )
 
 
-def _dtypes_agree(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+def _compute_dtype(x: torch.Tensor, *tensors: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype the layer's products run in: autocast's (for x of that dtype) or the one all operands share."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # addmm casts every operand to the autocast dtype
-        return x.dtype == torch.get_autocast_dtype(device)
-    return all(t is None or t.dtype == x.dtype for t in tensors)
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if x.dtype == dtype else None
+    return x.dtype if all(t is None or t.dtype == x.dtype for t in tensors) else None
+
+
+class _FusedLoraLinear(torch.autograd.Function):
+    """y = x W^T + bias + scaling * (x A^T) B^T as two products; dx = g W + scaling * (g B) A as one (module
+    docstring). Operands are cast to `dtype` up front, so the backward (which autocast does not cover) multiplies
+    the same values as the forward; gradients of float32 adapters come back in float32 (autograd casts them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            x, weight, lora_a, lora_b = (t.to(dtype) for t in (x, weight, lora_a, lora_b))
+            a = torch.mm(x, lora_a.t())
+            if bias is None:
+                out = torch.addmm(torch.mm(a, lora_b.t()), x, weight.t(), beta=scaling)
+            else:
+                out = torch.addmm(torch.addmm(bias.to(dtype), a, lora_b.t(), alpha=scaling), x, weight.t())
+        ctx.save_for_backward(x, a, weight, lora_a, lora_b)
+        ctx.scaling = scaling
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, weight, lora_a, lora_b = ctx.saved_tensors
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        grad = grad.to(x.dtype)
+        grad_a = torch.mm(grad, lora_b) * ctx.scaling  # [T, r]: dL/da
+        dx = dw = dbias = d_lora_a = d_lora_b = None
+        if need_x:
+            dx = torch.mm(grad, weight).addmm_(grad_a, lora_a)
+        if need_w:
+            dw = torch.mm(grad.t(), x)
+        if need_bias and ctx.has_bias:
+            dbias = grad.sum(0)
+        if need_a:
+            d_lora_a = torch.mm(grad_a.t(), x)
+        if need_b:
+            d_lora_b = torch.mm(grad.t(), a).mul_(ctx.scaling)
+        return dx, dw, dbias, d_lora_a, d_lora_b, None, None
 
 
 def _fused_lora_forward(module, original, x, *args, **kwargs):
@@ -124,25 +169,16 @@ def _fused_lora_forward(module, original, x, *args, **kwargs):
         return original(x, *args, **kwargs)
     base = module.base_layer
     adapters = [name for name in module.active_adapters if name in module.lora_A]
-    if not adapters or not _plain_linear(base) or not all(_fusable_adapter(module, name) for name in adapters):
+    if len(adapters) != 1 or not _plain_linear(base) or not _fusable_adapter(module, adapters[0]):
         return original(x, *args, **kwargs)
-    module._check_forward_args(x)
-    updates = []
-    for name in adapters:
-        lora_a = module.lora_A[name]
-        updates.append(lora_a(module._cast_input_dtype(x, lora_a.weight.dtype)))  # (dropout is an identity here)
-    weights = [module.lora_B[name].weight for name in adapters]
-    if not _dtypes_agree(x, base.weight, base.bias, *updates, *weights):
+    name = adapters[0]
+    lora_a, lora_b = module.lora_A[name].weight, module.lora_B[name].weight
+    dtype = _compute_dtype(x, base.weight, base.bias, lora_a, lora_b)
+    if dtype is None:
         return original(x, *args, **kwargs)  # PEFT's dtype promotion (e.g. float32 adapters on a bf16 model)
+    module._check_forward_args(x)
     rows = x.reshape(-1, x.shape[-1])
-    update = base.bias
-    for name, a, weight in zip(adapters, updates, weights):
-        a = a.reshape(-1, a.shape[-1])
-        if update is None:
-            update = torch.mm(a, weight.t() * module.scaling[name])
-        else:
-            update = torch.addmm(update, a, weight.t(), alpha=module.scaling[name])
-    out = torch.addmm(update, rows, base.weight.t())
+    out = _FusedLoraLinear.apply(rows, base.weight, base.bias, lora_a, lora_b, module.scaling[name], dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

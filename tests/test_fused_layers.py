@@ -38,7 +38,10 @@ def forward_backward(model, ids):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_liger_rms_norm_matches_gptoss_on_gpu():
+@pytest.mark.parametrize("frozen_norms", [False, True], ids=["trained_norms", "frozen_norms"])
+def test_liger_rms_norm_matches_gptoss_on_gpu(frozen_norms):
+    """Liger's kernels with GPT-OSS's rounding against the stock bf16 model's error (fp32 reference); with frozen
+    norm weights (LoRA) the backward is the input-gradient kernel of `hf_gptoss_rl._rms_norm_triton`."""
     torch.manual_seed(0)
     config = tiny_gptoss_config(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
@@ -50,6 +53,9 @@ def test_liger_rms_norm_matches_gptoss_on_gpu():
     def make(dtype):
         model = GptOssForCausalLM(config).to("cuda", dtype)
         model.load_state_dict(base.state_dict())
+        for name, p in model.named_parameters():
+            if frozen_norms and ("layernorm" in name or name.endswith("norm.weight")):
+                p.requires_grad_(False)
         return model
 
     ref_logits, ref_grads = forward_backward(make(torch.float32), ids)
@@ -63,6 +69,9 @@ def test_liger_rms_norm_matches_gptoss_on_gpu():
     assert len(norms) == 2 * config.num_hidden_layers + 1 and all(m.casting_mode == "gemma" for m in norms)
     assert all(dict(model.named_parameters())[n] is p for n, p in weights.items())  # same Parameter objects
 
+    if frozen_norms:
+        hidden = torch.randn(4, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        assert type(norms[0](hidden).grad_fn).__name__ == "_RMSNormFrozenWeightBackward"
     logits, grads = forward_backward(model, ids)
     assert rel_err(logits, ref_logits) <= max(1.1 * rel_err(stock_logits, ref_logits), 1e-3)
     assert grads.keys() == ref_grads.keys()
