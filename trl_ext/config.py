@@ -168,11 +168,12 @@ class AgenticGRPOConfig(GRPOConfig):
             `sequence_parallel_size=1`; `True` elsewhere is an error naming the reason. A micro-batch whose
             attention mask has a hole inside a trajectory runs padded (with a warning).
         fuse_lora_update (`bool`, *optional*, defaults to `True`):
-            For a PEFT LoRA policy: add each adapter's update in the epilogue of its B product,
-            `torch.addmm(result, lora_A(x), lora_B.weight.T, alpha=scaling)`, instead of PEFT's
-            `result + lora_B(lora_A(x)) * scaling` (three elementwise passes over the layer's output fewer in the
-            forward, one in the backward; the sum is rounded once instead of three times, so results are not
-            bitwise PEFT's). Vanilla LoRA layers only (`hf_gptoss_rl.lora.fuse_lora_update`); `False`: PEFT's forward.
+            For a PEFT LoRA policy: run each LoRA layer as one autograd function of two products,
+            `y = addmm(addmm(bias, x A^T, B^T, alpha=scaling), x, W^T)`, with the input gradient
+            `g W + scaling (g B) A` as one product, instead of PEFT's `base(x) + lora_B(lora_A(x)) * scaling`
+            (three passes over the layer's output fewer in the forward and the recompute, two in the backward;
+            rounded fewer times, so results are not bitwise PEFT's). Layers with one active vanilla adapter over a
+            plain `nn.Linear` (`hf_gptoss_rl.lora.fuse_lora_update`); others, and `False`, run PEFT's forward.
     """
 
     rollout_backend: str = field(
@@ -268,10 +269,7 @@ class AgenticGRPOConfig(GRPOConfig):
     )
     fuse_lora_update: bool = field(
         default=True,
-        metadata={
-            "help": "Add a LoRA adapter's update in its B product's epilogue (one addmm) instead of PEFT's "
-            "scale-and-add."
-        },
+        metadata={"help": "Run LoRA layers as one autograd function of two products instead of PEFT's forward."},
     )
 
     def __post_init__(self):
