@@ -71,26 +71,32 @@ def _cast_unless_autocast_undoes_it(module, original, x, dtype):
     return original(x, dtype)
 
 
-def skip_autocast_undone_lora_casts(model: nn.Module) -> int:
-    """Make the LoRA layers of ``model`` skip the input cast that autocast would undo (see the module docstring);
-    idempotent. Returns the number of LoRA layers patched (0 when ``peft`` is not installed or the model has no LoRA
-    layer)."""
+def _patch_lora_layers(model: nn.Module, layer_class: str, method: str, flag: str, wrapper) -> int:
+    """Wrap `method` of every PEFT LoRA layer of class `layer_class` in `model` as ``wrapper(module, original, ...)``
+    (an instance attribute shadowing the class's method; `original` is the bound stock method), once per layer.
+    Returns the number of such layers (0 when ``peft`` is not installed)."""
     try:
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners import lora
     except ImportError:
         return 0
     patched = 0
     for module in model.modules():
-        if not isinstance(module, LoraLayer):
+        if not isinstance(module, getattr(lora, layer_class)):
             continue
-        if not getattr(module, "_hf_gptoss_rl_autocast_casts", False):
-            # an instance attribute shadows the class's method; `original` is the bound stock method
-            module._cast_input_dtype = functools.partial(
-                _cast_unless_autocast_undoes_it, module, module._cast_input_dtype
-            )
-            module._hf_gptoss_rl_autocast_casts = True
+        if not getattr(module, flag, False):
+            setattr(module, method, functools.partial(wrapper, module, getattr(module, method)))
+            setattr(module, flag, True)
         patched += 1
     return patched
+
+
+def skip_autocast_undone_lora_casts(model: nn.Module) -> int:
+    """Make the LoRA layers of ``model`` skip the input cast that autocast would undo (see the module docstring);
+    idempotent. Returns the number of LoRA layers patched (0 when ``peft`` is not installed or the model has no LoRA
+    layer)."""
+    return _patch_lora_layers(
+        model, "LoraLayer", "_cast_input_dtype", "_hf_gptoss_rl_autocast_casts", _cast_unless_autocast_undoes_it
+    )
 
 
 def _plain_linear(layer: nn.Module) -> bool:
@@ -183,19 +189,7 @@ def _fused_lora_forward(module, original, x, *args, **kwargs):
 
 
 def fuse_lora_update(model: nn.Module) -> int:
-    """Make the LoRA ``Linear`` layers of ``model`` add their update in the B product's epilogue (see the module
-    docstring); idempotent. Returns the number of LoRA ``Linear`` layers patched (0 without ``peft`` or LoRA)."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:
-        return 0
-    patched = 0
-    for module in model.modules():
-        if not isinstance(module, LoraLinear):
-            continue
-        if not getattr(module, "_hf_gptoss_rl_fused_update", False):
-            # an instance attribute shadows the class's forward; `original` is the bound stock method
-            module.forward = functools.partial(_fused_lora_forward, module, module.forward)
-            module._hf_gptoss_rl_fused_update = True
-        patched += 1
-    return patched
+    """Make the LoRA ``Linear`` layers of ``model`` run as one autograd function of two products where they can
+    (see the module docstring); idempotent. Returns the number of LoRA ``Linear`` layers patched (0 without
+    ``peft`` or LoRA)."""
+    return _patch_lora_layers(model, "Linear", "forward", "_hf_gptoss_rl_fused_update", _fused_lora_forward)
