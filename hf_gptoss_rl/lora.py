@@ -115,6 +115,7 @@ def _fusable_adapter(module, name: str) -> bool:
     return (
         name not in getattr(module, "lora_variant", {})
         and isinstance(module.lora_dropout[name], nn.Identity)
+        and _plain_linear(module.lora_A[name])  # its weight is read directly: no hook (ZeRO-3 gathers there) may wait
         and _plain_linear(lora_b)
         and lora_b.bias is None
         and isinstance(module.scaling[name], (int, float))

@@ -217,7 +217,7 @@ def test_fused_update_runs_fewer_passes_in_the_model():
 
 
 @pytest.mark.parametrize(
-    "case", ["dropout", "lora_bias", "dora", "merged", "disabled", "bf16_no_autocast_fp32_adapters"]
+    "case", ["dropout", "lora_bias", "dora", "merged", "disabled", "bf16_no_autocast_fp32_adapters", "hooked_lora_a"]
 )
 def test_fused_update_falls_back_to_peft(case):
     """Layers the fused product does not cover run PEFT's own forward: bitwise PEFT's results."""
@@ -240,11 +240,18 @@ def test_fused_update_falls_back_to_peft(case):
     if case == "disabled":
         for model in (stock, fused):
             model.base_model.disable_adapter_layers()
+    if case == "hooked_lora_a":  # e.g. DeepSpeed ZeRO-3 gathering the adapter's weight in a pre-forward hook
+        for model in (stock, fused):
+            for name, module in model.named_modules():
+                if name.endswith("lora_A.default"):
+                    module.register_forward_pre_hook(lambda mod, args: None)
     autocast = case != "bf16_no_autocast_fp32_adapters"  # bf16 base output + fp32 adapters: PEFT's dtype promotion
-    counter = OpCounter()
+    counter, stock_counter = OpCounter(), OpCounter()
     with counter:
         loss, grads, _ = step(fused, autocast=autocast)
-    stock_loss, stock_grads, _ = step(stock, autocast=autocast)
+    with stock_counter:
+        stock_loss, stock_grads, _ = step(stock, autocast=autocast)
+    assert counter.counts == stock_counter.counts  # the very ops of PEFT's forward and backward ran
     assert torch.equal(loss, stock_loss)
     assert grads.keys() == stock_grads.keys()
     for name, grad in grads.items():
