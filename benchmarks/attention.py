@@ -83,12 +83,14 @@ def leaves(*tensors):
 # ----------------------------------------------------------------------------------------------------------------
 # the timed steps: each returns a closure running one forward + backward
 # ----------------------------------------------------------------------------------------------------------------
-def public_step(kernel, window, inputs):
+def public_step(kernel, window, inputs, deterministic=False):
     q, k, v, dout, sinks = inputs
     q, k, v, sinks = leaves(q, k, v, sinks)
 
     def step():
-        out = kernel.flash_attn_func(q, k, v, causal=True, window_size=window_size(window), s_aux=sinks)
+        out = kernel.flash_attn_func(
+            q, k, v, causal=True, window_size=window_size(window), s_aux=sinks, deterministic=deterministic
+        )
         return torch.autograd.grad(out, (q, k, v, sinks), dout)
 
     return step
@@ -168,6 +170,8 @@ def time_kernels(kernel, fa4, shapes):
         steps = {"public_ms": public_step(kernel, window, inputs), "raw_ms": raw_step(kernel, window, inputs)}
         if S >= 4096 and S % 4096 == 0:
             steps["varlen_ms"] = varlen_step(kernel, window, inputs)
+        if window is None and S >= 8192:  # where deterministic=False runs the one-kernel backward
+            steps["deterministic_ms"] = public_step(kernel, window, inputs, deterministic=True)
         if fa4 is not None:
             steps["fa4_ms"] = fa4_step(fa4, window, inputs)
         for key, step in steps.items():
@@ -478,7 +482,7 @@ def write_markdown(result, path):
     lines = [
         "# Attention benchmark: sink attention where users call it",
         "",
-        f"`python benchmarks/attention.py` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, "
+        f"`{result.get('command', 'python benchmarks/attention.py')}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, "
         f"transformers {env['transformers']}, flash-attn-4 {env.get('flash_attn_4', 'not installed')}); all numbers "
         "below come from that one run. GPT-OSS shapes: B=1, 64 query / 8 KV heads, head_dim 64, bf16; "
         "forward + backward with the gradients of q, k, v and the sinks; medians of `triton.testing.do_bench`, ms.",
@@ -496,17 +500,21 @@ def write_markdown(result, path):
         "",
         "`flash_attn_func` / `flash_attn_varlen_func` are the kernel's public functions (autograd included; "
         "varlen: the same tokens as 4 packed sequences of S/4, so a causal row does a quarter of the work); raw = "
-        "`triton_kernels.sink_attention_forward` + `sink_attention_backward` called directly, no autograd.",
+        "`triton_kernels.sink_attention_forward` + `sink_attention_backward` called directly, no autograd. Every "
+        "column but the last runs with `deterministic=False` (FlashAttention's default, FA4's too): on full-attention "
+        "layers from 8k keys that is the one-kernel backward (five products per tile, dQ and dsink added by atomics); "
+        "`deterministic=True` is the same public call with the bitwise-reproducible two-kernel backward (seven "
+        "products; other rows run those kernels in every column).",
         "",
-        "| case | flash_attn_func | varlen | raw kernels | FA4 | public / FA4 | public - raw |",
-        "|---|---|---|---|---|---|---|",
+        "| case | flash_attn_func | varlen | raw kernels | FA4 | public / FA4 | public - raw | deterministic=True |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["kernel_rows"]:
         pub, raw, fa = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms")
         lines.append(
             f"| {r['case']} | {fmt(pub, '.3f')} | {fmt(r.get('varlen_ms'), '.3f')} | {fmt(raw, '.3f')} | "
             f"{fmt(fa, '.3f')} | {fmt(pub / fa if pub and fa else None)}x | "
-            f"{fmt(pub - raw if pub and raw else None, '+.3f')} |"
+            f"{fmt(pub - raw if pub and raw else None, '+.3f')} | {fmt(r.get('deterministic_ms'), '.3f')} |"
         )
     if result.get("layer_rows"):
         impls = list(result["layer_impls"])
@@ -586,6 +594,22 @@ def write_plot(result, path):
     fig.savefig(path, dpi=110)
 
 
+def _flags_as_run() -> list[str]:
+    """The command-line flags of this run, without --out (where the report went), quoted for a shell."""
+    import shlex  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    flags, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            flags.append(shlex.quote(arg))
+    return flags
+
+
 def main():
     global DEVICE, DTYPE, HEADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -660,7 +684,7 @@ def main():
     configs = {f"{name}/{d}": cfg for (name, d), cfg in tk.CONFIGS.items()}
     result = dict(
         env=env,
-        command="python benchmarks/attention.py",
+        command=" ".join(["python benchmarks/attention.py", *_flags_as_run()]),
         kernel_rows=[],
         layer_impls={},
         layer_how=None,

@@ -78,6 +78,12 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
         layout = gl.NVMMASharedLayout.get_default_for([rows], gl.float32)
         return f"tensordesc<fp32[{rows}],{layout!r}>"
 
+    def fp32_desc(rows):  # the fused backward's dQ accumulator
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32)
+        return f"tensordesc<fp32[{rows}, {head_dim}],{layout!r}>"
+
+    if "DQ_REGS" in cfg:  # the fused backward: one K / V tile per MMA warpgroup
+        block_k //= 2
     options = dict(num_warps=cfg["num_warps"])  # (num_warps is also a constexpr of the kernels)
     if "maxnreg" in cfg:  # a compile option only
         options["maxnreg"] = cfg["maxnreg"]
@@ -89,6 +95,8 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
         "v_desc": desc(block_k),
         "lse_desc": row_vector(block_q),
         "delta_desc": row_vector(block_q),
+        "sinkw_desc": row_vector(block_q),
+        "dq_desc": fp32_desc(block_q),
     }
     signature = {}
     for name in fn.arg_names:
@@ -96,7 +104,7 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
             signature[name] = "constexpr"
         elif name in descs:
             signature[name] = descs[name]
-        elif name in ("Lse2", "Delta", "Sinks", "Lse", "DSinkPart"):
+        elif name in ("Lse2", "Delta", "Sinks", "Lse", "DSinkPart", "DSink"):
             signature[name] = "*fp32"
         elif name in ("DK", "DV", "DQ", "Out"):
             signature[name] = "*bf16"
@@ -119,13 +127,20 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
         ("gluon_dkdv", dict(STAGES=3)),
         ("gluon_dq", dict(HAS_SINK=True)),
         ("gluon_dq", dict(HAS_SINK=False, STAGES=3)),
+        ("gluon_bwd_fused", dict(HAS_SINK=True)),
+        ("gluon_bwd_fused", dict(HAS_SINK=False, STAGES=3)),
         ("gluon_fwd", dict(HAS_SINK=True)),
         ("gluon_fwd", dict(HAS_SINK=False, STAGES=3)),
     ],
 )
 def test_gluon_kernels_compile_for_sm90(tk, gk, kernel, options):
     cfg = dict(tk.CONFIGS[(kernel, 64)], **options)
-    fn = {"gluon_dkdv": gk._dkdv_kernel, "gluon_dq": gk._dq_kernel, "gluon_fwd": gk._fwd_ws_kernel}[kernel]
+    fn = {
+        "gluon_dkdv": gk._dkdv_kernel,
+        "gluon_dq": gk._dq_kernel,
+        "gluon_bwd_fused": gk._bwd_fused_kernel,
+        "gluon_fwd": gk._fwd_ws_kernel,
+    }[kernel]
     try:
         compiled = _compile(fn, cfg, cfg["BLOCK_M"], cfg["BLOCK_N"])
     except RuntimeError as exc:

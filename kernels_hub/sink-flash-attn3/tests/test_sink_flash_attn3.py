@@ -349,7 +349,7 @@ def test_custom_op_passes_opcheck(kernel):
     cu = torch.tensor([0, 6, 10], dtype=torch.int32)
     for t in (q, k, v, sinks):
         t.requires_grad_()
-    torch.library.opcheck(ops.fwd.default, (q, k, v, sinks, cu, cu, 6, 6, 0.125, True, 2, 2, "torch"))
+    torch.library.opcheck(ops.fwd.default, (q, k, v, sinks, cu, cu, 6, 6, 0.125, True, 2, 2, "torch", False))
 
 
 @pytest.mark.skipif(not TRITON_ON_CPU, reason="needs TRITON_INTERPRET=1 (set before triton is imported)")
@@ -367,8 +367,8 @@ def test_backward_op_with_a_split_dkdv_grid_passes_opcheck(kernel, monkeypatch):
     q, k, v = _qkv(t=10)
     sinks = torch.randn(4)
     cu = torch.tensor([0, 6, 10], dtype=torch.int32)
-    out, lse = ops.fwd.default(q, k, v, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton")
-    args = (torch.randn_like(out), q, k, v, out, lse, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton")
+    out, lse = ops.fwd.default(q, k, v, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton", False)
+    args = (torch.randn_like(out), q, k, v, out, lse, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton", False)
     dq, dk, dv, dsink = ops.bwd.default(*args)
     assert splits and dk.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr()
     torch.library.opcheck(ops.bwd.default, args, test_utils=("test_schema", "test_faketensor"))
@@ -401,19 +401,24 @@ def test_bf16_under_the_interpreter_takes_the_pytorch_path(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_deterministic_argument(kernel, backend):
-    """The backward is always deterministic: deterministic=True and False give the same gradients, bit for bit."""
+def test_deterministic_argument(kernel, backend, monkeypatch):
+    """deterministic= reaches the backend's backward; on CPU both values run the fixed-order kernels (the fused,
+    atomic backward exists on sm_90 only), so they give the same gradients, bit for bit."""
     torch.manual_seed(5)
     lens = [13, 6]
     cu = cu_seqlens(lens)
     q, k, v = (torch.randn(19, h, 64, requires_grad=True) for h in (4, 2, 2))
     sinks = torch.randn(4, requires_grad=True)
+    module = kernel.interface._backend_module(backend)
+    backward, seen = module.sink_attention_backward, []
+    monkeypatch.setattr(module, "sink_attention_backward", lambda *a, **kw: seen.append(a[-1]) or backward(*a, **kw))
     grads = []
     for deterministic in (True, False, True):
         out = kernel.flash_attn_varlen_func(
             q, k, v, cu, cu, 13, 13, causal=True, s_aux=sinks, deterministic=deterministic, backend=backend
         )
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v, sinks)))
+    assert seen == [True, False, True]
     for first, other in zip(grads[0], grads[1]):
         assert torch.equal(first, other)
     for first, other in zip(grads[0], grads[2]):

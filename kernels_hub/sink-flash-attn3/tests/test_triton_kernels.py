@@ -164,7 +164,7 @@ def make_case(
     )
 
 
-def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4, scale=None):
+def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4, scale=None, deterministic=True):
     q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = tk.sink_attention_forward(
@@ -197,6 +197,7 @@ def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4,
         causal,
         window_left,
         window_right,
+        deterministic,
     )
     cu_q, cu_k = case["cu_q"].tolist(), case["cu_k"].tolist()
     r_out, r_lse, r_dq, r_dk, r_dv, r_dsink = reference(
@@ -266,7 +267,7 @@ def test_gluon_switch_from_environment(tk, monkeypatch):
     # on CPU tensors the Gluon kernels never apply, whatever the switch says
     monkeypatch.setenv(tk.GLUON_ENV_VAR, "1")
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
-    assert tk._plan(q, q[:, :1], q[:, :1], False, 1 << 14, 1 << 14) == ("fwd", "dkdv", "dq", False, False)
+    assert tk._plan(q, q[:, :1], q[:, :1], False, 1 << 14, 1 << 14) == ("fwd", "dkdv", "dq", False, False, False)
 
 
 class _GluonStub:
@@ -303,7 +304,21 @@ def test_dispatch_plan(tk, sm90, monkeypatch):
     bf16 = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
     kv = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     assert tk._plan(bf16, bf16[:, :2], bf16[:, :2], False, n, n)[:3] == ("fwd", "dkdv", "dq")  # K/V rows strided
-    assert tk._plan(bf16, kv, kv, False, n, n) == ("gluon_fwd", "gluon_dkdv", "gluon_dq", True, False)
+    assert tk._plan(bf16, kv, kv, False, n, n) == (
+        "gluon_fwd",
+        "gluon_dkdv",
+        "gluon_dq",
+        True,
+        False,
+        n >= tk._FUSED_MIN_SEQLEN,
+    )
+    # the fused backward (deterministic=False): full-attention layers from _FUSED_MIN_SEQLEN keys
+    f = tk._FUSED_MIN_SEQLEN
+    assert tk._plan(bf16, kv, kv, False, f, f).fused_bwd
+    assert tk._plan(bf16, kv, kv, False, 1, f).fused_bwd  # (decode against a long cache)
+    assert not tk._plan(bf16, kv, kv, False, f, f - 1).fused_bwd
+    assert not tk._plan(bf16, kv, kv, True, f, f).fused_bwd  # sliding layers
+    assert not tk._plan(bf16.float(), kv.float(), kv.float(), False, f, f).fused_bwd
     assert tk._plan(bf16, kv, kv, True, n, n).fwd == "fwd_window"
     assert tk._plan(bf16, kv, kv, False, n - 1, n).fwd == "fwd"
     assert tk._plan(bf16, kv, kv, False, 1, n)[:3] == ("fwd", "gluon_dkdv", "gluon_dq")
@@ -315,6 +330,26 @@ def test_dispatch_plan(tk, sm90, monkeypatch):
     assert tk._plan(unaligned, kv, kv, False, n, n)[:3] == ("fwd", "dkdv", "dq")
     monkeypatch.setenv(tk.GLUON_ENV_VAR, "0")
     assert tk._plan(bf16, kv, kv, False, n, n)[:3] == ("fwd", "dkdv", "dq")
+    assert not tk._plan(bf16, kv, kv, False, f, f).fused_bwd
+
+
+def test_deterministic_selects_the_backward(tk, sm90, monkeypatch):
+    # deterministic=False runs the fused Gluon backward where the plan gives it (here every length), True the
+    # deterministic dK/dV + dQ launcher; both on the same inputs (the stub records launches, computes nothing)
+    monkeypatch.setattr(tk, "_FUSED_MIN_SEQLEN", 1)
+    q = torch.randn(8, 4, 64, dtype=torch.float16)
+    k = torch.randn(8, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    lse = torch.randn(4, 8)
+    args = (q, q, k, k, q, lse, torch.zeros(4), cu, cu, 8, 8, 0.125, True, -1, -1)
+    for deterministic, launched in ((False, "backward_fused"), (True, "backward")):
+        sm90.calls.clear()
+        dq, dk, dv, dsink = tk.sink_attention_backward(*args, deterministic=deterministic)
+        assert sm90.calls == [launched]
+        assert dq.shape == q.shape and dk.shape == k.shape and dsink.shape == (4,)
+    sm90.calls.clear()
+    tk.sink_attention_backward(*args[:-3], True, 127, 0, deterministic=False)  # a sliding layer
+    assert sm90.calls == ["backward"]
 
 
 def test_gluon_failures_are_loud(tk, sm90, monkeypatch):
@@ -552,8 +587,8 @@ def test_cuda_gluon_kernels(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, c
     run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
     args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, causal, *window)
     out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
-    first = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
-    again = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
+    first = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True)
+    again = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True)
     monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", "0")
     triton_out, triton_lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
     triton_grads = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
@@ -582,7 +617,7 @@ def test_cuda_dkdv_head_splits(monkeypatch, gluon):
 
     def run():
         out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
-        return (out, lse, *tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args))
+        return (out, lse, *tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True))
 
     split = run()
     monkeypatch.setattr(tk_cuda, "_dkdv_head_splits", lambda *a: 1)
@@ -608,7 +643,52 @@ def test_cuda_gluon_deeper_pipelines(monkeypatch, seqlens_q, seqlens_k, causal, 
     # STAGES is a table entry: the kernels must stay correct at other depths
     tk_cuda = _load_kernels(interpret=False)
     monkeypatch.setattr(tk_cuda, "_GLUON_FWD_MIN_SEQLEN", 1)
-    for name in ("gluon_fwd", "gluon_dkdv", "gluon_dq"):
+    for name in ("gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_bwd_fused"):
         monkeypatch.setitem(tk_cuda.CONFIGS, (name, 64), dict(tk_cuda.CONFIGS[(name, 64)], STAGES=3))
     case = make_case(seqlens_q, seqlens_k, 8, 2, 64, dtype=torch.bfloat16, seed=41, device="cuda")
     run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
+    plan = tk_cuda._plan
+    monkeypatch.setattr(tk_cuda, "_plan", lambda *a: plan(*a)._replace(fused_bwd=True))
+    run_and_compare(tk_cuda, case, causal, *window, tol=2e-2, deterministic=False)
+
+
+@pytest.mark.gpu
+@SM90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seqlens_q, seqlens_k, hq, hkv, causal, window", GPU_CASES)
+def test_cuda_fused_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
+    # deterministic=False on sm_90: the one-kernel backward (five products, dQ and dsink by atomic adds) against
+    # fp64 and against the deterministic kernels, with and without a split of the KV groups' query heads, and
+    # without a sink
+    monkeypatch.delenv("SINK_FLASH_ATTN3_GLUON", raising=False)
+    tk_cuda = _load_kernels(interpret=False)
+    plan = tk_cuda._plan
+    fused_plan = lambda *a: plan(*a)._replace(fused_bwd=True)  # noqa: E731 - every shape, sliding layers too
+    for with_sink in (True, False):
+        monkeypatch.setattr(tk_cuda, "_plan", fused_plan)
+        case = make_case(
+            seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, with_sink=with_sink, seed=51 + hq, device="cuda"
+        )
+        q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
+        assert tk_cuda._plan(q, k, v, window[0] >= 0, case["max_q"], case["max_k"]).dkdv == "gluon_dkdv"
+        calls = []
+        fused = tk_cuda._GLUON["module"].backward_fused
+        monkeypatch.setattr(tk_cuda._GLUON["module"], "backward_fused", lambda *a: calls.append(a[11]) or fused(*a))
+        errs, (out, lse, *grads) = run_and_compare(tk_cuda, case, causal, *window, tol=2e-2, deterministic=False)
+        assert len(calls) == 1, "deterministic=False must run the fused backward on sm_90"
+        args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 1.0 / math.sqrt(64), causal, *window)
+        exact = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True)
+        assert len(calls) == 1, "deterministic=True must not run the fused backward"
+        for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, exact):
+            if b is None:
+                assert a is None
+                continue
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert rel_err(a, b) < 1e-2, f"{name}: fused and deterministic backward differ by {rel_err(a, b):.2e}"
+        monkeypatch.setattr(tk_cuda, "_dkdv_head_splits", lambda *a: 1)  # the whole group in each program
+        whole = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
+        monkeypatch.undo()
+        monkeypatch.delenv("SINK_FLASH_ATTN3_GLUON", raising=False)
+        for name, a, b in zip(("dq", "dk", "dv", "dsink"), whole, exact):
+            if b is not None:
+                assert rel_err(a, b) < 1e-2, f"{name} (no head split): differs by {rel_err(a, b):.2e}"

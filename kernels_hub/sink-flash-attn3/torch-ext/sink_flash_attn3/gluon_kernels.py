@@ -36,7 +36,9 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -50,10 +52,23 @@ from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
 
-__all__ = ["backward", "fwd"]
+__all__ = ["backward", "backward_fused", "fwd"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# the partition-wide barrier: thread_barrier in Triton 3.6, barrier in later releases
+_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_reduce_add = getattr(tma, "async_atomic_add", None)
+if _tma_reduce_add is None:  # Triton 3.6 builds the op (cp.reduce.async.bulk.tensor .add) but has no wrapper for it
+
+    @_gluon_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        from triton._C.libtriton import ir  # noqa: PLC0415
+
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 _LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 _LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -433,6 +448,406 @@ def _dq_kernel(
         DQ + (q_start + out_rows).to(gl.int64)[:, None] * stride_dqt + off_h * stride_dqh + out_cols[None, :],
         dq.to(DQ.dtype.element_ty),
         mask=(out_rows < len_q)[:, None],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward in one kernel (deterministic=False): five products per tile, dQ and dsink reduced by atomic adds
+# ----------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _fused_bwd_loader(
+    loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_SINK: gl.constexpr
+):
+    """The load warp of ``_bwd_fused_kernel``: each MMA warpgroup's K and V rows once, then each step's Q and dO
+    tiles and its rows' LSE, D (and sink weights) into buffer ``step % STAGES`` once both MMA warpgroups released
+    it."""
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        sinkw_desc,
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        sinkw_smem,
+        kv_bar,
+        ready,
+        empty,
+        k_row,
+        kv_col,
+        total,
+        num_m,
+        lo,
+        q_start,
+        rows_start,
+        head0,
+        stride_rows,
+    ) = loads
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        _tma_load(k_desc, [k_row + w * KEYS, kv_col], kv_bar, k_smem.index(w))
+        _tma_load(v_desc, [k_row + w * KEYS, kv_col], kv_bar, v_smem.index(w))
+    VECTORS: gl.constexpr = 3 if HAS_SINK else 2
+    for step in range(total):
+        buf = step % STAGES
+        use = step // STAGES
+        if use > 0:
+            mbarrier.wait(empty.index(buf), (use - 1) % 2)
+        g = step // num_m
+        start_m = lo + (step - g * num_m) * BLOCK_M
+        off_h = head0 + g
+        at = off_h * stride_rows + rows_start + start_m
+        bar = ready.index(buf)
+        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + VECTORS * lse_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_start + start_m, off_h * HEAD_DIM], bar, q_smem.index(buf))
+        _tma_load(do_desc, [q_start + start_m, off_h * HEAD_DIM], bar, do_smem.index(buf))
+        _tma_load(lse_desc, [at], bar, lse_smem.index(buf))
+        _tma_load(delta_desc, [at], bar, delta_smem.index(buf))
+        if HAS_SINK:
+            _tma_load(sinkw_desc, [at], bar, sinkw_smem.index(buf))
+
+
+@gluon.jit
+def _fused_bwd_dq(dq_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The dQ warpgroup of ``_bwd_fused_kernel``: per step, once both MMA warpgroups wrote their rows of dS^T,
+    dQ_tile = dS K = (dS^T)^T K over the program's keys, then the fp32 tile into shared memory and a TMA reduce-add
+    (``cp.reduce.async.bulk.tensor``) into the dQ accumulator.  Its products run in the MMA warpgroups' gaps."""
+    dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, total, num_m, lo, q_start, head0, sm_scale = dq_args
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    for step in range(total):
+        dsb = step % 2
+        mbarrier.wait(ds_full.index(dsb), (step // 2) % 2)
+        dq = warpgroup_mma(
+            ds_smem.index(2 * dsb).permute((1, 0)), k_smem.index(0), dq_zero, use_acc=False, is_async=True
+        )
+        dq = warpgroup_mma(ds_smem.index(2 * dsb + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(ds_free.index(dsb), count=1)
+        g = step // num_m
+        start_m = lo + (step - g * num_m) * BLOCK_M
+        tma.store_wait(1)  # the reduce-add of two steps ago has read this buffer
+        dq_smem.index(dsb).store(dq * sm_scale)
+        fence_async_shared()
+        _thread_barrier()  # the whole tile is in shared memory before the copy starts
+        # rows past the sequence's end hold zeros (their dS is masked): they add nothing to the next sequence's
+        # rows, and TMA clips rows past the tensor
+        _tma_reduce_add(dq_desc, [q_start + start_m, (head0 + g) * HEAD_DIM], dq_smem.index(dsb))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fused_bwd_mma(
+    shared,
+    W: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    KEYS: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+):
+    """MMA warpgroup W of ``_bwd_fused_kernel``: key rows [start_n + W * KEYS, + KEYS) of the program's key block.
+
+    Per step (one query head's block of BLOCK_M rows), with transposed tiles (keys x queries)::
+
+        S^T = K_W Q^T, dP^T = V_W dO^T     (async)
+        P^T = exp2(S^T - LSE)              (overlaps dP^T)           dV_W += P^T dO   (async)
+        dS^T = P^T (dP^T - D)  -> shared memory, this warpgroup's rows of the step's dS^T (the dQ warpgroup's operand)
+        dK_W += dS^T Q                     (async)
+
+    dsink_h = -sum_i exp(s_h - LSE_i) sum_j P_ij dP_ij is summed from the fp32 tiles (as in the deterministic
+    kernels) per query head and added once per head."""
+    (
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        sinkw_smem,
+        ds_smem,
+        kv_bar,
+        ready,
+        empty,
+        ds_full,
+        ds_free,
+        DK,
+        DV,
+        DSink,
+        stride_dkt,
+        stride_dkh,
+        stride_dvt,
+        stride_dvh,
+        off_kh,
+        k_start,
+        start_n,
+        len_q,
+        len_k,
+        shift,
+        lo,
+        num_m,
+        heads,
+        head0,
+        qk_scale,
+        sm_scale,
+        win_left,
+        win_right,
+    ) = shared
+    NUM_WARPS: gl.constexpr = 4
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # vectors over queries
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over keys
+
+    key0 = start_n + W * KEYS
+    k_tile = k_smem.index(W)
+    v_tile = v_smem.index(W)
+    # this warpgroup's own band: blocks of the program's range outside it are edge blocks (fully masked); key rows
+    # past len_k (the next sequence's keys) are masked too, since their dS would reach dQ
+    _, full_lo, full_hi, _ = _query_block_ranges(key0, len_q, len_k, shift, win_left, win_right, BLOCK_M, KEYS)
+    key_tail = key0 + KEYS > len_k
+    offs_n = key0 + gl.arange(0, KEYS, layout=row_layout)
+    offs_m0 = gl.arange(0, BLOCK_M, layout=col_layout)
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    dk = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout))
+    pT_op = gl.zeros([KEYS, BLOCK_M], dtype, a_layout)  # register operands of the MMAs in flight
+    dsT_op = gl.zeros([KEYS, BLOCK_M], dtype, a_layout)
+    mbarrier.wait(kv_bar, 0)
+    for g in range(heads):
+        sink_rows = gl.zeros([KEYS], gl.float32, row_layout)  # per key row: sum_i w_i P_ji dP_ji
+        for mb in range(num_m):
+            step = g * num_m + mb
+            start_m = lo + mb * BLOCK_M
+            buf = step % STAGES
+            mbarrier.wait(ready.index(buf), (step // STAGES) % 2)
+            q_tile = q_smem.index(buf)
+            do_tile = do_smem.index(buf)
+            sT = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sT, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv, pT_op, dsT_op))
+            pT = gl.exp2(sT * qk_scale - lse_smem.index(buf).load(col_layout)[None, :])
+            if (start_m < full_lo) | (start_m >= full_hi) | key_tail:  # edge block
+                row_pos = start_m + offs_m0 + shift
+                visible = (
+                    (offs_n[:, None] >= row_pos[None, :] - win_left)
+                    & (offs_n[:, None] <= row_pos[None, :] + win_right)
+                    & (start_m + offs_m0 < len_q)[None, :]
+                    & (offs_n < len_k)[:, None]
+                )
+                pT = gl.where(visible, pT, 0.0)
+            pT_op = gl.convert_layout(pT.to(dtype), a_layout)
+            dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
+            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+            if HAS_SINK:
+                sink_rows += gl.sum(pT * dpT * sinkw_smem.index(buf).load(col_layout)[None, :], axis=1)
+            dsT16 = (pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])).to(dtype)
+            # this warpgroup's rows of the step's dS^T into its buffer (free once the dQ product of two steps ago
+            # retired)
+            dsb = step % 2
+            if step >= 2:
+                mbarrier.wait(ds_free.index(dsb), (step // 2 - 1) % 2)
+            ds_smem.index(2 * dsb + W).store(dsT16)
+            fence_async_shared()
+            _thread_barrier()  # every thread's part of the tile is written before the one arrive
+            mbarrier.arrive(ds_full.index(dsb), count=1)
+            dsT_op = gl.convert_layout(dsT16, a_layout)
+            dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
+            dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+            mbarrier.arrive(empty.index(buf), count=1)
+            dk = warpgroup_mma_init(dk)
+            dv = warpgroup_mma_init(dv)
+        if HAS_SINK:
+            gl.atomic_add(DSink + head0 + g, -gl.sum(sink_rows, axis=0))
+    dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+
+    dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
+    out_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    out_ok = (out_rows < len_k)[:, None]
+    rows64 = (k_start + out_rows).to(gl.int64)[:, None]
+    gl.store(
+        DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :], dk.to(DK.dtype.element_ty), mask=out_ok
+    )
+    gl.store(
+        DV + rows64 * stride_dvt + off_kh * stride_dvh + out_cols[None, :], dv.to(DV.dtype.element_ty), mask=out_ok
+    )
+
+
+@gluon.jit(do_not_specialize=["stride_rows", "stride_split", "head_splits"])
+def _bwd_fused_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    sinkw_desc,
+    dq_desc,
+    DK,
+    DV,
+    DSink,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_rows,
+    stride_split,
+    head_splits,
+    qk_scale,
+    sm_scale,
+    win_left,
+    win_right,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+    DQ_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The whole backward of one (KV head, key block of BLOCK_N keys) in five products per tile, with warp
+    specialization: two MMA warpgroups (BLOCK_N / 2 keys each: S^T, dP^T, dV, dK), a dQ warpgroup (the dQ product of
+    every step and its TMA reduce-add into ``dq_desc``'s fp32 tensor) and a load warp (every TMA load).  dK and dV
+    are accumulated in registers over the group's query heads (``head_splits`` as in ``_dkdv_kernel``), dQ and dsink
+    by atomic adds, so their rounding order varies between runs."""
+    off_kh = gl.program_id(0) // head_splits
+    split = gl.program_id(0) - off_kh * head_splits
+    pid_n = gl.program_id(1)
+    off_b = gl.program_id(2)
+    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
+    start_n = pid_n * BLOCK_N
+    if start_n >= len_k:
+        return
+    shift = len_k - len_q
+    rows_start = _row_vector_start(q_start, off_b)
+    dtype: gl.constexpr = q_desc.dtype
+    KEYS: gl.constexpr = BLOCK_N // 2  # per MMA warpgroup
+
+    k_smem = gl.allocate_shared_memory(dtype, [2, KEYS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, KEYS, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    sinkw_smem = gl.allocate_shared_memory(gl.float32, [STAGES if HAS_SINK else 1, BLOCK_M], sinkw_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, KEYS, BLOCK_M], ds_layout)  # dS^T: 2 buffers x 2 warpgroups
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # released by both MMA warpgroups
+    for i in gl.static_range(2):
+        mbarrier.init(ds_full.index(i), count=2)  # both warpgroups' rows of dS^T written
+        mbarrier.init(ds_free.index(i), count=1)  # the dQ product has read them
+
+    lo, _, _, hi = _query_block_ranges(start_n, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
+    num_m = gl.cdiv(hi - lo, BLOCK_M)
+    heads = GROUP // head_splits
+    head0 = off_kh * GROUP + split * heads
+    total = heads * num_m  # steps: (query head, query block), heads outermost
+    split64 = split.to(gl.int64) * stride_split
+    shared = (
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        sinkw_smem,
+        ds_smem,
+        kv_bar,
+        ready,
+        empty,
+        ds_full,
+        ds_free,
+        DK + split64,
+        DV + split64,
+        DSink,
+        stride_dkt,
+        stride_dkh,
+        stride_dvt,
+        stride_dvh,
+        off_kh,
+        k_start,
+        start_n,
+        len_q,
+        len_k,
+        shift,
+        lo,
+        num_m,
+        heads,
+        head0,
+        qk_scale,
+        sm_scale,
+        win_left,
+        win_right,
+    )
+    loads = (
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        sinkw_desc,
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        sinkw_smem,
+        kv_bar,
+        ready,
+        empty,
+        k_start + start_n,
+        off_kh * HEAD_DIM,
+        total,
+        num_m,
+        lo,
+        q_start,
+        rows_start,
+        head0,
+        stride_rows,
+    )
+    dq_args = (dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, total, num_m, lo, q_start, head0, sm_scale)
+    gl.warp_specialize(
+        [
+            (_fused_bwd_mma, (shared, 0, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK)),
+            (_fused_bwd_mma, (shared, 1, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK)),
+            (_fused_bwd_dq, (dq_args, HEAD_DIM, BLOCK_M)),
+            (_fused_bwd_loader, (loads, HEAD_DIM, BLOCK_M, STAGES, HAS_SINK)),
+        ],
+        [4, 4, 1],
+        [MMA_REGS, DQ_REGS, LOAD_REGS],
     )
 
 
@@ -971,6 +1386,73 @@ def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_s
         win_left,
         win_right,
         GROUP=H_q // k.shape[1],
+        HEAD_DIM=D,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        HAS_SINK=has_sink,
+        **cfg,
+    )
+
+
+def backward_fused(
+    q,
+    k,
+    v,
+    dout,
+    lse2,
+    delta,
+    sink_weights,
+    dsink,
+    dq32,
+    dk,
+    dv,
+    head_splits,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_k,
+    qk_scale,
+    sm_scale,
+    win_left,
+    win_right,
+    config,
+):
+    """The backward in one launch of ``_bwd_fused_kernel`` (``deterministic=False``): dK, dV into ``dk``, ``dv`` (fp32
+    partial sums ``[head_splits, T_k, H_kv, D]`` when ``head_splits`` > 1, as in :func:`backward`); dQ added into the
+    zeroed float32 ``dq32 [T_q, H_q, D]`` (already scaled), and with a sink dsink into the zeroed float32
+    ``dsink [H_q]``.  ``sink_weights [H, stride_rows]`` holds exp(s_h - LSE_i) per row (zeros in unused slots)."""
+    _, H_q, D = q.shape
+    H_kv = k.shape[1]
+    num_seqs = cu_seqlens_q.numel() - 1
+    bm, bn, cfg = _launch_options(config)
+    has_sink = dsink is not None
+    lse_desc = _row_vector(lse2, bm)
+    keys = bn // 2  # K / V tiles: one per MMA warpgroup
+    _bwd_fused_kernel[(H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs)](
+        _descriptor(q, bm),
+        _descriptor(k, keys),
+        _descriptor(v, keys),
+        _descriptor(dout, bm),
+        lse_desc,
+        _row_vector(delta, bm),
+        _row_vector(sink_weights, bm) if has_sink else lse_desc,
+        _descriptor(dq32, bm),
+        dk,
+        dv,
+        dsink if has_sink else lse2,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        dk.stride(-3),
+        dk.stride(-2),
+        dv.stride(-3),
+        dv.stride(-2),
+        lse2.stride(0),
+        dk.stride(0) if head_splits > 1 else 0,
+        head_splits,
+        qk_scale,
+        sm_scale,
+        win_left,
+        win_right,
+        GROUP=H_q // H_kv,
         HEAD_DIM=D,
         BLOCK_M=bm,
         BLOCK_N=bn,

@@ -106,7 +106,9 @@ def _forward(
     window_left,
     window_right,
     backend,
+    deterministic,
 ):
+    # (deterministic is the backward's switch: it travels with the other parameters)
     # the sink logits go in as they are (fp32, bf16 or fp16): the kernels read them in fp32, and a cast here would
     # cost a launch and an autograd node per layer call
     return _backend_module(backend).sink_attention_forward(
@@ -142,6 +144,7 @@ def _backward_impl(
     window_left,
     window_right,
     backend,
+    deterministic,
 ):
     return _backend_module(backend).sink_attention_backward(
         dout,
@@ -159,6 +162,7 @@ def _backward_impl(
         causal,
         window_left,
         window_right,
+        deterministic,
     )
 
 
@@ -255,6 +259,7 @@ def _fwd_op(
     window_left: int,
     window_right: int,
     backend: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``out [Tq, Hq, D]`` (q's dtype) and the sink-inclusive ``lse [Hq, Tq]`` (fp32)."""
     return _forward(
@@ -271,12 +276,13 @@ def _fwd_op(
         window_left,
         window_right,
         backend,
+        deterministic,
     )
 
 
 @_fwd_op.register_fake
 def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, backend):  # fmt: skip
+      window_left, window_right, backend, deterministic):  # fmt: skip
     total_q, num_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((num_heads, total_q), dtype=torch.float32)
 
@@ -299,6 +305,7 @@ def _bwd_op(
     window_left: int,
     window_right: int,
     backend: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``dq, dk, dv`` (input dtypes) and ``dsink [Hq]`` fp32 (an empty tensor without sinks)."""
     dq, dk, dv, dsink = _backward_impl(
@@ -318,6 +325,7 @@ def _bwd_op(
         window_left,
         window_right,
         backend,
+        deterministic,
     )
     if dsink is None:  # custom ops return tensors only: an empty tensor stands for "no sink gradient"
         dsink = q.new_empty((0,), dtype=torch.float32)
@@ -326,7 +334,7 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      causal, window_left, window_right, backend):  # fmt: skip
+      causal, window_left, window_right, backend, deterministic):  # fmt: skip
     dsink_shape = (q.shape[1],) if sinks is not None else (0,)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(dsink_shape, dtype=torch.float32)
 
@@ -335,7 +343,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *params = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
-    ctx.params = params  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left/right, backend
+    ctx.params = params  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left/right, backend, deterministic
     ctx.mark_non_differentiable(lse)
 
 
@@ -343,7 +351,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv, dsink = _bwd_op(dout.contiguous(), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params)
     dsink = dsink.to(sinks.dtype) if sinks is not None else None  # the sink gradient in the sink's own dtype
-    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None
 
 
 # The op is its own autograd unit (rather than an autograd.Function around it): dynamo cannot trace
@@ -514,9 +522,10 @@ def flash_attn_func(
         window_size: ``(left, right)`` sliding window, -1 = unbounded: key j is visible from aligned query
             position i iff ``i - left <= j <= i + right``.
         s_aux: learnable sink logits ``[num_heads]`` (fp32, bf16 or fp16); receives a gradient in its own dtype.
-        deterministic: FlashAttention's switch for a deterministic backward. This kernel's backward is always
-            deterministic (every gradient, the sink's included, is reduced in a fixed order, with no atomics), so
-            both values give bitwise-reproducible gradients.
+        deterministic: FlashAttention's switch for a deterministic backward. ``False`` (the default) lets the
+            backward run its one-kernel form where it has one (Hopper, 16-bit, head_dim 64): five products per
+            tile, dQ and the sink gradient added up with atomics, so their last bits vary between runs. ``True``
+            (or any other GPU, dtype or head_dim) reduces every gradient in a fixed order: bitwise reproducible.
         return_softmax_lse: also return the sink-inclusive log-sum-exp ``[batch, num_heads, seqlen_q]`` (fp32).
         backend: ``"auto"`` (default, see module docstring), ``"triton"`` or ``"torch"``.
 
@@ -532,7 +541,16 @@ def flash_attn_func(
     # A fixed-length batch is the varlen problem with equal lengths: flatten the batch into the token axis.
     cu_seqlens_q = _cu_seqlens(batch, seqlen_q, q.device)
     cu_seqlens_k = cu_seqlens_q if seqlen_k == seqlen_q else _cu_seqlens(batch, seqlen_k, q.device)
-    params = (seqlen_q, seqlen_k, scale, bool(causal), window_left, window_right, _select_backend(q, backend))
+    params = (
+        seqlen_q,
+        seqlen_k,
+        scale,
+        bool(causal),
+        window_left,
+        window_right,
+        _select_backend(q, backend),
+        bool(deterministic),
+    )
     out, lse = _attention(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, params)
     if not return_softmax_lse:
         return out
@@ -584,6 +602,7 @@ def flash_attn_varlen_func(
         window_left,
         window_right,
         _select_backend(q, backend),
+        bool(deterministic),
     )
     out, lse = _attention(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, params)
     return (out, lse) if return_softmax_lse else out

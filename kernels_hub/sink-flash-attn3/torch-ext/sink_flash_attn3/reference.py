@@ -134,10 +134,11 @@ def sink_attention_backward(
     causal: bool,
     window_left: int,
     window_right: int,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns ``dq, dk, dv`` in the input dtypes and ``dsink [Hq]`` in fp32 (None without sinks).
 
-    Deterministic: sequential loops, no atomics.
+    Deterministic whatever ``deterministic`` says: sequential loops, no atomics.
     """
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

@@ -89,6 +89,9 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ),
     ("gluon_dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, maxnreg=168),
     ("gluon_dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2),
+    ("gluon_bwd_fused", 64): dict(
+        BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, MMA_REGS=208, DQ_REGS=64, LOAD_REGS=24, maxnreg=128
+    ),
 }
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # CPU (interpreter): numpy per block
 # The Gluon forward runs on full-attention layers from this many queries; below, and on sliding layers (a
@@ -97,6 +100,10 @@ _GLUON_FWD_MIN_SEQLEN = 8192
 # The dK/dV grid of a full layer is split over the query heads of a KV group until it has this many programs per
 # multiprocessor (``_dkdv_head_splits``).
 _DKDV_PROGRAMS_PER_SM = 12
+_FUSED_PROGRAMS_PER_SM = 4
+# The fused backward (deterministic=False) runs on full-attention layers from this many keys: below, and on
+# sliding layers, the deterministic kernels are as fast or faster (benchmarks/notes/attention.md).
+_FUSED_MIN_SEQLEN = 8192
 # Without the Gluon kernels, the dQ kernel runs on a side stream next to the dK/dV kernel for sliding layers and up
 # to this many keys (their programs then share the SMs; longer full layers already fill the GPU).
 _CONCURRENT_MAX_SEQLEN = 8192
@@ -185,6 +192,7 @@ class _Plan(NamedTuple):
     dq: str  # "dq" | "gluon_dq"
     tma: bool  # Triton kernels load their streamed tiles through tensor descriptors
     concurrent: bool  # the Triton dQ kernel runs on a side stream next to the dK/dV kernel
+    fused_bwd: bool  # with deterministic=False, the backward runs gluon_kernels.backward_fused
 
 
 def _plan(q, k, v, windowed: bool, max_seqlen_q: int, max_seqlen_k: int) -> _Plan:
@@ -206,7 +214,8 @@ def _plan(q, k, v, windowed: bool, max_seqlen_q: int, max_seqlen_k: int) -> _Pla
     concurrent = not gluon and q.device.type == "cuda" and (windowed or max_seqlen_k <= _CONCURRENT_MAX_SEQLEN)
     # fp32 tiles through descriptors overflow the dK/dV kernel's shared memory at head_dim 128: the backward's
     # Triton kernels use them for 16-bit inputs only (the forward for every dtype)
-    return _Plan(fwd, "gluon_dkdv" if gluon else "dkdv", "gluon_dq" if gluon else "dq", tma, concurrent)
+    fused_bwd = gluon and not windowed and max_seqlen_k >= _FUSED_MIN_SEQLEN
+    return _Plan(fwd, "gluon_dkdv" if gluon else "dkdv", "gluon_dq" if gluon else "dq", tma, concurrent, fused_bwd)
 
 
 def _run_gluon(name: str, *args) -> None:
@@ -243,18 +252,22 @@ def _multiprocessors(device: torch.device) -> int:
     return _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _dkdv_head_splits(group: int, programs: int, multiprocessors: int, windowed: bool) -> int:
+def _dkdv_head_splits(
+    group: int, programs: int, multiprocessors: int, windowed: bool, per_sm: int = _DKDV_PROGRAMS_PER_SM
+) -> int:
     """Programs that share one (KV head, key block) of the dK/dV kernel, each taking ``group / splits`` query heads.
 
     Without a left window the first key blocks see every query: a program loops over all ``group`` query heads of
     every query block, while the grid of a short sequence has few programs (8 KV heads x 64 key blocks at 4k), so
     those longest programs outlast the rest of the grid.  Splitting the group (a power of two dividing it) until the
-    grid has ``_DKDV_PROGRAMS_PER_SM`` programs per multiprocessor shortens them; the partial sums cost one reduction.
+    grid has ``per_sm`` programs per multiprocessor shortens them (``_DKDV_PROGRAMS_PER_SM`` for the dK/dV kernels,
+    three of which share a multiprocessor; ``_FUSED_PROGRAMS_PER_SM`` for the fused backward, one per multiprocessor);
+    the partial sums cost one reduction.
     Sliding layers have short, even programs and stay whole."""
     if windowed or multiprocessors == 0:
         return 1
     splits = 1
-    while group % (2 * splits) == 0 and programs * splits < _DKDV_PROGRAMS_PER_SM * multiprocessors:
+    while group % (2 * splits) == 0 and programs * splits < per_sm * multiprocessors:
         splits *= 2
     return splits
 
@@ -560,6 +573,8 @@ def _bwd_preprocess(
     Lse,
     Delta,
     Lse2,
+    Sinks,
+    SinkW,
     cu_seqlens_q,
     stride_rows,
     stride_ot,
@@ -569,9 +584,11 @@ def _bwd_preprocess(
     stride_lse_h,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    SINK_WEIGHTS: tl.constexpr,
 ):
     """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0), written
-    at the sequence's aligned offset (`row_vector_start`)."""
+    at the sequence's aligned offset (`row_vector_start`); with SINK_WEIGHTS also the sink's probability
+    exp(s_h - LSE_i) per row (the weights of dsink in the fused backward)."""
     pid = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -593,6 +610,9 @@ def _bwd_preprocess(
     at = off_h * stride_rows + _row_vector_start(q_start, off_b) + offs
     tl.store(Delta + at, delta, mask=ok)
     tl.store(Lse2 + at, lse2, mask=ok)
+    if SINK_WEIGHTS:
+        sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
+        tl.store(SinkW + at, tl.exp2(sink2 - lse2), mask=ok)
 
 
 @triton.jit
@@ -1204,11 +1224,15 @@ def sink_attention_backward(
     causal,
     window_left,
     window_right,
+    deterministic=False,
 ):
     """Gradients of :func:`sink_attention_forward`: ``dq [Tq,Hq,D]``, ``dk, dv [Tk,Hkv,D]`` (input dtype,
     summed over each KV group's query heads) and ``dsink [Hq]`` float32 (None without sinks).
 
-    Every gradient is written in a fixed order (no atomics): the results are bitwise reproducible."""
+    ``deterministic=False`` (FlashAttention's default) runs the one-kernel backward where it exists (sm_90, 16-bit,
+    head_dim 64: ``gluon_kernels.backward_fused``, five products per tile instead of seven), which adds dQ and dsink
+    up with atomics: their rounding order varies between runs.  Everywhere else, and with ``deterministic=True``,
+    every gradient is written in a fixed order (no atomics) and the results are bitwise reproducible."""
     _check_inputs((("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
     T_q, H_q, D = q.shape
     T_k, H_kv, _ = k.shape
@@ -1230,8 +1254,12 @@ def sink_attention_backward(
     # Per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (row_vector_start),
     # and dsink's partial sums, one per (head, preprocessing program).  D's unused slots must be finite where the
     # Gluon dK/dV kernel reads a query block's D by TMA past its sequence's end (those rows have P = 0): zeros
+    fused = gluon and plan.fused_bwd and not deterministic
     stride_rows = _row_vector_stride(T_q, num_seqs)
-    delta = (torch.zeros if gluon else torch.empty)((H_q, stride_rows), device=q.device, dtype=torch.float32)
+    # (the fused kernel also reads the sink weights exp(s_h - LSE_i) by TMA: zeros in the unused slots too)
+    rows = 2 if fused and sinks is not None else 1
+    vectors = (torch.zeros if gluon else torch.empty)((rows, H_q, stride_rows), device=q.device, dtype=torch.float32)
+    delta, sink_weights = vectors[0], vectors[rows - 1]
     lse2 = torch.empty_like(delta)
     pre_block = 64 if q.device.type == "cuda" else 16
     _bwd_preprocess[(max(_cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)](
@@ -1240,6 +1268,8 @@ def sink_attention_backward(
         lse,
         delta,
         lse2,
+        sinks if rows == 2 else lse2,
+        sink_weights,
         cu_seqlens_q,
         stride_rows,
         out.stride(0),
@@ -1249,12 +1279,22 @@ def sink_attention_backward(
         lse.stride(0),
         HEAD_DIM=D,
         BLOCK=pre_block,
+        SINK_WEIGHTS=rows == 2,
     )
     # dK / dV: written by the kernel, or, when the dK/dV grid is split over the heads of a KV group, its fp32 partial
     # sums [splits, T_k, H_kv, D] (dK's and dV's in one buffer), reduced below in a fixed order
-    dkdv_block_n = CONFIGS[("gluon_dkdv", D)]["BLOCK_N"] if gluon else _config("dkdv", D, q.device)["BLOCK_N"]
+    if fused:
+        dkdv_block_n, per_sm = CONFIGS[("gluon_bwd_fused", D)]["BLOCK_N"], _FUSED_PROGRAMS_PER_SM
+    elif gluon:
+        dkdv_block_n, per_sm = CONFIGS[("gluon_dkdv", D)]["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
+    else:
+        dkdv_block_n, per_sm = _config("dkdv", D, q.device)["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
     head_splits = _dkdv_head_splits(
-        group, H_kv * _cdiv(int(max_seqlen_k), dkdv_block_n) * num_seqs, _multiprocessors(q.device), left < _UNBOUNDED
+        group,
+        H_kv * _cdiv(int(max_seqlen_k), dkdv_block_n) * num_seqs,
+        _multiprocessors(q.device),
+        left < _UNBOUNDED,
+        per_sm,
     )
     if head_splits > 1:
         partial = torch.empty((2, head_splits, T_k, H_kv, D), device=q.device, dtype=torch.float32)
@@ -1269,6 +1309,38 @@ def sink_attention_backward(
         # that alias one another
         return partial[0].sum(dim=0).to(k.dtype), partial[1].sum(dim=0).to(v.dtype)
 
+    if fused:
+        if int(max_seqlen_k) == 0:
+            dk_out.zero_()
+            dv_out.zero_()
+            dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
+            return dq.zero_(), *dkdv_result(), dsink
+        dq32 = torch.zeros((T_q, H_q, D), device=q.device, dtype=torch.float32)
+        dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
+        _run_gluon(
+            "backward_fused",
+            q,
+            k,
+            v,
+            dout,
+            lse2,
+            delta,
+            sink_weights,
+            dsink,
+            dq32,
+            dk_out,
+            dv_out,
+            head_splits,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_k,
+            qk_scale,
+            float(softmax_scale),
+            left,
+            right,
+            CONFIGS[("gluon_bwd_fused", D)],
+        )
+        return dq.copy_(dq32), *dkdv_result(), dsink
     # dsink's partial sums, one per (head, dQ program; programs past a sequence's end leave their zero): the dQ
     # kernel writes them, summed below in a fixed order
     dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
