@@ -482,6 +482,20 @@ def _cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
     return _dense_cu_seqlens(batch, seqlen, device)
 
 
+def _params(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, backend, deterministic):
+    """The non-tensor arguments the forward and the backward share (the order of the custom ops' parameters)."""
+    return (
+        max_seqlen_q,
+        max_seqlen_k,
+        _softmax_scale(softmax_scale, q.shape[-1]),
+        bool(causal),
+        window_left,
+        window_right,
+        _select_backend(q, backend),
+        bool(deterministic),
+    )
+
+
 def _as_int(value):
     # transformers may hand max_seqlen over as a 0-dim tensor (packed batches from position_ids)
     return int(value.item()) if isinstance(value, torch.Tensor) else value
@@ -535,22 +549,12 @@ def flash_attn_func(
     window_left, window_right = _check_inputs(
         q, k, v, s_aux, None, None, window_size, dropout_p, softcap, alibi_slopes, return_attn_probs, varlen=False
     )
-    scale = _softmax_scale(softmax_scale, q.shape[-1])
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     # A fixed-length batch is the varlen problem with equal lengths: flatten the batch into the token axis.
     cu_seqlens_q = _cu_seqlens(batch, seqlen_q, q.device)
     cu_seqlens_k = cu_seqlens_q if seqlen_k == seqlen_q else _cu_seqlens(batch, seqlen_k, q.device)
-    params = (
-        seqlen_q,
-        seqlen_k,
-        scale,
-        bool(causal),
-        window_left,
-        window_right,
-        _select_backend(q, backend),
-        bool(deterministic),
-    )
+    params = _params(q, seqlen_q, seqlen_k, softmax_scale, causal, window_left, window_right, backend, deterministic)
     out, lse = _attention(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, params)
     if not return_softmax_lse:
         return out
@@ -593,16 +597,9 @@ def flash_attn_varlen_func(
         q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, window_size, dropout_p, softcap, alibi_slopes,
         return_attn_probs, varlen=True,
     )  # fmt: skip
-    scale = _softmax_scale(softmax_scale, q.shape[-1])
-    params = (
-        _as_int(max_seqlen_q),
-        _as_int(max_seqlen_k),
-        scale,
-        bool(causal),
-        window_left,
-        window_right,
-        _select_backend(q, backend),
-        bool(deterministic),
-    )
+    params = _params(
+        q, _as_int(max_seqlen_q), _as_int(max_seqlen_k), softmax_scale, causal, window_left, window_right, backend,
+        deterministic,
+    )  # fmt: skip
     out, lse = _attention(q, k, v, s_aux, cu_seqlens_q, cu_seqlens_k, params)
     return (out, lse) if return_softmax_lse else out
