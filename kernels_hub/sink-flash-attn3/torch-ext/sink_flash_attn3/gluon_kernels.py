@@ -1,6 +1,7 @@
-"""Hopper (sm_90) kernels in Gluon: the backward (dK/dV and dQ) and the forward of long full-attention layers.
+"""Hopper (sm_90) kernels in Gluon: the backward (dK/dV and dQ; or, with ``deterministic=False``, both in one
+warp-specialized kernel, ``_bwd_fused_kernel``) and the forward of long full-attention layers.
 
-The backward has the same math and the same deterministic two-kernel structure as ``triton_kernels.py`` (dK/dV per
+The deterministic backward has the same math and the same two-kernel structure as ``triton_kernels.py`` (dK/dV per
 key block looping over the KV group's query heads; dQ per query block), written with explicit asynchronous
 warpgroup MMAs so that the exponentials and the elementwise dS work run on the MUFU/FMA units while the tensor cores
 compute the next product.

@@ -24,14 +24,16 @@ aligned query position a iff ``a - window_left <= j <= a + window_right`` (and `
 Each program only visits key (or query) blocks that intersect that band (``_bands.py``) — sliding layers cost
 O(S * W) — and splits them into blocks fully inside the band (no mask arithmetic) and edge blocks (masked).
 
-The backward is deterministic (bitwise reproducible) with no atomics: dK/dV are accumulated by one program per key
-block that loops over every query head of its KV group (GQA needs no repeated K/V and no reduction afterwards), dQ
-by one program per query block that loops over key blocks, and dsink from per-block partial sums (written by the
-preprocessing kernel) reduced in a fixed order.
+The backward here is deterministic (bitwise reproducible) with no atomics: dK/dV are accumulated by one program per
+key block that loops over every query head of its KV group (GQA needs no repeated K/V and no reduction afterwards),
+dQ by one program per query block that loops over key blocks, and dsink from per-block partial sums (written by the
+dQ kernel) reduced in a fixed order.
 
 On Hopper (sm_90) with 16-bit inputs at head_dim 64 the backward and the forward of long full-attention layers run
 the Gluon kernels of ``gluon_kernels.py`` instead (asynchronous warpgroup MMAs); ``SINK_FLASH_ATTN3_GLUON=0``
-turns them off.
+turns them off.  There, with ``deterministic=False`` (FlashAttention's default), full-attention layers from
+``_FUSED_MIN_SEQLEN`` keys run the one-kernel backward (``gluon_kernels.backward_fused``: five products per tile,
+dQ and dsink added up with atomics).
 """
 
 from __future__ import annotations
