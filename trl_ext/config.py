@@ -132,7 +132,9 @@ class AgenticGRPOConfig(GRPOConfig):
             kernel; ~0.26 GiB per layer at 32k tokens for gpt-oss-20b), `"experts"` (the `memory_efficient`
             experts; ~1.6 GiB per layer at 32k, bounded by `checkpoint_experts_max_tokens`) and `"projections"` (the
             q/k/v/o projections and the router of a GPT-OSS policy; ~0.49 GiB per layer at 32k, bounded by
-            `checkpoint_projections_max_tokens`). Gradients are bitwise those of plain checkpointing; attention and
+            `checkpoint_projections_max_tokens`). Gradients are bitwise those of plain checkpointing (with
+            deterministic kernels: on Hopper the attention backward of long full layers adds dQ with atomics unless
+            `FLASH_ATTENTION_DETERMINISTIC=1` or `full_determinism=True`); attention and
             experts ops of other implementations (eager, sdpa, `grouped_mm`, ...) are not matched, so for them it is
             plain checkpointing. The speed and memory of each choice on the 32k gpt-oss-20b LoRA step are in
             `docs/benchmarks/full_step.md`. `[]`: plain checkpointing.

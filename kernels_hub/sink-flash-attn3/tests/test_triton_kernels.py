@@ -350,6 +350,10 @@ def test_deterministic_selects_the_backward(tk, sm90, monkeypatch):
     sm90.calls.clear()
     tk.sink_attention_backward(*args[:-3], True, 127, 0, deterministic=False)  # a sliding layer
     assert sm90.calls == ["backward"]
+    sm90.calls.clear()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)  # PyTorch's deterministic mode
+    tk.sink_attention_backward(*args, deterministic=False)
+    assert sm90.calls == ["backward"]
 
 
 def test_gluon_failures_are_loud(tk, sm90, monkeypatch):

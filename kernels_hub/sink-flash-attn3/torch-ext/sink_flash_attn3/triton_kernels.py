@@ -1233,8 +1233,9 @@ def sink_attention_backward(
 
     ``deterministic=False`` (FlashAttention's default) runs the one-kernel backward where it exists (sm_90, 16-bit,
     head_dim 64: ``gluon_kernels.backward_fused``, five products per tile instead of seven), which adds dQ and dsink
-    up with atomics: their rounding order varies between runs.  Everywhere else, and with ``deterministic=True``,
-    every gradient is written in a fixed order (no atomics) and the results are bitwise reproducible."""
+    up with atomics: their rounding order varies between runs.  Everywhere else, with ``deterministic=True`` and
+    under ``torch.use_deterministic_algorithms(True)``, every gradient is written in a fixed order (no atomics) and
+    the results are bitwise reproducible."""
     _check_inputs((("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
     T_q, H_q, D = q.shape
     T_k, H_kv, _ = k.shape
@@ -1256,7 +1257,8 @@ def sink_attention_backward(
     # Per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (row_vector_start),
     # and dsink's partial sums, one per (head, preprocessing program).  D's unused slots must be finite where the
     # Gluon dK/dV kernel reads a query block's D by TMA past its sequence's end (those rows have P = 0): zeros
-    fused = gluon and plan.fused_bwd and not deterministic
+    # (PyTorch's deterministic mode forces the deterministic backward, as it does for PyTorch's own atomic kernels)
+    fused = gluon and plan.fused_bwd and not (deterministic or torch.are_deterministic_algorithms_enabled())
     stride_rows = _row_vector_stride(T_q, num_seqs)
     # (the fused kernel also reads the sink weights exp(s_h - LSE_i) by TMA: zeros in the unused slots too)
     rows = 2 if fused and sinks is not None else 1
