@@ -1313,12 +1313,7 @@ def sink_attention_backward(
         # that alias one another
         return partial[0].sum(dim=0).to(k.dtype), partial[1].sum(dim=0).to(v.dtype)
 
-    if fused:
-        if int(max_seqlen_k) == 0:
-            dk_out.zero_()
-            dv_out.zero_()
-            dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
-            return dq.zero_(), *dkdv_result(), dsink
+    if fused:  # (the plan gives it layers of at least _FUSED_MIN_SEQLEN keys)
         dq32 = torch.zeros((T_q, H_q, D), device=q.device, dtype=torch.float32)
         dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
         _run_gluon(
