@@ -170,7 +170,7 @@ def time_kernels(kernel, fa4, shapes):
         steps = {"public_ms": public_step(kernel, window, inputs), "raw_ms": raw_step(kernel, window, inputs)}
         if S >= 4096 and S % 4096 == 0:
             steps["varlen_ms"] = varlen_step(kernel, window, inputs)
-        if window is None and S >= 8192:  # where deterministic=False runs the one-kernel backward
+        if window is None:  # full layers: deterministic=False runs the one-kernel backward there (from 2k keys)
             steps["deterministic_ms"] = public_step(kernel, window, inputs, deterministic=True)
         if fa4 is not None:
             steps["fa4_ms"] = fa4_step(fa4, window, inputs)
@@ -502,7 +502,7 @@ def write_markdown(result, path):
         "varlen: the same tokens as 4 packed sequences of S/4, so a causal row does a quarter of the work); raw = "
         "`triton_kernels.sink_attention_forward` + `sink_attention_backward` called directly, no autograd. Every "
         "column but the last runs with `deterministic=False` (FlashAttention's default, FA4's too): on full-attention "
-        "layers from 8k keys that is the one-kernel backward (five products per tile, dQ and dsink added by atomics); "
+        "layers from 2k keys that is the one-kernel backward (five products per tile, dQ and dsink added by atomics); "
         "`deterministic=True` is the same public call with the bitwise-reproducible two-kernel backward (seven "
         "products; other rows run those kernels in every column).",
         "",

@@ -452,11 +452,47 @@ def test_tensor_descriptor_paths(tk, monkeypatch):
     run_and_compare(tk, decode, True, tol=2e-2)
 
 
+def test_launches_on_the_inputs_device(tk, monkeypatch):
+    # Triton launches on the current device: both entry points make the inputs' GPU current for the call when it is
+    # another one (a model split over GPUs), and leave the current device alone otherwise
+    assert tk.sink_attention_forward.__wrapped__ and tk.sink_attention_backward.__wrapped__
+    entered = []
+
+    class DeviceGuard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append(None)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", DeviceGuard)
+
+    class OnGpu:
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+
+    seen = []
+    probe = tk._on_input_device(lambda first, x, y=0: seen.append((list(entered), x, y)) or "result")
+    assert probe(OnGpu(1), 2, y=3) == "result"
+    assert seen[-1] == ([torch.device("cuda", 1)], 2, 3) and entered[-1] is None  # inside the guard, then left
+    entered.clear()
+    assert probe(OnGpu(0), 4) == "result" and seen[-1] == ([], 4, 0) and not entered  # already current
+    assert probe(torch.zeros(1), 5) == "result" and seen[-1] == ([], 5, 0)  # CPU (the interpreter)
+
+
 def test_dkdv_head_splits(tk, monkeypatch):
-    # the rule: GPT-OSS (group 8, dK/dV tiles of 64 keys) on 132 multiprocessors splits full layers at 4k and 8k only
-    assert tk._dkdv_head_splits(8, 8 * 64, 132, windowed=False) == 4
-    assert tk._dkdv_head_splits(8, 8 * 128, 132, windowed=False) == 2
-    assert tk._dkdv_head_splits(8, 8 * 256, 132, windowed=False) == 1
+    # the rule: GPT-OSS (group 8, dK/dV tiles of 64 keys) on 132 multiprocessors splits full layers below 8k only
+    assert tk._dkdv_head_splits(8, 8 * 32, 132, windowed=False) == 4
+    assert tk._dkdv_head_splits(8, 8 * 64, 132, windowed=False) == 2
+    assert tk._dkdv_head_splits(8, 8 * 128, 132, windowed=False) == 1
+    # the fused backward (128-key blocks, one program per multiprocessor) splits only a grid smaller than one wave
+    fused = tk._FUSED_PROGRAMS_PER_SM
+    assert tk._dkdv_head_splits(8, 8 * 16, 132, windowed=False, per_sm=fused) == 2
+    assert tk._dkdv_head_splits(8, 8 * 32, 132, windowed=False, per_sm=fused) == 1
     assert tk._dkdv_head_splits(8, 8 * 64, 132, windowed=True) == 1
     assert tk._dkdv_head_splits(3, 1, 132, windowed=False) == 1  # no power of two divides the group
     assert tk._dkdv_head_splits(8, 1, 0, windowed=False) == 1  # CPU
@@ -603,6 +639,30 @@ def test_cuda_gluon_kernels(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, c
     for name, a, b, t in zip(("dq", "dk", "dv", "dsink"), first, again, triton_grads):
         assert torch.equal(a, b), f"{name}: the Gluon backward is not bitwise reproducible"
         assert rel_err(a, t) < 1e-2, f"{name}: Gluon and Triton backward differ by {rel_err(a, t):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_inputs_on_another_device():
+    # inputs on the second GPU while the first is current (a model split over GPUs): the same results as with the
+    # second GPU current
+    tk_cuda = _load_kernels(interpret=False)
+    case = make_case([300, 77], [300, 77], 8, 2, 64, dtype=torch.bfloat16, seed=5, device="cuda:1")
+    q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
+    args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, True, -1, -1)
+
+    def run():
+        out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
+        grads = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True)
+        torch.cuda.synchronize(q.device)
+        return out, lse, *grads
+
+    with torch.cuda.device(0):
+        got = run()
+    with torch.cuda.device(1):
+        expected = run()
+    for a, b in zip(got, expected):
+        assert a.device == q.device and torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -100,12 +100,14 @@ _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # C
 # window-128 program sees two or three key blocks, too few to fill its pipeline), the Triton forward is faster.
 _GLUON_FWD_MIN_SEQLEN = 8192
 # The dK/dV grid of a full layer is split over the query heads of a KV group until it has this many programs per
-# multiprocessor (``_dkdv_head_splits``).
-_DKDV_PROGRAMS_PER_SM = 12
-_FUSED_PROGRAMS_PER_SM = 4
+# multiprocessor (``_dkdv_head_splits``): six for the deterministic dK/dV kernels (three share a multiprocessor),
+# one for the fused backward (one program per multiprocessor; more splits only add partial sums).  Measured on an
+# H200, 2k-16k keys (benchmarks/notes/attention.md).
+_DKDV_PROGRAMS_PER_SM = 6
+_FUSED_PROGRAMS_PER_SM = 1
 # The fused backward (deterministic=False) runs on full-attention layers from this many keys: below, and on
 # sliding layers, the deterministic kernels are as fast or faster (benchmarks/notes/attention.md).
-_FUSED_MIN_SEQLEN = 8192
+_FUSED_MIN_SEQLEN = 2048
 # Without the Gluon kernels, the dQ kernel runs on a side stream next to the dK/dV kernel for sliding layers and up
 # to this many keys (their programs then share the SMs; longer full layers already fill the GPU).
 _CONCURRENT_MAX_SEQLEN = 8192
@@ -1119,6 +1121,24 @@ def _sink_attn_bwd_dq(
 # ----------------------------------------------------------------------------------------------------------
 # Host side: the contract used by the package's autograd function / custom ops
 # ----------------------------------------------------------------------------------------------------------
+def _on_input_device(fn):
+    """Runs ``fn`` with its first tensor's GPU as the current device.  Triton launches on the current device's
+    stream, which need not hold the inputs: a model split over GPUs in one process (``device_map="auto"``) calls its
+    layers from whichever device is current.  FlashAttention's Triton ops guard the same way
+    (``flash_attn/ops/triton/layer_norm.py``)."""
+
+    @functools.wraps(fn)
+    def on_input_device(first, *args, **kwargs):
+        device = first.device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return fn(first, *args, **kwargs)
+        return fn(first, *args, **kwargs)
+
+    return on_input_device
+
+
+@_on_input_device
 def sink_attention_forward(
     q,
     k,
@@ -1210,6 +1230,7 @@ def sink_attention_forward(
     return out, lse
 
 
+@_on_input_device
 def sink_attention_backward(
     dout,
     q,
