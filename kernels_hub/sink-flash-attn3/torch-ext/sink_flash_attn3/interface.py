@@ -14,7 +14,7 @@ Backend dispatch (per call, from the tensors):
 
 - CUDA tensors -> the Triton kernels (``triton_kernels.py``; on sm_90 the backward, and the forward of long
   full-attention layers, run the Gluon kernels of ``gluon_kernels.py``; ``SINK_FLASH_ATTN3_GLUON=0`` turns those
-  off; ``deterministic=False``, the default, lets long full-attention layers there run the one-kernel backward,
+  off; ``deterministic=False``, the default, lets full-attention layers from 2k keys there run the one-kernel backward,
   whose dQ and dsink are summed with atomics);
 - CPU tensors -> plain PyTorch (``reference.py``); with ``TRITON_INTERPRET=1`` set, float16/float32 CPU tensors
   run the Triton kernels in Triton's interpreter (how CI exercises the real kernel code), bf16 ones stay on PyTorch
