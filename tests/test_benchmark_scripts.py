@@ -355,7 +355,7 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
     )
     res = json.loads((tmp_path / "attention.json").read_text())
     assert [r["case"] for r in res["kernel_rows"]] == ["S=64 causal", "S=64 window 16"]
-    assert all(r["public_ms"] > 0 and r["raw_ms"] > 0 for r in res["kernel_rows"])
+    assert all(r["public_ms"] > 0 and r["raw_ms"] > 0 and r["public_host_ms"] > 0 for r in res["kernel_rows"])
     assert res["mixed"]["first_ms"] > 0 and res["mixed"]["after_ms"] > 0
     assert [r["case"] for r in res["accuracy"]] == ["S=64 causal", "S=64 window 16", "S=64 causal, sinks x25"]
     for row in res["accuracy"]:
