@@ -133,8 +133,8 @@ class AgenticGRPOConfig(GRPOConfig):
             experts; ~1.6 GiB per layer at 32k, bounded by `checkpoint_experts_max_tokens`) and `"projections"` (the
             q/k/v/o projections and the router of a GPT-OSS policy; ~0.49 GiB per layer at 32k, bounded by
             `checkpoint_projections_max_tokens`). Gradients are bitwise those of plain checkpointing (with
-            deterministic kernels: on Hopper the attention backward of full layers from 2k keys adds dQ with atomics unless
-            `FLASH_ATTENTION_DETERMINISTIC=1` or `full_determinism=True`); attention and
+            deterministic kernels: on Hopper the attention backward of full layers from 2k keys adds dQ with atomics
+            unless `FLASH_ATTENTION_DETERMINISTIC=1` or `full_determinism=True`); attention and
             experts ops of other implementations (eager, sdpa, `grouped_mm`, ...) are not matched, so for them it is
             plain checkpointing. The speed and memory of each choice on the 32k gpt-oss-20b LoRA step are in
             `docs/benchmarks/full_step.md`. `[]`: plain checkpointing.
