@@ -563,8 +563,8 @@ def _fused_bwd_mma(
 
         S^T = K_W Q^T, dP^T = V_W dO^T     (async)
         P^T = exp2(S^T - LSE)              (overlaps dP^T)           dV_W += P^T dO   (async)
-        dS^T = P^T (dP^T - D)  -> shared memory, this warpgroup's rows of the step's dS^T (the dQ warpgroup's operand)
-        dK_W += dS^T Q                     (async)
+        dS^T = P^T (dP^T - D)                                        dK_W += dS^T Q   (async)
+        dS^T -> shared memory, this warpgroup's rows of the step's dS^T (the dQ warpgroup's operand; overlaps dK)
 
     dsink_h = -sum_i exp(s_h - LSE_i) sum_j P_ij dP_ij is summed from the fp32 tiles (as in the deterministic
     kernels) per query head and added once per head."""
@@ -659,6 +659,9 @@ def _fused_bwd_mma(
             if HAS_SINK:
                 sink_rows += gl.sum(pT * dpT * sinkw_smem.index(buf).load(col_layout)[None, :], axis=1)
             dsT16 = (pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])).to(dtype)
+            # dK first: the product runs while this warpgroup hands its rows of dS^T to the dQ warpgroup
+            dsT_op = gl.convert_layout(dsT16, a_layout)
+            dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
             # this warpgroup's rows of the step's dS^T into its buffer (free once the dQ product of two steps ago
             # retired)
             dsb = step % 2
@@ -668,8 +671,6 @@ def _fused_bwd_mma(
             fence_async_shared()
             _thread_barrier()  # every thread's part of the tile is written before the one arrive
             mbarrier.arrive(ds_full.index(dsb), count=1)
-            dsT_op = gl.convert_layout(dsT16, a_layout)
-            dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
             dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
             mbarrier.arrive(empty.index(buf), count=1)
             dk = warpgroup_mma_init(dk)
