@@ -365,6 +365,32 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
     assert (tmp_path / "attention.md").read_text().startswith("# Attention benchmark")
 
 
+def test_attention_targets_name_host_bound_rows():
+    """A target row whose public-path host time per call reaches the raw kernels' time (an upper bound on the GPU
+    time) is marked as set by the host; a GPU-bound row is not."""
+    from benchmarks import attention as bench
+
+    def row(case, public, raw, host, fa4):
+        return dict(case=case, public_ms=public, raw_ms=raw, public_host_ms=host, fa4_ms=fa4)
+
+    result = dict(
+        kernel_rows=[
+            row("S=16k causal", 17.3, 17.4, 1.3, 15.0),
+            row("S=4k causal", 1.44, 1.27, 1.2, 1.11),
+            row("S=4k window 128", 1.31, 0.62, 1.3, 0.66),
+            row("S=16k window 128", 0.86, 0.85, 0.5, 1.19),
+        ],
+        accuracy=[],
+    )
+    values = {t["target"].split(":")[0]: (t["value"], t["met"]) for t in bench.targets(result)}
+    assert "host" not in values["S=16k causal"][0] and "host" not in values["S=4k causal"][0]
+    assert values["S=4k window 128"] == (
+        "1.310 ms (FA4 0.660, raw 0.620; host 1.300 ms per call: the host sets this row)",
+        False,
+    )
+    assert values["S=16k window 128"] == ("0.860 ms (FA4 1.190, raw 0.850)", True)
+
+
 def test_full_step_ragged_batch_runs_on_cpu(tmp_path):
     """`--ragged`: packed (project) and padded (stock) micro-batches of a log-normal batch; same log-probs."""
     cmd = [sys.executable, "benchmarks/full_step.py", "--model", "tiny", "--device", "cpu", "--dtype", "float32",
