@@ -516,89 +516,35 @@ def _fused_bwd_loader(
 
 
 @gluon.jit
-def _fused_bwd_dq(
-    dq_args,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    DS_BUFS: gl.constexpr,
-    DQ_BUFS: gl.constexpr,
-    DK_IN_DQ: gl.constexpr,
-    STAGES: gl.constexpr,
-):
+def _fused_bwd_dq(dq_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """The dQ warpgroup of ``_bwd_fused_kernel``: per step, once both MMA warpgroups wrote their rows of dS^T,
     dQ_tile = dS K = (dS^T)^T K over the program's keys, then the fp32 tile into shared memory and a TMA reduce-add
     (``cp.reduce.async.bulk.tensor``) into the dQ accumulator.  Its products run in the MMA warpgroups' gaps."""
-    (
-        dq_desc,
-        k_smem,
-        ds_smem,
-        dq_smem,
-        kv_bar,
-        ds_full,
-        ds_free,
-        total,
-        num_m,
-        lo,
-        q_start,
-        head0,
-        sm_scale,
-        q_smem,
-        empty,
-        DK,
-        stride_dkt,
-        stride_dkh,
-        off_kh,
-        k_start,
-        start_n,
-        len_k,
-    ) = dq_args
+    dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, total, num_m, lo, q_start, head0, sm_scale = dq_args
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    KEYS: gl.constexpr = k_smem.type.shape[1]
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
-    dk0 = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-    dk1 = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     for step in range(total):
-        dsb = step % DS_BUFS
-        mbarrier.wait(ds_full.index(dsb), (step // DS_BUFS) % 2)
-        if DK_IN_DQ:
-            q_tile = q_smem.index(step % STAGES)
-            dk0 = warpgroup_mma(ds_smem.index(2 * dsb), q_tile, dk0, is_async=True)
-            dk1 = warpgroup_mma(ds_smem.index(2 * dsb + 1), q_tile, dk1, is_async=True)
+        dsb = step % 2
+        mbarrier.wait(ds_full.index(dsb), (step // 2) % 2)
         dq = warpgroup_mma(
             ds_smem.index(2 * dsb).permute((1, 0)), k_smem.index(0), dq_zero, use_acc=False, is_async=True
         )
         dq = warpgroup_mma(ds_smem.index(2 * dsb + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
-        if DK_IN_DQ:
-            dq, dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk0, dk1))
-            mbarrier.arrive(empty.index(step % STAGES), count=1)
-        else:
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         mbarrier.arrive(ds_free.index(dsb), count=1)
         g = step // num_m
         start_m = lo + (step - g * num_m) * BLOCK_M
-        dqb = step % DQ_BUFS
-        tma.store_wait(DQ_BUFS - 1)  # the reduce-add of DQ_BUFS steps ago has read this buffer
-        dq_smem.index(dqb).store(dq * sm_scale)
+        tma.store_wait(1)  # the reduce-add of two steps ago has read this buffer
+        dq_smem.index(dsb).store(dq * sm_scale)
         fence_async_shared()
         _thread_barrier()  # the whole tile is in shared memory before the copy starts
         # rows past the sequence's end hold zeros (their dS is masked): they add nothing to the next sequence's
         # rows, and TMA clips rows past the tensor
-        _tma_reduce_add(dq_desc, [q_start + start_m, (head0 + g) * HEAD_DIM], dq_smem.index(dqb))
+        _tma_reduce_add(dq_desc, [q_start + start_m, (head0 + g) * HEAD_DIM], dq_smem.index(dsb))
     tma.store_wait(0)
-    if DK_IN_DQ:
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        for w in gl.static_range(2):
-            out_rows = start_n + w * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-            rows64 = (k_start + out_rows).to(gl.int64)[:, None]
-            dk = dk0 if w == 0 else dk1
-            gl.store(
-                DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :],
-                (dk * sm_scale).to(DK.dtype.element_ty),
-                mask=(out_rows < len_k)[:, None],
-            )
 
 
 @gluon.jit
@@ -610,10 +556,6 @@ def _fused_bwd_mma(
     KEYS: gl.constexpr,
     STAGES: gl.constexpr,
     HAS_SINK: gl.constexpr,
-    DS_BUFS: gl.constexpr,
-    DK_FIRST: gl.constexpr,
-    SINK_LATE: gl.constexpr,
-    DK_IN_DQ: gl.constexpr,
 ):
     """MMA warpgroup W of ``_bwd_fused_kernel``: key rows [start_n + W * KEYS, + KEYS) of the program's key block.
 
@@ -621,8 +563,8 @@ def _fused_bwd_mma(
 
         S^T = K_W Q^T, dP^T = V_W dO^T     (async)
         P^T = exp2(S^T - LSE)              (overlaps dP^T)           dV_W += P^T dO   (async)
-        dS^T = P^T (dP^T - D)  -> shared memory, this warpgroup's rows of the step's dS^T (the dQ warpgroup's operand)
-        dK_W += dS^T Q                     (async)
+        dS^T = P^T (dP^T - D)                                        dK_W += dS^T Q   (async)
+        dS^T -> shared memory, this warpgroup's rows of the step's dS^T (the dQ warpgroup's operand; overlaps dK)
 
     dsink_h = -sum_i exp(s_h - LSE_i) sum_j P_ij dP_ij is summed from the fp32 tiles (as in the deterministic
     kernels) per query head and added once per head."""
@@ -700,10 +642,7 @@ def _fused_bwd_mma(
             do_tile = do_smem.index(buf)
             sT = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpT = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if DK_IN_DQ:
-                sT, dv, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dv, pT_op))
-            else:
-                sT, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv, pT_op, dsT_op))
+            sT, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv, pT_op, dsT_op))
             pT = gl.exp2(sT * qk_scale - lse_smem.index(buf).load(col_layout)[None, :])
             if (start_m < full_lo) | (start_m >= full_hi) | key_tail:  # edge block
                 row_pos = start_m + offs_m0 + shift
@@ -717,241 +656,40 @@ def _fused_bwd_mma(
             pT_op = gl.convert_layout(pT.to(dtype), a_layout)
             dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
             dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-            if HAS_SINK and not SINK_LATE:
+            if HAS_SINK:
                 sink_rows += gl.sum(pT * dpT * sinkw_smem.index(buf).load(col_layout)[None, :], axis=1)
             dsT16 = (pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])).to(dtype)
-            if DK_FIRST and not DK_IN_DQ:
-                dsT_op = gl.convert_layout(dsT16, a_layout)
-                dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
-            if HAS_SINK and SINK_LATE:
-                sink_rows += gl.sum(pT * dpT * sinkw_smem.index(buf).load(col_layout)[None, :], axis=1)
+            # dK first: the product runs while this warpgroup hands its rows of dS^T to the dQ warpgroup
+            dsT_op = gl.convert_layout(dsT16, a_layout)
+            dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
             # this warpgroup's rows of the step's dS^T into its buffer (free once the dQ product of two steps ago
             # retired)
-            dsb = step % DS_BUFS
-            if step >= DS_BUFS:
-                mbarrier.wait(ds_free.index(dsb), (step // DS_BUFS - 1) % 2)
+            dsb = step % 2
+            if step >= 2:
+                mbarrier.wait(ds_free.index(dsb), (step // 2 - 1) % 2)
             ds_smem.index(2 * dsb + W).store(dsT16)
             fence_async_shared()
             _thread_barrier()  # every thread's part of the tile is written before the one arrive
             mbarrier.arrive(ds_full.index(dsb), count=1)
-            if DK_IN_DQ:
-                dv, pT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pT_op))
-                mbarrier.arrive(empty.index(buf), count=1)
-                dv = warpgroup_mma_init(dv)
-            else:
-                if not DK_FIRST:
-                    dsT_op = gl.convert_layout(dsT16, a_layout)
-                    dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
-                dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
-                mbarrier.arrive(empty.index(buf), count=1)
-                dk = warpgroup_mma_init(dk)
-                dv = warpgroup_mma_init(dv)
+            dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+            mbarrier.arrive(empty.index(buf), count=1)
+            dk = warpgroup_mma_init(dk)
+            dv = warpgroup_mma_init(dv)
         if HAS_SINK:
             gl.atomic_add(DSink + head0 + g, -gl.sum(sink_rows, axis=0))
-    if DK_IN_DQ:
-        dv, pT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pT_op))
-    else:
-        dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+    dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
 
+    dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
     out_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     out_ok = (out_rows < len_k)[:, None]
     rows64 = (k_start + out_rows).to(gl.int64)[:, None]
-    if not DK_IN_DQ:
-        dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
-        gl.store(
-            DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :], dk.to(DK.dtype.element_ty),
-            mask=out_ok,
-        )
+    gl.store(
+        DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :], dk.to(DK.dtype.element_ty), mask=out_ok
+    )
     gl.store(
         DV + rows64 * stride_dvt + off_kh * stride_dvh + out_cols[None, :], dv.to(DV.dtype.element_ty), mask=out_ok
     )
-
-
-
-@gluon.jit
-def _fused_bwd_softmax(
-    shared,
-    p_smem,
-    W: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    KEYS: gl.constexpr,
-    STAGES: gl.constexpr,
-    HAS_SINK: gl.constexpr,
-    DS_BUFS: gl.constexpr,
-):
-    """Softmax warpgroup W (GRAD_WG layout): S^T and dP^T of its 64 keys, P^T and dS^T into shared memory for the
-    gradient warpgroup, which runs dV, dK and dQ."""
-    (
-        k_smem,
-        v_smem,
-        q_smem,
-        do_smem,
-        lse_smem,
-        delta_smem,
-        sinkw_smem,
-        ds_smem,
-        kv_bar,
-        ready,
-        empty,
-        ds_full,
-        ds_free,
-        DK,
-        DV,
-        DSink,
-        stride_dkt,
-        stride_dkh,
-        stride_dvt,
-        stride_dvh,
-        off_kh,
-        k_start,
-        start_n,
-        len_q,
-        len_k,
-        shift,
-        lo,
-        num_m,
-        heads,
-        head0,
-        qk_scale,
-        sm_scale,
-        win_left,
-        win_right,
-    ) = shared
-    NUM_WARPS: gl.constexpr = 4
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    key0 = start_n + W * KEYS
-    k_tile = k_smem.index(W)
-    v_tile = v_smem.index(W)
-    _, full_lo, full_hi, _ = _query_block_ranges(key0, len_q, len_k, shift, win_left, win_right, BLOCK_M, KEYS)
-    key_tail = key0 + KEYS > len_k
-    offs_n = key0 + gl.arange(0, KEYS, layout=row_layout)
-    offs_m0 = gl.arange(0, BLOCK_M, layout=col_layout)
-    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(kv_bar, 0)
-    for g in range(heads):
-        sink_rows = gl.zeros([KEYS], gl.float32, row_layout)
-        for mb in range(num_m):
-            step = g * num_m + mb
-            start_m = lo + mb * BLOCK_M
-            buf = step % STAGES
-            mbarrier.wait(ready.index(buf), (step // STAGES) % 2)
-            sT = warpgroup_mma(k_tile, q_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_tile, do_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
-            pT = gl.exp2(sT * qk_scale - lse_smem.index(buf).load(col_layout)[None, :])
-            if (start_m < full_lo) | (start_m >= full_hi) | key_tail:  # edge block
-                row_pos = start_m + offs_m0 + shift
-                visible = (
-                    (offs_n[:, None] >= row_pos[None, :] - win_left)
-                    & (offs_n[:, None] <= row_pos[None, :] + win_right)
-                    & (start_m + offs_m0 < len_q)[None, :]
-                    & (offs_n < len_k)[:, None]
-                )
-                pT = gl.where(visible, pT, 0.0)
-            dsb = step % DS_BUFS
-            if step >= DS_BUFS:  # the gradient warpgroup's products of DS_BUFS steps ago have read the buffers
-                mbarrier.wait(ds_free.index(dsb), (step // DS_BUFS - 1) % 2)
-            p_smem.index(2 * dsb + W).store(pT.to(dtype))
-            dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT,))
-            if HAS_SINK:
-                sink_rows += gl.sum(pT * dpT * sinkw_smem.index(buf).load(col_layout)[None, :], axis=1)
-            dsT16 = (pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])).to(dtype)
-            ds_smem.index(2 * dsb + W).store(dsT16)
-            fence_async_shared()
-            _thread_barrier()  # every thread's P^T / dS^T rows are written, and its reads of buffer buf are done
-            mbarrier.arrive(ds_full.index(dsb), count=1)
-            mbarrier.arrive(empty.index(buf), count=1)
-        if HAS_SINK:
-            gl.atomic_add(DSink + head0 + g, -gl.sum(sink_rows, axis=0))
-
-
-@gluon.jit
-def _fused_bwd_grad(grad_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                    DS_BUFS: gl.constexpr, DQ_BUFS: gl.constexpr):  # fmt: skip
-    """Gradient warpgroup (GRAD_WG layout): per step dQ = dS K over the program's 128 keys (TMA reduce-add), and
-    dV_w += P_w^T dO, dK_w += dS_w^T Q for both 64-key halves, every operand from shared memory."""
-    (
-        dq_desc,
-        k_smem,
-        ds_smem,
-        p_smem,
-        dq_smem,
-        q_smem,
-        do_smem,
-        kv_bar,
-        ds_full,
-        ds_free,
-        empty,
-        total,
-        num_m,
-        lo,
-        q_start,
-        head0,
-        sm_scale,
-        DK,
-        DV,
-        stride_dkt,
-        stride_dkh,
-        stride_dvt,
-        stride_dvh,
-        off_kh,
-        k_start,
-        start_n,
-        len_k,
-    ) = grad_args
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    KEYS: gl.constexpr = k_smem.type.shape[1]
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
-    dk0 = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-    dk1 = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-    dv0 = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-    dv1 = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    for step in range(total):
-        dsb = step % DS_BUFS
-        buf = step % STAGES
-        mbarrier.wait(ds_full.index(dsb), (step // DS_BUFS) % 2)
-        dq = warpgroup_mma(
-            ds_smem.index(2 * dsb).permute((1, 0)), k_smem.index(0), dq_zero, use_acc=False, is_async=True
-        )
-        dq = warpgroup_mma(ds_smem.index(2 * dsb + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
-        dv0 = warpgroup_mma(p_smem.index(2 * dsb), do_smem.index(buf), dv0, is_async=True)
-        dv1 = warpgroup_mma(p_smem.index(2 * dsb + 1), do_smem.index(buf), dv1, is_async=True)
-        dk0 = warpgroup_mma(ds_smem.index(2 * dsb), q_smem.index(buf), dk0, is_async=True)
-        dk1 = warpgroup_mma(ds_smem.index(2 * dsb + 1), q_smem.index(buf), dk1, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=4, deps=(dq,))
-        g = step // num_m
-        start_m = lo + (step - g * num_m) * BLOCK_M
-        dqb = step % DQ_BUFS
-        tma.store_wait(DQ_BUFS - 1)
-        dq_smem.index(dqb).store(dq * sm_scale)
-        fence_async_shared()
-        _thread_barrier()
-        _tma_reduce_add(dq_desc, [q_start + start_m, (head0 + g) * HEAD_DIM], dq_smem.index(dqb))
-        dv0, dv1, dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dv0, dv1, dk0, dk1))
-        mbarrier.arrive(ds_free.index(dsb), count=1)
-        mbarrier.arrive(empty.index(buf), count=1)
-    tma.store_wait(0)
-    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    for w in gl.static_range(2):
-        out_rows = start_n + w * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-        rows64 = (k_start + out_rows).to(gl.int64)[:, None]
-        out_ok = (out_rows < len_k)[:, None]
-        dk = dk0 if w == 0 else dk1
-        dv = dv0 if w == 0 else dv1
-        gl.store(DK + rows64 * stride_dkt + off_kh * stride_dkh + out_cols[None, :],
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=out_ok)  # fmt: skip
-        gl.store(DV + rows64 * stride_dvt + off_kh * stride_dvh + out_cols[None, :],
-                 dv.to(DV.dtype.element_ty), mask=out_ok)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["stride_rows", "stride_split", "head_splits"])
@@ -990,12 +728,6 @@ def _bwd_fused_kernel(
     DQ_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     num_warps: gl.constexpr,
-    DS_BUFS: gl.constexpr,
-    DQ_BUFS: gl.constexpr,
-    DK_FIRST: gl.constexpr,
-    SINK_LATE: gl.constexpr,
-    DK_IN_DQ: gl.constexpr,
-    GRAD_WG: gl.constexpr,
 ):
     """The whole backward of one (KV head, key block of BLOCK_N keys) in five products per tile, with warp
     specialization: two MMA warpgroups (BLOCK_N / 2 keys each: S^T, dP^T, dV, dK), a dQ warpgroup (the dQ product of
@@ -1023,18 +755,18 @@ def _bwd_fused_kernel(
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     sinkw_smem = gl.allocate_shared_memory(gl.float32, [STAGES if HAS_SINK else 1, BLOCK_M], sinkw_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * DS_BUFS, KEYS, BLOCK_M], ds_layout)  # dS^T: buffers x 2 warpgroups
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, KEYS, BLOCK_M], ds_layout)  # dS^T: 2 buffers x 2 warpgroups
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_full = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=3 if DK_IN_DQ or GRAD_WG else 2)  # released by both MMA warpgroups
-    for i in gl.static_range(DS_BUFS):
+        mbarrier.init(empty.index(i), count=2)  # released by both MMA warpgroups
+    for i in gl.static_range(2):
         mbarrier.init(ds_full.index(i), count=2)  # both warpgroups' rows of dS^T written
         mbarrier.init(ds_free.index(i), count=1)  # the dQ product has read them
 
@@ -1108,77 +840,12 @@ def _bwd_fused_kernel(
         head0,
         stride_rows,
     )
-    dq_args = (
-        dq_desc,
-        k_smem,
-        ds_smem,
-        dq_smem,
-        kv_bar,
-        ds_full,
-        ds_free,
-        total,
-        num_m,
-        lo,
-        q_start,
-        head0,
-        sm_scale,
-        q_smem,
-        empty,
-        DK + split64,
-        stride_dkt,
-        stride_dkh,
-        off_kh,
-        k_start,
-        start_n,
-        len_k,
-    )
-    if GRAD_WG:
-        p_smem = gl.allocate_shared_memory(dtype, [2 * DS_BUFS, KEYS, BLOCK_M], ds_layout)
-        grad_args = (
-            dq_desc,
-            k_smem,
-            ds_smem,
-            p_smem,
-            dq_smem,
-            q_smem,
-            do_smem,
-            kv_bar,
-            ds_full,
-            ds_free,
-            empty,
-            total,
-            num_m,
-            lo,
-            q_start,
-            head0,
-            sm_scale,
-            DK + split64,
-            DV + split64,
-            stride_dkt,
-            stride_dkh,
-            stride_dvt,
-            stride_dvh,
-            off_kh,
-            k_start,
-            start_n,
-            len_k,
-        )
-        gl.warp_specialize(
-            [
-                (_fused_bwd_softmax, (shared, p_smem, 0, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK, DS_BUFS)),
-                (_fused_bwd_softmax, (shared, p_smem, 1, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK, DS_BUFS)),
-                (_fused_bwd_grad, (grad_args, HEAD_DIM, BLOCK_M, STAGES, DS_BUFS, DQ_BUFS)),
-                (_fused_bwd_loader, (loads, HEAD_DIM, BLOCK_M, STAGES, HAS_SINK)),
-            ],
-            [4, 4, 1],
-            [MMA_REGS, DQ_REGS, LOAD_REGS],
-        )
-        return
+    dq_args = (dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, total, num_m, lo, q_start, head0, sm_scale)
     gl.warp_specialize(
         [
-            (_fused_bwd_mma, (shared, 0, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK, DS_BUFS, DK_FIRST, SINK_LATE, DK_IN_DQ)),
-            (_fused_bwd_mma, (shared, 1, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK, DS_BUFS, DK_FIRST, SINK_LATE, DK_IN_DQ)),
-            (_fused_bwd_dq, (dq_args, HEAD_DIM, BLOCK_M, DS_BUFS, DQ_BUFS, DK_IN_DQ, STAGES)),
+            (_fused_bwd_mma, (shared, 0, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK)),
+            (_fused_bwd_mma, (shared, 1, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK)),
+            (_fused_bwd_dq, (dq_args, HEAD_DIM, BLOCK_M)),
             (_fused_bwd_loader, (loads, HEAD_DIM, BLOCK_M, STAGES, HAS_SINK)),
         ],
         [4, 4, 1],
