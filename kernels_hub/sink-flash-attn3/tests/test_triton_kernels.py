@@ -249,6 +249,9 @@ def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4,
         ([29, 35], 2, 1, 128, True, (100, 0)),  # head_dim 128, window larger than S
         ([34], 2, 2, 64, False, (-1, -1)),  # non-causal
         ([38, 21], 2, 1, 64, False, (5, 9)),  # two-sided window, non-causal
+        # one long sequence among many short ones: dsink's partial sums (one per sequence and query block of the
+        # longest) outgrow a row of the backward's per-row buffer and get their own
+        ([1] * 24 + [480], 2, 1, 64, True, (15, 0)),
     ],
 )
 def test_matches_fp64(tk, seqlens, hq, hkv, d, causal, window):

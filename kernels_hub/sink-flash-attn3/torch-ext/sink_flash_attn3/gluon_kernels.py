@@ -46,12 +46,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._bands import host_cdiv as _cdiv
 from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
+from ._launch import Tile, launch
 
 __all__ = ["backward", "backward_fused", "fwd"]
 
@@ -1245,15 +1245,15 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-def _descriptor(t, block_rows: int):
+def _descriptor(t, block_rows: int) -> Tile:
     """TMA descriptor over ``t [T, H, D]`` viewed as ``[T, H * D]``, tiles ``[block_rows, D]``."""
     T, H, D = t.shape
-    return TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D], _shared_layout((block_rows, D), t.dtype))
+    return Tile(t, (T, H * D), (H * D, 1), (block_rows, D), _shared_layout((block_rows, D), t.dtype))
 
 
-def _row_vector(t, block: int):
+def _row_vector(t, block: int) -> Tile:
     """1-D TMA descriptor over the float32 per-row vector ``t [H, T]`` (LSE or D) flattened, tiles of ``block``."""
-    return TensorDescriptor(t, [t.numel()], [1], [block], _shared_layout((block,), t.dtype))
+    return Tile(t, (t.numel(),), (1,), (block,), _shared_layout((block,), t.dtype))
 
 
 def _launch_options(config: dict) -> tuple[int, int, dict]:
@@ -1304,7 +1304,9 @@ def backward(
         return descs[key]
 
     if int(max_seqlen_k) > 0:
-        _dkdv_kernel[(H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs)](
+        launch(
+            _dkdv_kernel,
+            (H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs),
             desc(q, bm),
             desc(k, bn),
             desc(v, bn),
@@ -1337,7 +1339,9 @@ def backward(
         dv.zero_()
     bm, bn, cfg = _launch_options(dq_config)
     has_sink = sinks is not None
-    _dq_kernel[(H_q, _cdiv(int(max_seqlen_q), bm), num_seqs)](
+    launch(
+        _dq_kernel,
+        (H_q, _cdiv(int(max_seqlen_q), bm), num_seqs),
         desc(q, bm),
         desc(k, bn),
         desc(v, bn),
@@ -1372,7 +1376,9 @@ def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_s
     bm, bn, cfg = _launch_options(config)
     grid = (H_q, _cdiv(int(max_seqlen_q), 3 * bm), cu_seqlens_q.numel() - 1)
     has_sink = sinks is not None
-    _fwd_ws_kernel[grid](
+    launch(
+        _fwd_ws_kernel,
+        grid,
         _descriptor(q, bm),
         _descriptor(k, bn),
         _descriptor(v, bn),
@@ -1429,7 +1435,9 @@ def backward_fused(
     has_sink = dsink is not None
     lse_desc = _row_vector(lse2, bm)
     keys = bn // 2  # K / V tiles: one per MMA warpgroup
-    _bwd_fused_kernel[(H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs)](
+    launch(
+        _bwd_fused_kernel,
+        (H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs),
         _descriptor(q, bm),
         _descriptor(k, keys),
         _descriptor(v, keys),

@@ -53,6 +53,8 @@ from ._bands import host_cdiv as _cdiv
 from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
+from ._launch import Tile as _Tile
+from ._launch import launch as _launch
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -292,10 +294,10 @@ def _check_inputs(tensors) -> None:
         )
 
 
-def _row_descriptor(t: torch.Tensor, block_rows: int):
+def _row_descriptor(t: torch.Tensor, block_rows: int) -> _Tile:
     """Descriptor over ``t [T, H, D]`` viewed as ``[T, H * D]``, tiles of ``[block_rows, D]``."""
     T, H, D = t.shape
-    return _TensorDescriptor(t, [T, H * D], [H * D, 1], [block_rows, D])
+    return _Tile(t, (T, H * D), (H * D, 1), (block_rows, D))
 
 
 def _descriptors_if(use_tma: bool, block_rows: int, *tensors: torch.Tensor) -> tuple:
@@ -1196,7 +1198,9 @@ def sink_attention_forward(
     block_m = cfg.pop("BLOCK_M")
     grid = (H_q, _cdiv(int(max_seqlen_q), block_m), num_seqs)
     k_desc, v_desc = _descriptors_if(plan.tma, cfg["BLOCK_N"], k, v)
-    _sink_attn_fwd[grid](
+    _launch(
+        _sink_attn_fwd,
+        grid,
         q,
         k,
         v,
@@ -1275,19 +1279,35 @@ def sink_attention_backward(
     dout_tma = plan.tma and _tma_ok(dout)
     gluon = plan.dkdv == "gluon_dkdv" and dout_tma  # (a dout that TMA cannot read: the Triton kernels this call)
 
-    # Per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (row_vector_start),
-    # and dsink's partial sums, one per (head, preprocessing program).  D's unused slots must be finite where the
-    # Gluon dK/dV kernel reads a query block's D by TMA past its sequence's end (those rows have P = 0): zeros
+    # Per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (row_vector_start).
+    # D's unused slots must be finite where the Gluon dK/dV kernel reads a query block's D by TMA past its
+    # sequence's end (those rows have P = 0): zeros.
     # (PyTorch's deterministic mode forces the deterministic backward, as it does for PyTorch's own atomic kernels)
     fused = gluon and plan.fused_bwd and not (deterministic or torch.are_deterministic_algorithms_enabled())
     stride_rows = _row_vector_stride(T_q, num_seqs)
     # (the fused kernel also reads the sink weights exp(s_h - LSE_i) by TMA: zeros in the unused slots too)
     rows = 2 if fused and sinks is not None else 1
-    vectors = (torch.zeros if gluon else torch.empty)((rows, H_q, stride_rows), device=q.device, dtype=torch.float32)
-    delta, sink_weights = vectors[0], vectors[rows - 1]
-    lse2 = torch.empty_like(delta)
+    # dsink's partial sums of the deterministic kernels, one per (head, dQ program; programs past a sequence's end
+    # leave their zero): the dQ kernel writes them, summed below in a fixed order
+    dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
+    dq_blocks = num_seqs * _cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"]) if sinks is not None and not fused else 0
+    # The vectors, the base-2 LSE and (when they fit in a row) the partial sums are rows of one zero-filled
+    # [rows, H, stride_rows] buffer: one allocation, one fill and one unbind per call instead of three allocations
+    # (host time counts at these sizes). Each row is contiguous and 16-byte aligned (stride_rows % 4 == 0).
+    shared_partials = 0 < dq_blocks <= stride_rows
+    buffer = torch.zeros((rows + 1 + shared_partials, H_q, stride_rows), device=q.device, dtype=torch.float32)
+    scratch = buffer.unbind(0)
+    delta, sink_weights, lse2 = scratch[0], scratch[rows - 1], scratch[rows]
+    if shared_partials:
+        partials = scratch[rows + 1][:, :dq_blocks]
+    elif dq_blocks:
+        partials = torch.zeros((H_q, dq_blocks), device=q.device, dtype=torch.float32)
+    else:
+        partials = None
     pre_block = 64 if q.device.type == "cuda" else 16
-    _bwd_preprocess[(max(_cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs)](
+    _launch(
+        _bwd_preprocess,
+        (max(_cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs),
         out,
         dout,
         lse,
@@ -1361,14 +1381,6 @@ def sink_attention_backward(
             CONFIGS[("gluon_bwd_fused", D)],
         )
         return dq.copy_(dq32), *dkdv_result(), dsink
-    # dsink's partial sums, one per (head, dQ program; programs past a sequence's end leave their zero): the dQ
-    # kernel writes them, summed below in a fixed order
-    dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
-    partials = (
-        torch.zeros((H_q, num_seqs * _cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"])), device=q.device, dtype=torch.float32)
-        if sinks is not None
-        else None
-    )
     if gluon:
         _run_gluon(
             "backward",
@@ -1409,7 +1421,9 @@ def sink_attention_backward(
         block_n = cfg.pop("BLOCK_N")
         q_desc, do_desc = _descriptors_if(bwd_tma, cfg["BLOCK_M"], q, dout)
         grid = (H_kv * head_splits, _cdiv(int(max_seqlen_k), block_n), num_seqs)
-        _sink_attn_bwd_dkdv[grid](
+        _launch(
+            _sink_attn_bwd_dkdv,
+            grid,
             q,
             k,
             v,
@@ -1453,7 +1467,9 @@ def sink_attention_backward(
         block_m = cfg.pop("BLOCK_M")
         grid = (H_q, _cdiv(int(max_seqlen_q), block_m), num_seqs)
         k_desc, v_desc = _descriptors_if(bwd_tma, cfg["BLOCK_N"], k, v)
-        _sink_attn_bwd_dq[grid](
+        _launch(
+            _sink_attn_bwd_dq,
+            grid,
             q,
             k,
             v,

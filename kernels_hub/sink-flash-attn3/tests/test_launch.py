@@ -1,0 +1,142 @@
+"""``_launch``: direct launches of compiled kernels must run exactly what ``kernel[grid](...)`` runs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "torch-ext" / "sink_flash_attn3"
+
+
+def _launch_module():
+    spec = importlib.util.spec_from_file_location("_sink_flash_attn3_launch_under_test", PACKAGE_DIR / "_launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _triton_specialization(arg):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+def _sample_args(launch):
+    ints = [*range(-3, 70), 2**31 - 16, 2**31 - 1, 2**31, 2**32, -(2**31), -(2**31) - 1]
+    storage = torch.empty(4096, dtype=torch.float32)
+    tensors = [
+        storage.view(dtype)[offset:]
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32)
+        for offset in range(0, 9)
+    ]
+    tiles = []
+    base = torch.empty(64 * 256, dtype=torch.bfloat16).view(64, 256)
+    for rows, (block, cols) in itertools.product((64, 63, 1), ((64, 64), (32, 64), (64, 128))):
+        tiles.append(launch.Tile(base[:rows], (rows, 256), (256, 1), (block, cols)))
+    return [*ints, 0.5, 1.0, 3.0, True, False, None, *tensors, *tiles]
+
+
+def test_args_key_is_at_least_as_fine_as_triton_specialization():
+    # Two calls whose arguments share _args_key must compile to the same kernel: Triton's own specialization of the
+    # arguments (type string and attribute: alignment, divisibility by 16, the value 1) must agree within each key.
+    # A Triton that starts specializing on something the key does not hold fails here.
+    launch = _launch_module()
+    groups: dict = {}
+    for arg in _sample_args(launch):
+        triton_arg = launch._descriptor_object(arg) if type(arg) is launch.Tile else arg
+        groups.setdefault(launch._args_key([arg]), set()).add(_triton_specialization(triton_arg))
+    for key, specializations in groups.items():
+        assert len(specializations) == 1, f"key {key} covers different Triton specializations {specializations}"
+    assert len(groups) > 10  # the samples do exercise several keys
+
+
+def test_args_key_rejects_unknown_argument_types():
+    launch = _launch_module()
+    with pytest.raises(TypeError, match="unsupported kernel argument type list"):
+        launch._args_key([1, [1, 2]])
+
+
+def test_kernels_that_are_not_compiled_launch_through_their_grid():
+    # Under TRITON_INTERPRET=1 kernels are InterpretedFunction objects with no compiled kernel: every launch takes
+    # kernel[grid], with Tile arguments turned into Triton's descriptors, and nothing is recorded
+    launch = _launch_module()
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    tile = launch.Tile(torch.empty(64, 32), (64, 32), (32, 1), (16, 32))
+    launch.launch(Kernel(), (2, 1, 1), 3, None, tile, BLOCK=16)
+    (grid, args, kwargs), *more = calls
+    assert not more and grid == (2, 1, 1) and args[:2] == (3, None) and kwargs == {"BLOCK": 16}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    assert isinstance(args[2], TensorDescriptor) and args[2].base is tile.base
+    assert (list(args[2].shape), list(args[2].strides), list(args[2].block_shape)) == ([64, 32], [32, 1], [16, 32])
+    assert launch._RECORDS == {}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA: the same outputs, bit for bit, through direct launches as through kernel[grid]
+# ----------------------------------------------------------------------------------------------------------
+def _kernels_package():
+    from hf_gptoss_rl.attention import import_kernel_sources
+
+    kernel = import_kernel_sources()
+    return (
+        kernel,
+        importlib.import_module(f"{kernel.__name__}.triton_kernels"),
+        importlib.import_module(f"{kernel.__name__}._launch"),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "dtype, S, window, gluon, deterministic",
+    [
+        (torch.bfloat16, 1000, 128, "auto", True),  # Triton forward (TMA tiles), Gluon dK/dV + dQ
+        (torch.bfloat16, 2500, None, "auto", False),  # fused backward (sm_90)
+        (torch.bfloat16, 8192, None, "auto", True),  # Gluon forward (sm_90, from 8k queries)
+        (torch.bfloat16, 1000, None, "0", True),  # Triton kernels only, TMA tiles
+        (torch.float32, 700, 128, "0", True),  # fp32: pointer loads in the backward
+    ],
+)
+def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, window, gluon, deterministic):
+    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
+    kernel, tk, launch = _kernels_package()
+    monkeypatch.setattr(launch, "_RECORDS", {})
+    direct_calls = []
+    call = launch._Direct.__call__
+    monkeypatch.setattr(launch._Direct, "__call__", lambda self, *a: direct_calls.append(1) or call(self, *a))
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q, k, v, dout = (torch.randn(1, S, h, 64, device="cuda", generator=g).to(dtype) for h in (64, 8, 8, 64))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sinks = torch.randn(64, device="cuda", generator=g).requires_grad_()
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+
+    def step():
+        out = kernel.flash_attn_func(
+            q, k, v, causal=True, window_size=window_size, s_aux=sinks, deterministic=deterministic, backend="triton"
+        )
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v, sinks), dout))
+
+    standard = step()
+    assert not direct_calls and launch._RECORDS, "the first call of each kernel must go through kernel[grid]"
+    assert all(launch._RECORDS.values()), f"a kernel kept Triton's launcher on triton {triton.__version__}"
+    direct = step()
+    assert len(direct_calls) == len(launch._RECORDS), "the second call must launch every kernel directly"
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), standard, direct):
+        if deterministic or name in ("out", "dk", "dv"):
+            assert torch.equal(a, b), f"{name} differs between direct and standard launches"
+        else:  # the fused backward adds dQ and dsink with atomics: equal up to their summation order
+            assert (a.float() - b.float()).norm() <= 1e-3 * a.float().norm()

@@ -1,0 +1,258 @@
+"""Kernel launches with less host time per call than ``kernel[grid](...)``.
+
+``kernel[grid](*args)`` does a lot of Python work on every call. ``JITFunction.run`` binds and specializes every
+argument to find the compiled kernel. A Gluon ``TensorDescriptor`` validates itself when it is built. The launcher
+then encodes each descriptor into a CUDA tensor map. On an H200 host with Triton 3.6, that was 57 µs for one dQ
+launch with 4 prebuilt descriptors, and 80 µs with new ones; the same launch through the compiled launcher took
+9 µs. One forward + backward launches 4 or 5 kernels. So on sliding-window layers and on short sequences the host,
+not the GPU, sets the time of an attention call.
+
+``launch(fn, grid, *args, **constexprs)`` does the first launch of each specialization through ``fn[grid]``. That
+compiles the kernel, or finds it in Triton's cache, and returns the ``CompiledKernel``. The call stores that
+kernel under a key. Later calls with the same key call the kernel's compiled launcher directly. PyTorch Inductor
+does the same in ``torch/_inductor/runtime/static_triton_launcher.py``, but that launcher refuses tensor-descriptor
+arguments.
+
+The key holds everything Triton specializes a kernel on:
+
+- the type of each argument;
+- for a tensor, its dtype and whether its address is 16-byte aligned;
+- for an int, whether it is 1, whether it is a multiple of 16, and whether it fits in 32 bits;
+- for a descriptor, its dtype, block shape, layout and padding;
+- the constexpr and launch-option keywords, and Triton's debug knobs.
+
+Two calls with the same key therefore run the same compiled kernel that ``fn[grid]`` would pick.
+
+TMA descriptors are passed as ``Tile`` tuples, not as Triton's descriptor objects. The fast path encodes them with
+the launcher's own ``make_tensordesc_arg``; the first launch of a key turns them into Triton's
+``TensorDescriptor`` objects.
+
+Standard launches remain for every call when:
+
+- the interpreter runs (``TRITON_INTERPRET=1``: no compiled kernel);
+- a launch hook is installed (Triton's profiler), so the hooks see every launch;
+- a kernel needs a scratch allocation;
+- the installed Triton's launcher does not have the layout this module calls (``_BASE_ARGS_FORMAT``: Triton 3.6's
+  generated launcher). This case warns once and names the Triton version.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+__all__ = ["Tile", "launch"]
+
+
+class Tile(NamedTuple):
+    """A TMA descriptor argument: ``base`` viewed as ``shape`` / ``strides`` (elements), tiles of ``block_shape``.
+
+    ``layout`` is the NVMMA shared layout of a Gluon descriptor. ``None`` means a Triton
+    ``triton.tools.tensor_descriptor.TensorDescriptor``. The field names are those of Triton's descriptor
+    classes, so the launcher's ``make_tensordesc_arg`` reads a ``Tile`` directly.
+    """
+
+    base: torch.Tensor
+    shape: tuple
+    strides: tuple
+    block_shape: tuple
+    layout: Any = None
+    padding: str = "zero"
+
+
+def _descriptor_object(tile: Tile):
+    if tile.layout is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+        return TensorDescriptor(tile.base, list(tile.shape), list(tile.strides), list(tile.block_shape), tile.padding)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
+
+    return TensorDescriptor(
+        tile.base, list(tile.shape), list(tile.strides), list(tile.block_shape), tile.layout, tile.padding
+    )
+
+
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def _args_key(args) -> tuple:
+    """What Triton's specialization reads from the runtime arguments (a superset of it), one entry per argument.
+
+    A descriptor's layout enters by identity (hashing a layout costs about as much as the rest of the key); the
+    record made for a key holds its layouts, so no other object can take their ids while the key is in use."""
+    key = []
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            key.append((arg == 1, arg % 16 == 0, _I32_MIN <= arg <= _I32_MAX))
+        elif kind is Tile:
+            key.append((arg.base.dtype, arg.block_shape, id(arg.layout), arg.padding))
+        elif kind is float or kind is bool or arg is None:
+            key.append(kind)
+        elif isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        else:
+            raise TypeError(f"sink_flash_attn3: unsupported kernel argument type {kind.__name__}")
+    return tuple(key)
+
+
+def _hooks_installed() -> bool:
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _debug_knobs() -> tuple:
+    return (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+
+
+class _Direct:
+    """One compiled kernel and its compiled launcher, called without ``JITFunction.run``."""
+
+    __slots__ = (
+        "function",
+        "packed_metadata",
+        "raw_launch",
+        "cooperative",
+        "pdl",
+        "tail",
+        "tiles",
+        "expand",
+        "layouts",
+    )
+
+    def __init__(self, compiled, fn, args: tuple, constexprs: dict, raw_launch, expand):
+        if expand is None and any(type(arg) is Tile for arg in args):
+            raise TypeError("descriptor arguments without the driver's make_tensordesc_arg")
+        self.function = compiled.function
+        self.packed_metadata = compiled.packed_metadata
+        self.raw_launch = raw_launch
+        self.cooperative = compiled.run.launch_cooperative_grid
+        self.pdl = compiled.run.launch_pdl
+        self.expand = expand
+        self.layouts = tuple(arg.layout for arg in args if type(arg) is Tile)  # (their ids are in the key)
+        # the kernel parameters after the positional arguments, in signature order: the constexpr keywords and the
+        # defaults (the launcher takes every parameter, and skips the constexprs)
+        tail = []
+        for param in fn.params[len(args) :]:
+            if param.name in constexprs:
+                tail.append(constexprs[param.name])
+            elif param.has_default:
+                tail.append(param.default)
+            else:
+                raise TypeError(f"{fn.__name__}: no value for parameter {param.name}")
+        self.tail = tuple(tail)
+        # (position, launcher metadata) of each descriptor argument, last first
+        positions = [index for index, arg in enumerate(args) if type(arg) is Tile]
+        meta = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(positions)
+        if len(meta) != len(positions):
+            raise TypeError(f"{len(positions)} descriptor arguments, launcher metadata for {len(meta)}")
+        self.tiles = tuple(reversed(list(zip(positions, meta))))
+
+    def __call__(self, grid, stream, args):
+        values = list(args)
+        for index, meta in self.tiles:  # (from the last, so the earlier positions stay put)
+            values[index : index + 1] = self.expand(values[index], meta)
+        self.raw_launch(
+            grid[0], grid[1], grid[2], stream, self.function, self.cooperative, self.pdl, None, None,
+            self.packed_metadata, None, None, None, *values, *self.tail,
+        )  # fmt: skip
+
+
+try:  # what Triton's CUDA driver reads (torch.cuda.current_stream builds a Stream object per call)
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+except ImportError:  # pragma: no cover - CPU-only builds of PyTorch
+
+    def _current_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+_KNOBS = hasattr(triton, "knobs")  # (Triton 3.4+; older versions launch through kernel[grid] only)
+_RECORDS: dict = {}
+_RECORDS_MAX = 4096
+_LOCK = threading.Lock()
+_UNSUPPORTED: dict = {}  # reason this Triton's launcher cannot be called directly (warned once)
+
+
+# The launcher layout the direct path calls: the per-kernel C launcher Triton generates (module "__triton_launcher",
+# arguments: this base format, then the kernel's arguments flattened, each descriptor expanded by the driver's
+# make_tensordesc_arg(arg, metadata)). Triton 3.6 has it; a launcher without it keeps kernel[grid].
+_BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
+_LAUNCHER_MODULE = "__triton_launcher"
+
+
+def _raw_launcher(compiled):
+    """The compiled launcher behind ``compiled.run`` and the function that expands a descriptor (None without
+    descriptor arguments), or None where the launcher does not have the layout above."""
+    launcher = getattr(compiled, "run", None)
+    driver = sys.modules.get(type(launcher).__module__)
+    if getattr(driver, "_BASE_ARGS_FORMAT", None) != _BASE_ARGS_FORMAT:
+        return None
+    wrapped = getattr(launcher, "launch", None)
+    if getattr(wrapped, "__module__", None) == _LAUNCHER_MODULE:  # no descriptor arguments
+        return wrapped, None
+    code, closure = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
+    if code is None or closure is None:
+        return None
+    raw = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure))).get("launcher")
+    expand = getattr(driver, "make_tensordesc_arg", None)
+    if getattr(raw, "__module__", None) != _LAUNCHER_MODULE or getattr(expand, "__code__", None) is None:
+        return None
+    if expand.__code__.co_argcount != 2:
+        return None
+    return raw, expand
+
+
+def _record(compiled, fn, args, constexprs):
+    """A direct launcher for ``compiled``, or None where this launch must keep Triton's standard path."""
+    metadata = getattr(compiled, "metadata", None)
+    if metadata is None or getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0):
+        return None
+    try:
+        found = _raw_launcher(compiled)
+        direct = None if found is None else _Direct(compiled, fn, args, constexprs, *found)
+    except Exception as exc:  # noqa: BLE001 - a launcher this module does not know: the standard path, once warned
+        found, reason = None, f"{type(exc).__name__}: {exc}"
+    else:
+        reason = "its launcher does not have the layout this package calls directly"
+    if found is None:
+        if not _UNSUPPORTED:
+            _UNSUPPORTED["triton"] = triton.__version__
+            warnings.warn(
+                f"sink_flash_attn3: with triton {triton.__version__} the kernels launch through kernel[grid](...), "
+                f"which costs more host time per call ({reason})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return None
+    return direct
+
+
+def launch(fn, grid: tuple, *args, **constexprs) -> None:
+    """``fn[grid](*args, **constexprs)`` with ``Tile`` arguments for TMA descriptors; see the module docstring."""
+    # (under TRITON_INTERPRET=1 the kernels are InterpretedFunction objects: no compiled kernel to call)
+    if _KNOBS and isinstance(fn, JITFunction) and not fn.pre_run_hooks and not _hooks_installed():
+        device = torch.cuda.current_device()
+        key = (id(fn), device, _args_key(args), tuple(constexprs.items()), _debug_knobs())
+        direct = _RECORDS.get(key, False)
+        if direct:
+            direct(grid, _current_stream(device), args)
+            return
+    else:
+        key = None
+    standard = [_descriptor_object(a) if type(a) is Tile else a for a in args]
+    compiled = fn[grid](*standard, **constexprs)
+    if key is not None and key not in _RECORDS:
+        direct = _record(compiled, fn, args, constexprs) if compiled is not None else None
+        with _LOCK:
+            if len(_RECORDS) >= _RECORDS_MAX:
+                _RECORDS.clear()
+            _RECORDS[key] = direct
