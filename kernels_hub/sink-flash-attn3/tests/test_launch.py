@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import itertools
+import sys
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -83,6 +87,77 @@ def test_kernels_that_are_not_compiled_launch_through_their_grid():
     assert isinstance(args[2], TensorDescriptor) and args[2].base is tile.base
     assert (list(args[2].shape), list(args[2].strides), list(args[2].block_shape)) == ([64, 32], [32, 1], [16, 32])
     assert launch._RECORDS == {}
+
+
+def _fake_compiled(base_format="iiiKKppOOOOOO"):
+    """A compiled kernel shaped like Triton 3.6's: a launcher object from a driver module whose ``launch`` wraps the
+    generated C launcher (module ``__triton_launcher``) to expand descriptors, and the driver's
+    ``make_tensordesc_arg``. The generated launcher records what it is called with."""
+    driver = types.ModuleType("_fake_triton_driver")
+    driver._BASE_ARGS_FORMAT = base_format
+    driver.make_tensordesc_arg = lambda arg, meta: [f"map<{meta}>", *arg.shape, *arg.strides]
+    calls = []
+
+    def generated_launch(*args):
+        calls.append(args)
+
+    generated_launch.__module__ = "__triton_launcher"
+
+    def wrap_handle_tensordesc(launcher, tensordesc_meta):
+        def inner(*args):
+            return launcher(*args)
+
+        return inner
+
+    launcher_type = type("CudaLauncher", (), {"__module__": driver.__name__})
+    launcher = launcher_type()
+    launcher.launch = wrap_handle_tensordesc(generated_launch, None)
+    launcher.launch_cooperative_grid, launcher.launch_pdl = False, True
+    metadata = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=["m0", "m1"])
+    compiled = types.SimpleNamespace(function=77, packed_metadata="packed", metadata=metadata, run=launcher)
+    return driver, compiled, calls
+
+
+def _fake_kernel():
+    def param(name, default=inspect.Parameter.empty):
+        return types.SimpleNamespace(name=name, default=default, has_default=default is not inspect.Parameter.empty)
+
+    names = ("a_desc", "x", "b_desc", "n", "BLOCK", "HAS_SINK", "EXTRA")
+    return types.SimpleNamespace(
+        __name__="fake_kernel", params=[*map(param, names[:-1]), param("EXTRA", default=5)], pre_run_hooks=[]
+    )
+
+
+def test_direct_launch_arguments_match_the_launcher_layout(monkeypatch):
+    # the arguments handed to the generated launcher: the 13 base arguments, then every kernel parameter in signature
+    # order, each descriptor expanded in place by the driver (with its own metadata), constexprs and defaults last
+    launch = _launch_module()
+    driver, compiled, calls = _fake_compiled()
+    monkeypatch.setitem(sys.modules, driver.__name__, driver)
+    x = torch.empty(8)
+    a = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
+    b = launch.Tile(torch.empty(6, 16), (6, 16), (16, 1), (3, 16))
+    args = (a, x, b, 7)
+    direct = launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True})
+    assert direct is not None
+    direct((3, 2, 1), 1234, args)
+    assert calls == [
+        (3, 2, 1, 1234, 77, False, True, None, None, "packed", None, None, None,
+         "map<m0>", 4, 16, 16, 1, x, "map<m1>", 6, 16, 16, 1, 7, 64, True, 5),
+    ]  # fmt: skip
+
+
+def test_unknown_launcher_layout_keeps_the_standard_path_and_warns_once(monkeypatch):
+    launch = _launch_module()
+    driver, compiled, calls = _fake_compiled(base_format="iiiKKOO")  # another Triton's launcher
+    monkeypatch.setitem(sys.modules, driver.__name__, driver)
+    args = (launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16)), torch.empty(8), None, 7)
+    with pytest.warns(RuntimeWarning, match="launch through kernel\\[grid\\]"):
+        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}) is None
+    assert calls == []
 
 
 # ----------------------------------------------------------------------------------------------------------

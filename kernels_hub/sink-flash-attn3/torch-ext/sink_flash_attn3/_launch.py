@@ -84,8 +84,8 @@ _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 def _args_key(args) -> tuple:
     """What Triton's specialization reads from the runtime arguments (a superset of it), one entry per argument.
 
-    A descriptor's layout enters by identity (hashing a layout costs about as much as the rest of the key); the
-    record made for a key holds its layouts, so no other object can take their ids while the key is in use."""
+    A descriptor's layout enters by identity (hashing a layout costs about as much as the rest of the key), as does
+    the kernel in ``launch``; the record made for a key keeps both alive (``_Direct``)."""
     key = []
     for arg in args:
         kind = type(arg)
@@ -127,6 +127,7 @@ class _Direct:
         "tiles",
         "expand",
         "layouts",
+        "kernel",
     )
 
     def __init__(self, compiled, fn, args: tuple, constexprs: dict, raw_launch, expand):
@@ -138,7 +139,10 @@ class _Direct:
         self.cooperative = compiled.run.launch_cooperative_grid
         self.pdl = compiled.run.launch_pdl
         self.expand = expand
-        self.layouts = tuple(arg.layout for arg in args if type(arg) is Tile)  # (their ids are in the key)
+        # the key holds id(fn) and the layouts' ids: the record keeps those objects alive, so no other object can take
+        # one of their ids while the key is in use
+        self.kernel = fn
+        self.layouts = tuple(arg.layout for arg in args if type(arg) is Tile)
         # the kernel parameters after the positional arguments, in signature order: the constexpr keywords and the
         # defaults (the launcher takes every parameter, and skips the constexprs)
         tail = []
