@@ -183,7 +183,7 @@ _KNOBS = hasattr(triton, "knobs")  # (Triton 3.4+; older versions launch through
 _RECORDS: dict = {}
 _RECORDS_MAX = 4096
 _LOCK = threading.Lock()
-_UNSUPPORTED: dict = {}  # reason this Triton's launcher cannot be called directly (warned once)
+_UNSUPPORTED: dict = {}  # the Triton version whose launcher keeps kernel[grid] (warned once)
 
 
 # The launcher layout the direct path calls: the per-kernel C launcher Triton generates (module "__triton_launcher",
@@ -222,22 +222,20 @@ def _record(compiled, fn, args, constexprs):
         return None
     try:
         found = _raw_launcher(compiled)
-        direct = None if found is None else _Direct(compiled, fn, args, constexprs, *found)
-    except Exception as exc:  # noqa: BLE001 - a launcher this module does not know: the standard path, once warned
-        found, reason = None, f"{type(exc).__name__}: {exc}"
-    else:
+        if found is not None:
+            return _Direct(compiled, fn, args, constexprs, *found)
         reason = "its launcher does not have the layout this package calls directly"
-    if found is None:
-        if not _UNSUPPORTED:
-            _UNSUPPORTED["triton"] = triton.__version__
-            warnings.warn(
-                f"sink_flash_attn3: with triton {triton.__version__} the kernels launch through kernel[grid](...), "
-                f"which costs more host time per call ({reason})",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return None
-    return direct
+    except Exception as exc:  # noqa: BLE001 - a launcher this module does not know: the standard path, once warned
+        reason = f"{type(exc).__name__}: {exc}"
+    if not _UNSUPPORTED:
+        _UNSUPPORTED["triton"] = triton.__version__
+        warnings.warn(
+            f"sink_flash_attn3: with triton {triton.__version__} the kernels launch through kernel[grid](...), "
+            f"which costs more host time per call ({reason})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return None
 
 
 def launch(fn, grid: tuple, *args, **constexprs) -> None:
