@@ -21,3 +21,18 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
+
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_cached_attention_calls():
+    """The attention kernel caches what each input signature dispatches to (``triton_kernels._CALLS``); tests patch
+    what that dispatch reads (device capability, thresholds, configurations), so every test starts without entries
+    made under another test's patches."""
+    for name, module in list(sys.modules.items()):
+        if name.endswith(".triton_kernels") and isinstance(getattr(module, "_CALLS", None), dict):
+            module._CALLS.clear()

@@ -160,6 +160,75 @@ def test_unknown_launcher_layout_keeps_the_standard_path_and_warns_once(monkeypa
     assert calls == []
 
 
+def _recording_launch(monkeypatch, launch):
+    """``launch`` with a fake Triton 3.6 compiled kernel behind ``kernel[grid]`` (as a CUDA machine would have it)."""
+    driver, compiled, calls = _fake_compiled()
+    monkeypatch.setitem(sys.modules, driver.__name__, driver)
+    standard = []
+
+    class FakeJIT(types.SimpleNamespace):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: standard.append(grid) or compiled
+
+    monkeypatch.setattr(launch, "_RECORDS", {})
+    monkeypatch.setattr(launch, "JITFunction", FakeJIT)
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 1234)
+    return FakeJIT(**vars(_fake_kernel())), calls, standard
+
+
+def test_launch_at_reuses_a_site_and_its_tensor_maps(monkeypatch):
+    launch = _launch_module()
+    kernel, calls, standard = _recording_launch(monkeypatch, launch)
+    expanded = []
+    driver = sys.modules["_fake_triton_driver"]
+    make = driver.make_tensordesc_arg
+    monkeypatch.setattr(driver, "make_tensordesc_arg", lambda arg, meta: expanded.append(meta) or make(arg, meta))
+    a_base, b_base = torch.empty(4, 16), torch.empty(6, 16)
+    a = launch.Tile(a_base, (4, 16), (16, 1), (2, 16))
+    b = launch.Tile(b_base, (6, 16), (16, 1), (2, 16))
+    sites = {}
+    for _ in range(3):
+        launch.launch_at(sites, "site", kernel, (3, 2, 1), a, torch.empty(8), b, 7, BLOCK=64, HAS_SINK=True)
+    assert standard == [(3, 2, 1)] and len(calls) == 2  # the first launch through kernel[grid], then direct
+    assert sorted(expanded) == ["m0", "m1"]  # each tensor map encoded once
+    monkeypatch.setattr(launch, "_args_key", lambda args: pytest.fail("a reused site computed the key"))
+    other = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))  # another address: its own map
+    launch.launch_at(sites, "site", kernel, (3, 2, 1), other, torch.empty(8), b, 7, BLOCK=64, HAS_SINK=True)
+    assert sorted(expanded) == ["m0", "m0", "m1"] and len(calls) == 3
+
+
+def test_launch_at_keeps_hooks_and_debug_knobs(monkeypatch):
+    launch = _launch_module()
+    kernel, calls, standard = _recording_launch(monkeypatch, launch)
+    sites = {}
+    tile = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
+    args = (tile, torch.empty(8), tile, 7)
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), *args, BLOCK=64, HAS_SINK=True)
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), *args, BLOCK=64, HAS_SINK=True)
+    assert len(standard) == 1 and len(calls) == 1
+    monkeypatch.setattr(launch, "_hooks_installed", lambda: True)  # a profiler's launch hooks see every launch
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), *args, BLOCK=64, HAS_SINK=True)
+    assert len(standard) == 2 and len(calls) == 1
+    monkeypatch.setattr(launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(launch, "_debug_knobs", lambda: (True, ""))  # TRITON_DEBUG: another compiled kernel
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), *args, BLOCK=64, HAS_SINK=True)
+    assert len(standard) == 3 and len(calls) == 1
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), *args, BLOCK=64, HAS_SINK=True)
+    assert len(standard) == 3 and len(calls) == 2
+
+
+def test_checked_sites_refuse_a_record_of_other_arguments(monkeypatch):
+    launch = _launch_module()
+    kernel, calls, standard = _recording_launch(monkeypatch, launch)
+    monkeypatch.setattr(launch, "_CHECK_SITES", True)
+    sites = {}
+    tile = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), tile, torch.empty(8), tile, 7, BLOCK=64, HAS_SINK=True)
+    with pytest.raises(AssertionError, match="reused a record of other arguments"):  # 16 instead of 7: another key
+        launch.launch_at(sites, "site", kernel, (1, 1, 1), tile, torch.empty(8), tile, 16, BLOCK=64, HAS_SINK=True)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CUDA: the same outputs, bit for bit, through direct launches as through kernel[grid]
 # ----------------------------------------------------------------------------------------------------------
@@ -190,6 +259,7 @@ def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, win
     monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
     kernel, tk, launch = _kernels_package()
     monkeypatch.setattr(launch, "_RECORDS", {})
+    monkeypatch.setattr(launch, "_CHECK_SITES", True)  # every reused launch site must match the full key's record
     direct_calls = []
     call = launch._Direct.__call__
     monkeypatch.setattr(launch._Direct, "__call__", lambda self, *a: direct_calls.append(1) or call(self, *a))
@@ -210,7 +280,9 @@ def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, win
     assert all(launch._RECORDS.values()), f"a kernel kept Triton's launcher on triton {triton.__version__}"
     direct = step()
     assert len(direct_calls) == len(launch._RECORDS), "the second call must launch every kernel directly"
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), standard, direct):
+    again = step()  # the cached call: its launch sites and the records' tensor maps
+    assert len(direct_calls) == 2 * len(launch._RECORDS)
+    for name, a, b in [*zip(("out", "dq", "dk", "dv", "dsink"), standard, direct), *zip(("out",), direct, again)]:
         if deterministic or name in ("out", "dk", "dv"):
             assert torch.equal(a, b), f"{name} differs between direct and standard launches"
         else:  # the fused backward adds dQ and dsink with atomics: equal up to their summation order

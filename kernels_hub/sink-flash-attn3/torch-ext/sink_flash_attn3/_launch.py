@@ -34,6 +34,14 @@ Standard launches remain for every call when:
 - a kernel needs a scratch allocation;
 - the installed Triton's launcher does not have the layout this module calls (``_BASE_ARGS_FORMAT``: Triton 3.6's
   generated launcher). This case warns once and names the Triton version.
+
+Two further savings for callers that launch the same kernels many times:
+
+- ``launch_at(sites, site, fn, grid, ...)`` skips the key. ``sites`` is a dict the caller keeps with state it caches
+  per input signature (shapes, strides, dtypes, alignment, parameters: whatever determines every argument's key). A
+  site's record is then reused as it is.
+- A record keeps the tensor maps it encoded, by base address and geometry. A map holds nothing else (no tensor), and
+  PyTorch's caching allocator hands the same addresses back from step to step, so most descriptors are encoded once.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-__all__ = ["Tile", "launch"]
+__all__ = ["Tile", "launch", "launch_at"]
 
 
 class Tile(NamedTuple):
@@ -128,6 +136,8 @@ class _Direct:
         "expand",
         "layouts",
         "kernel",
+        "debug",
+        "maps",
     )
 
     def __init__(self, compiled, fn, args: tuple, constexprs: dict, raw_launch, expand):
@@ -160,11 +170,25 @@ class _Direct:
         if len(meta) != len(positions):
             raise TypeError(f"{len(positions)} descriptor arguments, launcher metadata for {len(meta)}")
         self.tiles = tuple(reversed(list(zip(positions, meta))))
+        self.debug = _debug_knobs()
+        # (position, address, shape, strides) -> a descriptor expanded into its tensor map and geometry
+        self.maps: dict = {}
 
     def __call__(self, grid, stream, args):
         values = list(args)
+        maps = self.maps
         for index, meta in self.tiles:  # (from the last, so the earlier positions stay put)
-            values[index : index + 1] = self.expand(values[index], meta)
+            tile = values[index]
+            if meta is None:  # (no tensor map: the launcher takes the base tensor itself, which is never kept)
+                values[index : index + 1] = self.expand(tile, meta)
+                continue
+            key = (index, tile.base.data_ptr(), tile.shape, tile.strides)
+            expanded = maps.get(key)
+            if expanded is None:
+                if len(maps) >= _MAPS_MAX:
+                    maps.clear()
+                expanded = maps[key] = self.expand(tile, meta)
+            values[index : index + 1] = expanded
         self.raw_launch(
             grid[0], grid[1], grid[2], stream, self.function, self.cooperative, self.pdl, None, None,
             self.packed_metadata, None, None, None, *values, *self.tail,
@@ -182,6 +206,7 @@ except ImportError:  # pragma: no cover - CPU-only builds of PyTorch
 _KNOBS = hasattr(triton, "knobs")  # (Triton 3.4+; older versions launch through kernel[grid] only)
 _RECORDS: dict = {}
 _RECORDS_MAX = 4096
+_MAPS_MAX = 64  # tensor maps kept per record
 _LOCK = threading.Lock()
 _UNSUPPORTED: dict = {}  # the Triton version whose launcher keeps kernel[grid] (warned once)
 
@@ -238,8 +263,10 @@ def _record(compiled, fn, args, constexprs):
     return None
 
 
-def launch(fn, grid: tuple, *args, **constexprs) -> None:
-    """``fn[grid](*args, **constexprs)`` with ``Tile`` arguments for TMA descriptors; see the module docstring."""
+def launch(fn, grid: tuple, *args, **constexprs):
+    """``fn[grid](*args, **constexprs)`` with ``Tile`` arguments for TMA descriptors; see the module docstring.
+
+    Returns the direct launcher this call used or recorded, None where Triton's standard path ran."""
     # (under TRITON_INTERPRET=1 the kernels are InterpretedFunction objects: no compiled kernel to call)
     if _KNOBS and isinstance(fn, JITFunction) and not fn.pre_run_hooks and not _hooks_installed():
         device = torch.cuda.current_device()
@@ -247,14 +274,39 @@ def launch(fn, grid: tuple, *args, **constexprs) -> None:
         direct = _RECORDS.get(key, False)
         if direct:
             direct(grid, _current_stream(device), args)
-            return
+            return direct
     else:
         key = None
     standard = [_descriptor_object(a) if type(a) is Tile else a for a in args]
     compiled = fn[grid](*standard, **constexprs)
-    if key is not None and key not in _RECORDS:
+    if key is None:
+        return None
+    direct = _RECORDS.get(key, False)
+    if direct is False:
         direct = _record(compiled, fn, args, constexprs) if compiled is not None else None
         with _LOCK:
             if len(_RECORDS) >= _RECORDS_MAX:
                 _RECORDS.clear()
             _RECORDS[key] = direct
+    return direct
+
+
+# Tests set this: every launch_at hit also computes the full key and checks that it finds the same record.
+_CHECK_SITES = False
+
+
+def launch_at(sites: dict, site, fn, grid: tuple, *args, **constexprs) -> None:
+    """``launch`` through a record the caller keeps in ``sites`` under ``site``.
+
+    ``sites`` must belong to one input signature of the caller: every argument's entry in the key (``_args_key``) and
+    every constexpr must follow from it. Launch hooks and debug knobs are checked on every call, as ``launch`` does."""
+    direct = sites.get(site)
+    if direct is not None and direct.debug == _debug_knobs() and not _hooks_installed():
+        device = torch.cuda.current_device()
+        if _CHECK_SITES:
+            key = (id(fn), device, _args_key(args), tuple(constexprs.items()), _debug_knobs())
+            if _RECORDS.get(key) is not direct:
+                raise AssertionError(f"{fn.__name__}: launch site {site!r} reused a record of other arguments")
+        direct(grid, _current_stream(device), args)
+        return
+    sites[site] = launch(fn, grid, *args, **constexprs)

@@ -51,7 +51,7 @@ from ._bands import host_cdiv as _cdiv
 from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
-from ._launch import Tile, launch
+from ._launch import Tile, launch_at
 
 __all__ = ["backward", "backward_fused", "fwd"]
 
@@ -1284,13 +1284,15 @@ def backward(
     win_right,
     dkdv_config,
     dq_config,
+    sites,
 ):
     """dK, dV into ``dk``, ``dv`` (``_dkdv_kernel``; with ``head_splits`` > 1 those are fp32 partial sums
     ``[head_splits, T_k, H_kv, D]``), then dQ into ``dq_out`` (``_dq_kernel``); see
     ``triton_kernels.sink_attention_backward`` for the contract.  ``lse2`` and ``delta`` are the per-row vectors
     ``[H, stride_rows]`` laid out by ``_bands.row_vector_start``.  The two kernels share their Q / K / V / dO
     descriptors when their tiles agree (the host cost of a launch is mostly its arguments).  With ``sinks``, the dQ
-    kernel writes dsink's partial sums into ``dsink_partials [H, num_seqs * num_query_blocks]`` (zeroed)."""
+    kernel writes dsink's partial sums into ``dsink_partials [H, num_seqs * num_query_blocks]`` (zeroed).
+    ``sites``: the caller's launch records for this input signature (``_launch.launch_at``)."""
     _, H_q, D = q.shape
     H_kv = k.shape[1]
     num_seqs = cu_seqlens_q.numel() - 1
@@ -1304,7 +1306,9 @@ def backward(
         return descs[key]
 
     if int(max_seqlen_k) > 0:
-        launch(
+        launch_at(
+            sites,
+            "gluon_dkdv",
             _dkdv_kernel,
             (H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs),
             desc(q, bm),
@@ -1339,7 +1343,9 @@ def backward(
         dv.zero_()
     bm, bn, cfg = _launch_options(dq_config)
     has_sink = sinks is not None
-    launch(
+    launch_at(
+        sites,
+        "gluon_dq",
         _dq_kernel,
         (H_q, _cdiv(int(max_seqlen_q), bm), num_seqs),
         desc(q, bm),
@@ -1370,13 +1376,18 @@ def backward(
     )
 
 
-def fwd(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right, config):
-    """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (three consumers x BLOCK_M query rows per program)."""
+def fwd(
+    q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right, config, sites
+):
+    """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (three consumers x BLOCK_M query rows per program);
+    ``sites`` as in :func:`backward`."""
     _, H_q, D = q.shape
     bm, bn, cfg = _launch_options(config)
     grid = (H_q, _cdiv(int(max_seqlen_q), 3 * bm), cu_seqlens_q.numel() - 1)
     has_sink = sinks is not None
-    launch(
+    launch_at(
+        sites,
+        "gluon_fwd",
         _fwd_ws_kernel,
         grid,
         _descriptor(q, bm),
@@ -1423,11 +1434,13 @@ def backward_fused(
     win_left,
     win_right,
     config,
+    sites,
 ):
     """The backward in one launch of ``_bwd_fused_kernel`` (``deterministic=False``): dK, dV into ``dk``, ``dv`` (fp32
     partial sums ``[head_splits, T_k, H_kv, D]`` when ``head_splits`` > 1, as in :func:`backward`); dQ added into the
     zeroed float32 ``dq32 [T_q, H_q, D]`` (already scaled), and with a sink dsink into the zeroed float32
-    ``dsink [H_q]``.  ``sink_weights [H, stride_rows]`` holds exp(s_h - LSE_i) per row (zeros in unused slots)."""
+    ``dsink [H_q]``.  ``sink_weights [H, stride_rows]`` holds exp(s_h - LSE_i) per row (zeros in unused slots).
+    ``sites`` as in :func:`backward`."""
     _, H_q, D = q.shape
     H_kv = k.shape[1]
     num_seqs = cu_seqlens_q.numel() - 1
@@ -1435,7 +1448,9 @@ def backward_fused(
     has_sink = dsink is not None
     lse_desc = _row_vector(lse2, bm)
     keys = bn // 2  # K / V tiles: one per MMA warpgroup
-    launch(
+    launch_at(
+        sites,
+        "gluon_bwd_fused",
         _bwd_fused_kernel,
         (H_kv * head_splits, _cdiv(int(max_seqlen_k), bn), num_seqs),
         _descriptor(q, bm),

@@ -54,7 +54,7 @@ from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
 from ._launch import Tile as _Tile
-from ._launch import launch as _launch
+from ._launch import launch_at as _launch_at
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -285,7 +285,9 @@ def _check_inputs(tensors) -> None:
                 f"{name} must be [tokens, heads, head_dim] with a contiguous last dim, "
                 f"got shape {tuple(t.shape)} strides {t.stride()}"
             )
-    q = tensors[0][1]
+
+
+def _check_interpreter_dtype(q: torch.Tensor) -> None:
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and not _INTERPRETER_BF16:
         raise TypeError(
             "sink_flash_attn3: the Triton kernels cannot run bf16 on CPU: Triton's interpreter "
@@ -1140,6 +1142,66 @@ def _on_input_device(fn):
     return on_input_device
 
 
+# A forward or backward call first derives everything that follows from its inputs' shapes, strides, dtypes, 16-byte
+# alignment and parameters: checks, the plan, grids, tile sizes, buffer shapes. That is cached per key, together with
+# the call's launch records (``_launch.launch_at``), so later calls with the same signature (every layer of a model,
+# every step) only allocate and launch. The tensors' data never enters: only the values the key holds are read.
+_CALLS: dict = {}
+_CALLS_MAX = 1024
+
+
+def _tensor_key(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+
+
+def _cached_call(key, build):
+    call = _CALLS.get(key)
+    if call is None:
+        call = build()
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+class _ForwardCall(NamedTuple):
+    """What a forward derives from its inputs' signature (``_forward_call``)."""
+
+    lse_shape: tuple
+    empty: bool  # no query rows or no sequences: out = 0, lse = -inf
+    kernel: str  # the plan's forward kernel
+    grid: tuple
+    tma: bool
+    constexprs: dict  # the Triton kernel's constexprs and launch options, or the Gluon kernel's configuration
+    sites: dict  # launch records (``_launch.launch_at``)
+
+
+def _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right) -> _ForwardCall:
+    _check_inputs((("q", q), ("k", k), ("v", v)))
+    T_q, H_q, D = q.shape
+    H_kv = k.shape[1]
+    if H_q % H_kv:
+        raise ValueError(f"number of query heads {H_q} must be a multiple of KV heads {H_kv}")
+    num_seqs = cu_seqlens_q.numel() - 1
+    empty = T_q == 0 or num_seqs == 0 or max_seqlen_q == 0
+    plan = _plan(q, k, v, left < _UNBOUNDED, max_seqlen_q, max_seqlen_k)
+    if plan.fwd == "gluon_fwd":
+        return _ForwardCall((H_q, T_q), empty, plan.fwd, (), True, CONFIGS[("gluon_fwd", D)], {})
+    cfg = _config(plan.fwd, D, q.device)
+    block_m = cfg.pop("BLOCK_M")
+    constexprs = dict(
+        GROUP=H_q // H_kv,
+        HEAD_DIM=D,
+        BLOCK_M=block_m,
+        HAS_SINK=sinks is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        USE_TMA=plan.tma,
+        **cfg,
+    )
+    grid = (H_q, _cdiv(max_seqlen_q, block_m), num_seqs)
+    return _ForwardCall((H_q, T_q), empty, plan.fwd, grid, plan.tma, constexprs, {})
+
+
 @_on_input_device
 def sink_attention_forward(
     q,
@@ -1162,45 +1224,34 @@ def sink_attention_forward(
     cu_seqlens int32 ``[B + 1]``.  Returns ``out [Tq, Hq, D]`` in q's dtype and the sink-inclusive natural-log
     ``lse [Hq, Tq]`` float32.  A row with no visible key gets out = 0 and lse = sink (or -inf without sink).
     """
-    _check_inputs((("q", q), ("k", k), ("v", v)))
-    T_q, H_q, D = q.shape
-    H_kv = k.shape[1]
-    if H_q % H_kv:
-        raise ValueError(f"number of query heads {H_q} must be a multiple of KV heads {H_kv}")
-    num_seqs = cu_seqlens_q.numel() - 1
+    _check_interpreter_dtype(q)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    left, right = _window_bounds(causal, window_left, window_right)
+    key = (
+        "fwd", q.device, _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(sinks), _tensor_key(cu_seqlens_q),
+        _tensor_key(cu_seqlens_k), max_seqlen_q, max_seqlen_k, left, right, gluon_enabled(),
+    )  # fmt: skip
+    call = _cached_call(
+        key, lambda: _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right)
+    )
     out = torch.empty_like(q)  # same layout rule as the custom op's fake (q's strides when q is dense)
-    lse = torch.empty((H_q, T_q), device=q.device, dtype=torch.float32)
-    if T_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
+    lse = torch.empty(call.lse_shape, device=q.device, dtype=torch.float32)
+    if call.empty:
         lse.fill_(float("-inf"))
         return out.zero_(), lse
-    left, right = _window_bounds(causal, window_left, window_right)
     qk_scale = float(softmax_scale) * LOG2E
-    plan = _plan(q, k, v, left < _UNBOUNDED, int(max_seqlen_q), int(max_seqlen_k))
-    if plan.fwd == "gluon_fwd":
+    if call.kernel == "gluon_fwd":
         _run_gluon(
-            "fwd",
-            q,
-            k,
-            v,
-            sinks,
-            out,
-            lse,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            qk_scale,
-            left,
-            right,
-            CONFIGS[("gluon_fwd", D)],
-        )
+            "fwd", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, left, right,
+            call.constexprs, call.sites,
+        )  # fmt: skip
         return out, lse
-    cfg = _config(plan.fwd, D, q.device)
-    block_m = cfg.pop("BLOCK_M")
-    grid = (H_q, _cdiv(int(max_seqlen_q), block_m), num_seqs)
-    k_desc, v_desc = _descriptors_if(plan.tma, cfg["BLOCK_N"], k, v)
-    _launch(
+    k_desc, v_desc = _descriptors_if(call.tma, call.constexprs["BLOCK_N"], k, v)
+    _launch_at(
+        call.sites,
+        "fwd",
         _sink_attn_fwd,
-        grid,
+        call.grid,
         q,
         k,
         v,
@@ -1223,15 +1274,119 @@ def sink_attention_forward(
         qk_scale,
         left,
         right,
-        GROUP=H_q // H_kv,
-        HEAD_DIM=D,
-        BLOCK_M=block_m,
-        HAS_SINK=sinks is not None,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        USE_TMA=plan.tma,
-        **cfg,
+        **call.constexprs,
     )
     return out, lse
+
+
+class _BackwardCall(NamedTuple):
+    """What a backward derives from its inputs' signature (``_backward_call``)."""
+
+    empty: bool  # no query rows or no sequences: zero gradients
+    fused: bool  # gluon_kernels.backward_fused
+    gluon: bool  # gluon_kernels.backward (dK/dV then dQ)
+    side_stream: bool  # the Triton dQ kernel runs on a side stream next to the dK/dV kernel
+    tma: bool  # the Triton backward kernels load tiles through descriptors
+    keys: bool  # the layer has keys (else dK = dV = 0 and no dK/dV launch)
+    buffer_shape: tuple  # [rows, H, stride_rows]: the per-row vectors' zero-filled buffer
+    rows: int  # 2 when the fused kernel reads the sink weights (a second per-row vector)
+    stride_rows: int
+    partials: tuple  # dsink's partial sums: () none, ("buffer", n) in the buffer's last row, ("own", n)
+    head_splits: int
+    pre_grid: tuple
+    pre_block: int
+    dkdv_grid: tuple
+    dkdv_constexprs: dict
+    dq_grid: tuple
+    dq_constexprs: dict
+    sites: dict  # launch records (``_launch.launch_at``)
+
+
+def _backward_call(
+    dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic
+) -> _BackwardCall:
+    _check_inputs((("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
+    T_q, H_q, D = q.shape
+    H_kv = k.shape[1]
+    num_seqs = cu_seqlens_q.numel() - 1
+    group = H_q // H_kv
+    windowed = left < _UNBOUNDED
+    plan = _plan(q, k, v, windowed, max_seqlen_q, max_seqlen_k)
+    dout_tma = plan.tma and _tma_ok(dout)
+    gluon = plan.dkdv == "gluon_dkdv" and dout_tma  # (a dout that TMA cannot read: the Triton kernels this call)
+    # (PyTorch's deterministic mode forces the deterministic backward, as it does for PyTorch's own atomic kernels)
+    fused = gluon and plan.fused_bwd and not deterministic
+    # Per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (row_vector_start).
+    # D's unused slots must be finite where the Gluon dK/dV kernel reads a query block's D by TMA past its
+    # sequence's end (those rows have P = 0): zeros. The fused kernel also reads the sink weights exp(s_h - LSE_i)
+    # by TMA: zeros in the unused slots too.
+    stride_rows = _row_vector_stride(T_q, num_seqs)
+    rows = 2 if fused and sinks is not None else 1
+    # dsink's partial sums of the deterministic kernels, one per (head, dQ program; programs past a sequence's end
+    # leave their zero): the dQ kernel writes them, summed in a fixed order. They share the zero-filled buffer of
+    # the per-row vectors when they fit in a row (one allocation and one fill per call: host time counts at these
+    # sizes); each row is contiguous and 16-byte aligned (stride_rows % 4 == 0).
+    dq_cfg = dict(CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device))
+    dq_blocks = num_seqs * _cdiv(max_seqlen_q, dq_cfg["BLOCK_M"]) if sinks is not None and not fused else 0
+    if dq_blocks == 0:
+        partials = ()
+    else:
+        partials = ("buffer" if dq_blocks <= stride_rows else "own", dq_blocks)
+    buffer_shape = (rows + 1 + (partials[:1] == ("buffer",)), H_q, stride_rows)
+    pre_block = 64 if q.device.type == "cuda" else 16
+    pre_grid = (max(_cdiv(max_seqlen_q, pre_block), 1), H_q, num_seqs)
+    # dK / dV: written by the kernel, or, when the dK/dV grid is split over the heads of a KV group, its fp32 partial
+    # sums [splits, T_k, H_kv, D] (dK's and dV's in one buffer), reduced in a fixed order
+    if fused:
+        dkdv_block_n, per_sm = CONFIGS[("gluon_bwd_fused", D)]["BLOCK_N"], _FUSED_PROGRAMS_PER_SM
+    elif gluon:
+        dkdv_block_n, per_sm = CONFIGS[("gluon_dkdv", D)]["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
+    else:
+        dkdv_block_n, per_sm = _config("dkdv", D, q.device)["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
+    head_splits = _dkdv_head_splits(
+        group, H_kv * _cdiv(max_seqlen_k, dkdv_block_n) * num_seqs, _multiprocessors(q.device), windowed, per_sm
+    )
+    # the Triton kernels' grids and constexprs (the Gluon ones take their configurations from CONFIGS)
+    tma = dout_tma and q.element_size() == 2  # fp32 tiles overflow the dK/dV kernel's shared memory
+    precision = _dot_precision(q.dtype)
+    dkdv_cfg = _config("dkdv", D, q.device)
+    block_n = dkdv_cfg.pop("BLOCK_N")
+    dkdv_grid = (H_kv * head_splits, _cdiv(max_seqlen_k, block_n), num_seqs)
+    dkdv_constexprs = dict(GROUP=group, HEAD_DIM=D, BLOCK_N=block_n, DOT_PRECISION=precision, USE_TMA=tma, **dkdv_cfg)
+    if gluon:
+        dq_grid, dq_constexprs = (), dq_cfg
+    else:
+        block_m = dq_cfg.pop("BLOCK_M")
+        dq_grid = (H_q, _cdiv(max_seqlen_q, block_m), num_seqs)
+        dq_constexprs = dict(
+            GROUP=group,
+            HEAD_DIM=D,
+            BLOCK_M=block_m,
+            DOT_PRECISION=precision,
+            USE_TMA=tma,
+            HAS_SINK=sinks is not None,
+            **dq_cfg,
+        )
+    return _BackwardCall(
+        empty=T_q == 0 or num_seqs == 0,
+        fused=fused,
+        gluon=gluon,
+        side_stream=plan.concurrent,
+        tma=tma,
+        keys=k.shape[0] > 0 and max_seqlen_k > 0,
+        buffer_shape=buffer_shape,
+        rows=rows,
+        stride_rows=stride_rows,
+        partials=partials,
+        head_splits=head_splits,
+        pre_grid=pre_grid,
+        pre_block=pre_block,
+        dkdv_grid=dkdv_grid,
+        dkdv_constexprs=dkdv_constexprs,
+        dq_grid=dq_grid,
+        dq_constexprs=dq_constexprs,
+        sites={},
+    )
 
 
 @_on_input_device
@@ -1261,53 +1416,45 @@ def sink_attention_backward(
     up with atomics: their rounding order varies between runs.  Everywhere else, with ``deterministic=True`` and
     under ``torch.use_deterministic_algorithms(True)``, every gradient is written in a fixed order (no atomics) and
     the results are bitwise reproducible."""
-    _check_inputs((("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
-    T_q, H_q, D = q.shape
-    T_k, H_kv, _ = k.shape
-    num_seqs = cu_seqlens_q.numel() - 1
+    _check_interpreter_dtype(q)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    left, right = _window_bounds(causal, window_left, window_right)
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    lse = lse.contiguous()
+    key = (
+        "bwd", q.device, _tensor_key(dout), _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(out),
+        _tensor_key(lse), _tensor_key(sinks), _tensor_key(cu_seqlens_q), _tensor_key(cu_seqlens_k), max_seqlen_q,
+        max_seqlen_k, left, right, deterministic, gluon_enabled(),
+    )  # fmt: skip
+    call = _cached_call(
+        key,
+        lambda: _backward_call(
+            dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic
+        ),
+    )
+    H_q = q.shape[1]
     dq = torch.empty_like(q)
-    if T_q == 0 or num_seqs == 0:
+    if call.empty:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dsink
-    lse = lse.contiguous()
-    left, right = _window_bounds(causal, window_left, window_right)
     qk_scale = float(softmax_scale) * LOG2E
-    precision = _dot_precision(q.dtype)
-    group = H_q // H_kv
-    plan = _plan(q, k, v, left < _UNBOUNDED, int(max_seqlen_q), int(max_seqlen_k))
-    dout_tma = plan.tma and _tma_ok(dout)
-    gluon = plan.dkdv == "gluon_dkdv" and dout_tma  # (a dout that TMA cannot read: the Triton kernels this call)
-
-    # Per-row vectors D and base-2 LSE, [H, stride_rows] with every sequence 16-byte aligned (row_vector_start).
-    # D's unused slots must be finite where the Gluon dK/dV kernel reads a query block's D by TMA past its
-    # sequence's end (those rows have P = 0): zeros.
-    # (PyTorch's deterministic mode forces the deterministic backward, as it does for PyTorch's own atomic kernels)
-    fused = gluon and plan.fused_bwd and not (deterministic or torch.are_deterministic_algorithms_enabled())
-    stride_rows = _row_vector_stride(T_q, num_seqs)
-    # (the fused kernel also reads the sink weights exp(s_h - LSE_i) by TMA: zeros in the unused slots too)
-    rows = 2 if fused and sinks is not None else 1
-    # dsink's partial sums of the deterministic kernels, one per (head, dQ program; programs past a sequence's end
-    # leave their zero): the dQ kernel writes them, summed below in a fixed order
-    dq_cfg = CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device)
-    dq_blocks = num_seqs * _cdiv(int(max_seqlen_q), dq_cfg["BLOCK_M"]) if sinks is not None and not fused else 0
-    # The vectors, the base-2 LSE and (when they fit in a row) the partial sums are rows of one zero-filled
-    # [rows, H, stride_rows] buffer: one allocation, one fill and one unbind per call instead of three allocations
-    # (host time counts at these sizes). Each row is contiguous and 16-byte aligned (stride_rows % 4 == 0).
-    shared_partials = 0 < dq_blocks <= stride_rows
-    buffer = torch.zeros((rows + 1 + shared_partials, H_q, stride_rows), device=q.device, dtype=torch.float32)
+    sm_scale = float(softmax_scale)
+    stride_rows, rows = call.stride_rows, call.rows
+    buffer = torch.zeros(call.buffer_shape, device=q.device, dtype=torch.float32)
     scratch = buffer.unbind(0)
     delta, sink_weights, lse2 = scratch[0], scratch[rows - 1], scratch[rows]
-    if shared_partials:
-        partials = scratch[rows + 1][:, :dq_blocks]
-    elif dq_blocks:
-        partials = torch.zeros((H_q, dq_blocks), device=q.device, dtype=torch.float32)
-    else:
+    if not call.partials:
         partials = None
-    pre_block = 64 if q.device.type == "cuda" else 16
-    _launch(
+    elif call.partials[0] == "buffer":
+        partials = scratch[rows + 1][:, : call.partials[1]]
+    else:
+        partials = torch.zeros((H_q, call.partials[1]), device=q.device, dtype=torch.float32)
+    _launch_at(
+        call.sites,
+        "preprocess",
         _bwd_preprocess,
-        (max(_cdiv(int(max_seqlen_q), pre_block), 1), H_q, num_seqs),
+        call.pre_grid,
         out,
         dout,
         lse,
@@ -1322,27 +1469,13 @@ def sink_attention_backward(
         dout.stride(0),
         dout.stride(1),
         lse.stride(0),
-        HEAD_DIM=D,
-        BLOCK=pre_block,
+        HEAD_DIM=q.shape[2],
+        BLOCK=call.pre_block,
         SINK_WEIGHTS=rows == 2,
     )
-    # dK / dV: written by the kernel, or, when the dK/dV grid is split over the heads of a KV group, its fp32 partial
-    # sums [splits, T_k, H_kv, D] (dK's and dV's in one buffer), reduced below in a fixed order
-    if fused:
-        dkdv_block_n, per_sm = CONFIGS[("gluon_bwd_fused", D)]["BLOCK_N"], _FUSED_PROGRAMS_PER_SM
-    elif gluon:
-        dkdv_block_n, per_sm = CONFIGS[("gluon_dkdv", D)]["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
-    else:
-        dkdv_block_n, per_sm = _config("dkdv", D, q.device)["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
-    head_splits = _dkdv_head_splits(
-        group,
-        H_kv * _cdiv(int(max_seqlen_k), dkdv_block_n) * num_seqs,
-        _multiprocessors(q.device),
-        left < _UNBOUNDED,
-        per_sm,
-    )
+    head_splits = call.head_splits
     if head_splits > 1:
-        partial = torch.empty((2, head_splits, T_k, H_kv, D), device=q.device, dtype=torch.float32)
+        partial = torch.empty((2, head_splits, *k.shape), device=q.device, dtype=torch.float32)
         dk_out, dv_out = partial[0], partial[1]
     else:
         dk_out, dv_out = torch.empty_like(k), torch.empty_like(v)
@@ -1354,8 +1487,8 @@ def sink_attention_backward(
         # that alias one another
         return partial[0].sum(dim=0).to(k.dtype), partial[1].sum(dim=0).to(v.dtype)
 
-    if fused:  # (the plan gives it layers of at least _FUSED_MIN_SEQLEN keys)
-        dq32 = torch.zeros((T_q, H_q, D), device=q.device, dtype=torch.float32)
+    if call.fused:  # (the plan gives it layers of at least _FUSED_MIN_SEQLEN keys)
+        dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
         dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
         _run_gluon(
             "backward_fused",
@@ -1375,13 +1508,14 @@ def sink_attention_backward(
             cu_seqlens_k,
             max_seqlen_k,
             qk_scale,
-            float(softmax_scale),
+            sm_scale,
             left,
             right,
-            CONFIGS[("gluon_bwd_fused", D)],
+            CONFIGS[("gluon_bwd_fused", q.shape[2])],
+            call.sites,
         )
         return dq.copy_(dq32), *dkdv_result(), dsink
-    if gluon:
+    if call.gluon:
         _run_gluon(
             "backward",
             q,
@@ -1401,29 +1535,28 @@ def sink_attention_backward(
             max_seqlen_q,
             max_seqlen_k,
             qk_scale,
-            float(softmax_scale),
+            sm_scale,
             left,
             right,
-            CONFIGS[("gluon_dkdv", D)],
-            dq_cfg,
+            CONFIGS[("gluon_dkdv", q.shape[2])],
+            call.dq_constexprs,
+            call.sites,
         )
         return dq, *dkdv_result(), partials.sum(dim=1) if sinks is not None else None
 
-    side = _side_stream(q.device) if plan.concurrent else None
+    side = _side_stream(q.device) if call.side_stream else None
     if side is not None:  # the dQ kernel below starts on the side stream once delta/lse2 are written
         side.wait_stream(torch.cuda.current_stream(q.device))
-    bwd_tma = dout_tma and q.element_size() == 2  # fp32 tiles overflow the dK/dV kernel's shared memory
-    if T_k == 0 or int(max_seqlen_k) == 0:
+    if not call.keys:
         dk_out.zero_()
         dv_out.zero_()
     else:
-        cfg = _config("dkdv", D, q.device)
-        block_n = cfg.pop("BLOCK_N")
-        q_desc, do_desc = _descriptors_if(bwd_tma, cfg["BLOCK_M"], q, dout)
-        grid = (H_kv * head_splits, _cdiv(int(max_seqlen_k), block_n), num_seqs)
-        _launch(
+        q_desc, do_desc = _descriptors_if(call.tma, call.dkdv_constexprs["BLOCK_M"], q, dout)
+        _launch_at(
+            call.sites,
+            "dkdv",
             _sink_attn_bwd_dkdv,
-            grid,
+            call.dkdv_grid,
             q,
             k,
             v,
@@ -1452,24 +1585,18 @@ def sink_attention_backward(
             dk_out.stride(0) if head_splits > 1 else 0,
             head_splits,
             qk_scale,
-            float(softmax_scale),
+            sm_scale,
             left,
             right,
-            GROUP=group,
-            HEAD_DIM=D,
-            BLOCK_N=block_n,
-            DOT_PRECISION=precision,
-            USE_TMA=bwd_tma,
-            **cfg,
+            **call.dkdv_constexprs,
         )
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        cfg = dict(dq_cfg)
-        block_m = cfg.pop("BLOCK_M")
-        grid = (H_q, _cdiv(int(max_seqlen_q), block_m), num_seqs)
-        k_desc, v_desc = _descriptors_if(bwd_tma, cfg["BLOCK_N"], k, v)
-        _launch(
+        k_desc, v_desc = _descriptors_if(call.tma, call.dq_constexprs["BLOCK_N"], k, v)
+        _launch_at(
+            call.sites,
+            "dq",
             _sink_attn_bwd_dq,
-            grid,
+            call.dq_grid,
             q,
             k,
             v,
@@ -1496,16 +1623,10 @@ def sink_attention_backward(
             stride_rows,
             partials.stride(0) if sinks is not None else 0,
             qk_scale,
-            float(softmax_scale),
+            sm_scale,
             left,
             right,
-            GROUP=group,
-            HEAD_DIM=D,
-            BLOCK_M=block_m,
-            DOT_PRECISION=precision,
-            USE_TMA=bwd_tma,
-            HAS_SINK=sinks is not None,
-            **cfg,
+            **call.dq_constexprs,
         )
     if side is not None:
         # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
