@@ -243,18 +243,18 @@ def _kernels_package():
     )
 
 
+CUDA_CASES = [
+    (torch.bfloat16, 1000, 128, "auto", True),  # Triton forward (TMA tiles), Gluon dK/dV + dQ
+    (torch.bfloat16, 2500, None, "auto", False),  # fused backward (sm_90)
+    (torch.bfloat16, 8192, None, "auto", True),  # Gluon forward (sm_90, from 8k queries)
+    (torch.bfloat16, 1000, None, "0", True),  # Triton kernels only, TMA tiles
+    (torch.float32, 700, 128, "0", True),  # fp32: pointer loads in the backward
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    "dtype, S, window, gluon, deterministic",
-    [
-        (torch.bfloat16, 1000, 128, "auto", True),  # Triton forward (TMA tiles), Gluon dK/dV + dQ
-        (torch.bfloat16, 2500, None, "auto", False),  # fused backward (sm_90)
-        (torch.bfloat16, 8192, None, "auto", True),  # Gluon forward (sm_90, from 8k queries)
-        (torch.bfloat16, 1000, None, "0", True),  # Triton kernels only, TMA tiles
-        (torch.float32, 700, 128, "0", True),  # fp32: pointer loads in the backward
-    ],
-)
+@pytest.mark.parametrize("dtype, S, window, gluon, deterministic", CUDA_CASES)
 def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, window, gluon, deterministic):
     monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
     kernel, tk, launch = _kernels_package()
@@ -285,5 +285,38 @@ def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, win
     for name, a, b in [*zip(("out", "dq", "dk", "dv", "dsink"), standard, direct), *zip(("out",), direct, again)]:
         if deterministic or name in ("out", "dk", "dv"):
             assert torch.equal(a, b), f"{name} differs between direct and standard launches"
+        else:  # the fused backward adds dQ and dsink with atomics: equal up to their summation order
+            assert (a.float() - b.float()).norm() <= 1e-3 * a.float().norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "dtype, S, window, gluon, deterministic", [*CUDA_CASES, (torch.bfloat16, 1000, None, "auto", True)]
+)
+def test_cuda_heads_first_inputs_get_heads_first_gradients(monkeypatch, dtype, S, window, gluon, deterministic):
+    # transformers' layout ([b, s, h, d] views of heads-first states): every kernel writes the gradients in place in
+    # that layout (the last case splits the dK/dV grid over the query heads); values as for contiguous inputs
+    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
+    kernel, _, _ = _kernels_package()
+    g = torch.Generator(device="cuda").manual_seed(S + 1)
+    states = [torch.randn(1, h, S, 64, device="cuda", generator=g).to(dtype) for h in (64, 8, 8)]
+    sinks = torch.randn(64, device="cuda", generator=g).requires_grad_()
+    dout = torch.randn(1, S, 64, 64, device="cuda", generator=g).to(dtype)
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    results = []
+    for heads_first in (True, False):
+        leaves = [t.clone().requires_grad_() for t in states]
+        q, k, v = (t.transpose(1, 2) if heads_first else t.transpose(1, 2).contiguous() for t in leaves)
+        out = kernel.flash_attn_func(
+            q, k, v, causal=True, window_size=window_size, s_aux=sinks, deterministic=deterministic, backend="triton"
+        )
+        grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+        if heads_first:
+            assert all(gr.stride() == t.stride() for gr, t in zip(grads[:3], (q, k, v)))
+        results.append((out, *grads))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), *results):
+        if deterministic or name in ("out", "dk", "dv"):
+            assert torch.equal(a, b), f"{name} differs between heads-first and contiguous inputs"
         else:  # the fused backward adds dQ and dsink with atomics: equal up to their summation order
             assert (a.float() - b.float()).norm() <= 1e-3 * a.float().norm()

@@ -162,6 +162,42 @@ def test_dense_matches_fp64_reference_and_varlen(kernel, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_splits", [1, 2], ids=["whole_dkdv_grid", "split_dkdv_grid"])
+def test_gradients_take_the_heads_first_layout_of_transformers_inputs(kernel, backend, head_splits, monkeypatch):
+    """transformers passes q/k/v as [b, s, h, d] views of heads-first [b, h, s, d] states: the gradients come back
+    in that layout (as FlashAttention's do), with the values of contiguous inputs; the varlen path alike."""
+    import importlib
+
+    triton_kernels = importlib.import_module(f"{kernel.interface.__package__}.triton_kernels")
+    monkeypatch.setattr(triton_kernels, "_dkdv_head_splits", lambda *args: head_splits)
+    torch.manual_seed(2)
+    states = [torch.randn(1, h, 13, 64) for h in (4, 2, 2)]
+    sinks = torch.randn(4, requires_grad=True)
+    grad_out = torch.randn(1, 13, 4, 64)
+    results = {}
+    for layout in ("heads_first", "contiguous", "varlen"):
+        leaves = [s.clone().requires_grad_() for s in states]
+        q, k, v = (t.transpose(1, 2) for t in leaves)  # [1, 13, h, 64] views, heads-first in memory
+        if layout == "contiguous":
+            q, k, v = (t.contiguous() for t in (q, k, v))
+        args = dict(causal=True, window_size=(4, 0), s_aux=sinks, backend=backend)
+        if layout == "varlen":  # [tokens, h, d] views, heads-first in memory
+            cu = torch.tensor([0, 13], dtype=torch.int32)
+            q, k, v = q[0], k[0], v[0]
+            out = kernel.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, **args)[None]
+        else:
+            out = kernel.flash_attn_func(q, k, v, **args)
+        grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
+        if layout != "contiguous":
+            for g, t in zip(grads[:3], (q, k, v)):
+                assert g.stride() == t.stride(), f"{layout}: gradient strides {g.stride()} != input {t.stride()}"
+        results[layout] = (out, *grads)
+    for layout in ("heads_first", "varlen"):
+        for a, b in zip(results[layout], results["contiguous"]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), layout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sink_half", [False, True], ids=["fp32_sinks", "half_sinks"])
 def test_half_precision_inputs_and_sink_gradient_dtype(kernel, backend, sink_half):
     """bf16 (fp16 under the Triton interpreter, whose numpy backend mishandles bf16) q/k/v; the sink gradient

@@ -146,7 +146,9 @@ def _backward_impl(
     window_right,
     backend,
     deterministic,
+    grads=(None, None, None),
 ):
+    dq_out, dk_out, dv_out = grads
     return _backend_module(backend).sink_attention_backward(
         dout,
         q,
@@ -164,6 +166,9 @@ def _backward_impl(
         window_left,
         window_right,
         deterministic,
+        dq_out=dq_out,
+        dk_out=dk_out,
+        dv_out=dv_out,
     )
 
 
@@ -172,6 +177,19 @@ def _tokens_major(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 4:
         t = t.reshape(-1, t.shape[2], t.shape[3])
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _heads_first(t: torch.Tensor) -> bool:
+    """``t`` (``[batch, seqlen, heads, head_dim]`` with one batch row, or ``[tokens, heads, head_dim]``) is a
+    transposed view of a dense heads-first tensor: what transformers' attention layers pass (``[b, h, s, d]`` states
+    transposed to ``[b, s, h, d]``)."""
+    return (t.dim() == 3 or t.shape[0] == 1) and not t.is_contiguous() and t.transpose(-3, -2).is_contiguous()
+
+
+def _empty_heads_first(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose memory is heads-first, the layout ``_heads_first`` detects."""
+    *lead, seqlen, heads, head_dim = shape
+    return like.new_empty((*lead, heads, seqlen, head_dim)).transpose(-3, -2)
 
 
 class _SinkAttention(torch.autograd.Function):
@@ -187,19 +205,27 @@ class _SinkAttention(torch.autograd.Function):
         ctx.save_for_backward(q_t, k_t, v_t, out, lse, sinks, cu_seqlens_q, cu_seqlens_k)
         ctx.params = params
         ctx.shapes = (q.shape, k.shape, v.shape)
+        # Gradients take the inputs' layout, as FlashAttention's do (empty_like of its inputs): the ops before
+        # attention (RoPE, the transposes of q/k/v) then run their backward on dense tensors
+        ctx.heads_first = (_heads_first(q), _heads_first(k), _heads_first(v))
         ctx.mark_non_differentiable(lse)
         return out.view(q.shape), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        grads = [
+            _empty_heads_first(shape, t) if heads_first else None
+            for shape, t, heads_first in zip(ctx.shapes, (q, k, v), ctx.heads_first)
+        ]
         dq, dk, dv, dsink = _backward_impl(
-            _tokens_major(dout), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params
-        )
+            _tokens_major(dout), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params,
+            grads=[None if g is None else g.view(-1, g.shape[-2], g.shape[-1]) for g in grads],
+        )  # fmt: skip
         if dsink is not None and dsink.dtype != sinks.dtype:
             dsink = dsink.to(sinks.dtype)  # the sink gradient in the sink's own dtype
-        q_shape, k_shape, v_shape = ctx.shapes
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dsink, None, None, None
+        dq, dk, dv = (g if g is not None else d.view(shape) for g, d, shape in zip(grads, (dq, dk, dv), ctx.shapes))
+        return dq, dk, dv, dsink, None, None, None
 
 
 def _needs_grad(q, k, v, sinks) -> bool:

@@ -135,8 +135,12 @@ def sink_attention_backward(
     window_left: int,
     window_right: int,
     deterministic: bool = False,
+    dq_out: torch.Tensor | None = None,
+    dk_out: torch.Tensor | None = None,
+    dv_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Returns ``dq, dk, dv`` in the input dtypes and ``dsink [Hq]`` in fp32 (None without sinks).
+    """Returns ``dq, dk, dv`` in the input dtypes and ``dsink [Hq]`` in fp32 (None without sinks); ``dq_out``,
+    ``dk_out``, ``dv_out``, when given, receive dq, dk, dv and are returned (any strides).
 
     Deterministic whatever ``deterministic`` says: sequential loops, no atomics.
     """
@@ -181,4 +185,8 @@ def sink_attention_backward(
             dv[k0:k1] += torch.einsum("hgqk,qhgd->khd", probs, do_chunk)
             if sink is not None:
                 dsink -= (torch.exp(sink - chunk_lse) * delta).sum(-1)
-    return dq, dk.to(k.dtype), dv.to(v.dtype), dsink.reshape(num_heads) if dsink is not None else None
+    grads = [
+        grad if given is None else given.copy_(grad)
+        for grad, given in ((dq, dq_out), (dk.to(k.dtype), dk_out), (dv.to(v.dtype), dv_out))
+    ]
+    return *grads, dsink.reshape(num_heads) if dsink is not None else None

@@ -1303,9 +1303,15 @@ class _BackwardCall(NamedTuple):
 
 
 def _backward_call(
-    dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic
+    dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic, outputs
 ) -> _BackwardCall:
     _check_inputs((("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
+    for name, given, like in zip(("dq_out", "dk_out", "dv_out"), outputs, (q, k, v)):
+        if given is not None and (given.shape != like.shape or given.dtype != like.dtype or given.stride(-1) != 1):
+            raise ValueError(
+                f"{name} must be a {tuple(like.shape)} {like.dtype} tensor with a contiguous last dim, got "
+                f"{tuple(given.shape)} {given.dtype} strides {given.stride()}"
+            )
     T_q, H_q, D = q.shape
     H_kv = k.shape[1]
     num_seqs = cu_seqlens_q.numel() - 1
@@ -1407,9 +1413,14 @@ def sink_attention_backward(
     window_left,
     window_right,
     deterministic=False,
+    dq_out=None,
+    dk_out=None,
+    dv_out=None,
 ):
     """Gradients of :func:`sink_attention_forward`: ``dq [Tq,Hq,D]``, ``dk, dv [Tk,Hkv,D]`` (input dtype,
-    summed over each KV group's query heads) and ``dsink [Hq]`` float32 (None without sinks).
+    summed over each KV group's query heads) and ``dsink [Hq]`` float32 (None without sinks).  ``dq_out``,
+    ``dk_out``, ``dv_out``, when given, receive dq, dk, dv (any strides with a contiguous last dim) and are returned:
+    gradients laid out like the caller's inputs (FlashAttention's ``dq``, ``dk``, ``dv`` arguments).
 
     ``deterministic=False`` (FlashAttention's default) runs the one-kernel backward where it exists (sm_90, 16-bit,
     head_dim 64: ``gluon_kernels.backward_fused``, five products per tile instead of seven), which adds dQ and dsink
@@ -1424,18 +1435,21 @@ def sink_attention_backward(
     key = (
         "bwd", q.device, _tensor_key(dout), _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(out),
         _tensor_key(lse), _tensor_key(sinks), _tensor_key(cu_seqlens_q), _tensor_key(cu_seqlens_k), max_seqlen_q,
-        max_seqlen_k, left, right, deterministic, gluon_enabled(),
+        max_seqlen_k, left, right, deterministic, gluon_enabled(), _tensor_key(dq_out), _tensor_key(dk_out),
+        _tensor_key(dv_out),
     )  # fmt: skip
+    outputs = (dq_out, dk_out, dv_out)
     call = _cached_call(
         key,
         lambda: _backward_call(
-            dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic
+            dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic, outputs
         ),
     )
     H_q = q.shape[1]
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q) if dq_out is None else dq_out
     if call.empty:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dk = torch.empty_like(k) if dk_out is None else dk_out
+        dv = torch.empty_like(v) if dv_out is None else dv_out
         dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dsink
     qk_scale = float(softmax_scale) * LOG2E
@@ -1474,18 +1488,23 @@ def sink_attention_backward(
         SINK_WEIGHTS=rows == 2,
     )
     head_splits = call.head_splits
-    if head_splits > 1:
+    if head_splits > 1:  # the kernels write fp32 partial sums, reduced into dk and dv in a fixed order
         partial = torch.empty((2, head_splits, *k.shape), device=q.device, dtype=torch.float32)
-        dk_out, dv_out = partial[0], partial[1]
+        dk_dest, dv_dest = partial[0], partial[1]
     else:
-        dk_out, dv_out = torch.empty_like(k), torch.empty_like(v)
+        dk_dest = torch.empty_like(k) if dk_out is None else dk_out
+        dv_dest = torch.empty_like(v) if dv_out is None else dv_out
 
     def dkdv_result():
         if head_splits == 1:
-            return dk_out, dv_out
+            return dk_dest, dv_dest
         # one tensor each: the custom op (the path torch.compile and dispatch modes take) may not return outputs
         # that alias one another
-        return partial[0].sum(dim=0).to(k.dtype), partial[1].sum(dim=0).to(v.dtype)
+        dk_sum, dv_sum = partial[0].sum(dim=0), partial[1].sum(dim=0)
+        return (
+            dk_sum.to(k.dtype) if dk_out is None else dk_out.copy_(dk_sum),
+            dv_sum.to(v.dtype) if dv_out is None else dv_out.copy_(dv_sum),
+        )
 
     if call.fused:  # (the plan gives it layers of at least _FUSED_MIN_SEQLEN keys)
         dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
@@ -1501,8 +1520,8 @@ def sink_attention_backward(
             sink_weights,
             dsink,
             dq32,
-            dk_out,
-            dv_out,
+            dk_dest,
+            dv_dest,
             head_splits,
             cu_seqlens_q,
             cu_seqlens_k,
@@ -1527,8 +1546,8 @@ def sink_attention_backward(
             sinks,
             partials,
             dq,
-            dk_out,
-            dv_out,
+            dk_dest,
+            dv_dest,
             head_splits,
             cu_seqlens_q,
             cu_seqlens_k,
@@ -1548,8 +1567,8 @@ def sink_attention_backward(
     if side is not None:  # the dQ kernel below starts on the side stream once delta/lse2 are written
         side.wait_stream(torch.cuda.current_stream(q.device))
     if not call.keys:
-        dk_out.zero_()
-        dv_out.zero_()
+        dk_dest.zero_()
+        dv_dest.zero_()
     else:
         q_desc, do_desc = _descriptors_if(call.tma, call.dkdv_constexprs["BLOCK_M"], q, dout)
         _launch_at(
@@ -1563,8 +1582,8 @@ def sink_attention_backward(
             dout,
             lse2,
             delta,
-            dk_out,
-            dv_out,
+            dk_dest,
+            dv_dest,
             q_desc,
             do_desc,
             cu_seqlens_q,
@@ -1577,12 +1596,12 @@ def sink_attention_backward(
             v.stride(1),
             dout.stride(0),
             dout.stride(1),
-            dk_out.stride(-3),
-            dk_out.stride(-2),
-            dv_out.stride(-3),
-            dv_out.stride(-2),
+            dk_dest.stride(-3),
+            dk_dest.stride(-2),
+            dv_dest.stride(-3),
+            dv_dest.stride(-2),
             stride_rows,
-            dk_out.stride(0) if head_splits > 1 else 0,
+            dk_dest.stride(0) if head_splits > 1 else 0,
             head_splits,
             qk_scale,
             sm_scale,
