@@ -259,6 +259,27 @@ def test_matches_fp64(tk, seqlens, hq, hkv, d, causal, window):
     run_and_compare(tk, case, causal, *window)
 
 
+def test_cached_calls_follow_every_part_of_their_signature(tk):
+    # the host derivation (checks, plan, grids, buffer shapes) is cached per input signature: calls that share
+    # shapes but differ in window, causality, sinks, sequence lengths or alignment must each get their own entry and
+    # their own correct results, and a repeated call must reuse its entry
+    case = make_case([23, 18], [23, 18], 4, 2, 64, seed=11)
+    tk._CALLS.clear()
+    variants = [(True, -1, -1), (True, 5, 0), (False, 4, 2), (True, 5, 0)]
+    for causal, left, right in variants:
+        run_and_compare(tk, case, causal, left, right)
+    assert len(tk._CALLS) == 2 * 3  # a forward and a backward entry per distinct signature; the repeat reused its own
+    no_sink = dict(case, sinks=None)
+    run_and_compare(tk, no_sink, True, 5, 0)
+    shorter = dict(case, cu_q=torch.tensor([0, 23, 41, 41], dtype=torch.int32))  # one more (empty) sequence
+    shorter["cu_k"] = shorter["cu_q"]
+    run_and_compare(tk, shorter, True, 5, 0)
+    storage = torch.empty(case["q"].numel() + 2)  # the same q, 8 bytes past a 16-byte boundary
+    offset_q = storage[2:].view_as(case["q"]).copy_(case["q"])
+    run_and_compare(tk, dict(case, q=offset_q), True, 5, 0)
+    assert len(tk._CALLS) == 2 * 6
+
+
 def test_gluon_switch_from_environment(tk, monkeypatch):
     # SINK_FLASH_ATTN3_GLUON turns the Gluon kernels off; a typo must not silently mean "on"
     for value, expected in (("auto", True), (" 1 ", True), ("ON", True), ("0", False), ("off", False)):
