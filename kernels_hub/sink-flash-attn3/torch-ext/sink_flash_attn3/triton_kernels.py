@@ -1291,7 +1291,8 @@ class _BackwardCall(NamedTuple):
     buffer_shape: tuple  # [rows, H, stride_rows]: the per-row vectors' zero-filled buffer
     rows: int  # 2 when the fused kernel reads the sink weights (a second per-row vector)
     stride_rows: int
-    partials: tuple  # dsink's partial sums: () none, ("buffer", n) in the buffer's last row, ("own", n)
+    dq_blocks: int  # columns of dsink's partial sums (0: none)
+    shared_partials: bool  # the partial sums are the buffer's last row (else their own allocation)
     head_splits: int
     pre_grid: tuple
     pre_block: int
@@ -1334,11 +1335,8 @@ def _backward_call(
     # sizes); each row is contiguous and 16-byte aligned (stride_rows % 4 == 0).
     dq_cfg = dict(CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device))
     dq_blocks = num_seqs * _cdiv(max_seqlen_q, dq_cfg["BLOCK_M"]) if sinks is not None and not fused else 0
-    if dq_blocks == 0:
-        partials = ()
-    else:
-        partials = ("buffer" if dq_blocks <= stride_rows else "own", dq_blocks)
-    buffer_shape = (rows + 1 + (partials[:1] == ("buffer",)), H_q, stride_rows)
+    shared_partials = 0 < dq_blocks <= stride_rows
+    buffer_shape = (rows + 1 + shared_partials, H_q, stride_rows)
     pre_block = 64 if q.device.type == "cuda" else 16
     pre_grid = (max(_cdiv(max_seqlen_q, pre_block), 1), H_q, num_seqs)
     # dK / dV: written by the kernel, or, when the dK/dV grid is split over the heads of a KV group, its fp32 partial
@@ -1383,7 +1381,8 @@ def _backward_call(
         buffer_shape=buffer_shape,
         rows=rows,
         stride_rows=stride_rows,
-        partials=partials,
+        dq_blocks=dq_blocks,
+        shared_partials=shared_partials,
         head_splits=head_splits,
         pre_grid=pre_grid,
         pre_block=pre_block,
@@ -1458,12 +1457,12 @@ def sink_attention_backward(
     buffer = torch.zeros(call.buffer_shape, device=q.device, dtype=torch.float32)
     scratch = buffer.unbind(0)
     delta, sink_weights, lse2 = scratch[0], scratch[rows - 1], scratch[rows]
-    if not call.partials:
-        partials = None
-    elif call.partials[0] == "buffer":
-        partials = scratch[rows + 1][:, : call.partials[1]]
+    if call.shared_partials:
+        partials = scratch[rows + 1][:, : call.dq_blocks]
+    elif call.dq_blocks:
+        partials = torch.zeros((H_q, call.dq_blocks), device=q.device, dtype=torch.float32)
     else:
-        partials = torch.zeros((H_q, call.partials[1]), device=q.device, dtype=torch.float32)
+        partials = None
     _launch_at(
         call.sites,
         "preprocess",
