@@ -97,6 +97,7 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
         "delta_desc": row_vector(block_q),
         "sinkw_desc": row_vector(block_q),
         "dq_desc": fp32_desc(block_q),
+        "o_desc": desc(block_q),
     }
     signature = {}
     for name in fn.arg_names:

@@ -57,6 +57,7 @@ __all__ = ["backward", "backward_fused", "fwd"]
 
 # Triton 3.6 (tested on the H200) names the TMA load async_copy_global_to_shared; later releases call it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # the partition-wide barrier: thread_barrier in Triton 3.6, barrier in later releases
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_reduce_add = getattr(tma, "async_atomic_add", None)
@@ -894,6 +895,8 @@ def _fwd_store(
     acc,
     m_i,
     l_i,
+    staging,
+    o_desc,
     Out,
     Lse,
     off_h,
@@ -909,21 +912,33 @@ def _fwd_store(
     row_layout: gl.constexpr,
 ):
     """Normalised output and natural-log LSE of query rows [start_m, start_m + BLOCK_M) (rows past len_q skipped).
-    l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf."""
+    l_i == 0 only without a sink and with no visible key: out = 0, lse = -inf.
+
+    A tile inside the sequence goes out through ``staging`` (the warpgroup's Q tile, free once its last S product
+    retired) and one TMA store; the last tile of a sequence, whose rows past len_q belong to the next sequence, by
+    masked stores (benchmarks/notes/attention.md: faster than masked stores of every tile)."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    out = acc / gl.convert_layout(l_safe, o_row_layout)[:, None]
+    out = (acc * gl.convert_layout(1.0 / l_safe, o_row_layout)[:, None]).to(Out.dtype.element_ty)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(
-        Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=(offs_m < len_q)[:, None],
-    )
     lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-    gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
+    if start_m + BLOCK_M <= len_q:
+        staging.store(out)
+        fence_async_shared()
+        _thread_barrier()  # the whole tile is in shared memory before the copy starts
+        _tma_store(o_desc, [q_start + start_m, off_h * HEAD_DIM], staging)
+        gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse)
+        tma.store_wait(0)
+    else:
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(
+            Out + (q_start + offs_m).to(gl.int64)[:, None] * stride_ot + off_h * stride_oh + offs_d[None, :],
+            out,
+            mask=(offs_m < len_q)[:, None],
+        )
+        gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
 
 
 @gluon.jit
@@ -1012,6 +1027,7 @@ def _fwd_ws_consumer(
         Sinks,
         Out,
         Lse,
+        o_desc,
         off_h,
         q_start,
         len_q,
@@ -1099,6 +1115,8 @@ def _fwd_ws_consumer(
         acc,
         m_i,
         l_i,
+        q_tile,
+        o_desc,
         Out,
         Lse,
         off_h,
@@ -1120,6 +1138,7 @@ def _fwd_ws_kernel(
     q_desc,
     k_desc,
     v_desc,
+    o_desc,
     Sinks,
     Out,
     Lse,
@@ -1189,6 +1208,7 @@ def _fwd_ws_kernel(
         Sinks,
         Out,
         Lse,
+        o_desc,
         off_h,
         q_start,
         len_q,
@@ -1393,6 +1413,7 @@ def fwd(
         _descriptor(q, bm),
         _descriptor(k, bn),
         _descriptor(v, bn),
+        _descriptor(out, bm),
         sinks if has_sink else lse,
         out,
         lse,
