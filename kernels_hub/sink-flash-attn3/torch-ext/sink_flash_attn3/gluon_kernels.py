@@ -923,12 +923,12 @@ def _fwd_store(
     out = (acc * gl.convert_layout(1.0 / l_safe, o_row_layout)[:, None]).to(Out.dtype.element_ty)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
     lse_rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
     if start_m + BLOCK_M <= len_q:
         staging.store(out)
         fence_async_shared()
         _thread_barrier()  # the whole tile is in shared memory before the copy starts
         _tma_store(o_desc, [q_start + start_m, off_h * HEAD_DIM], staging)
-        gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse)
         tma.store_wait(0)
     else:
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=o_row_layout)
@@ -938,7 +938,6 @@ def _fwd_store(
             out,
             mask=(offs_m < len_q)[:, None],
         )
-        gl.store(Lse + off_h * stride_lse_h + q_start + lse_rows, lse, mask=lse_rows < len_q)
 
 
 @gluon.jit
