@@ -549,6 +549,108 @@ def _fused_bwd_dq(dq_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _fused_bwd_step(
+    ctx,
+    dk,
+    dv,
+    sink_part,
+    step,
+    start_m,
+    W: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    KEYS: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    EDGE: gl.constexpr,
+):
+    """One step of MMA warpgroup W of ``_bwd_fused_kernel`` (the query block at ``start_m`` of one head); the mask
+    is compiled in only for edge blocks (``EDGE``), so the loop over full blocks keeps its registers for the per-row
+    vectors below."""
+    (
+        k_tile,
+        v_tile,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        sinkw_smem,
+        ds_smem,
+        ready,
+        empty,
+        ds_full,
+        ds_free,
+        key0,
+        len_q,
+        len_k,
+        shift,
+        qk_scale,
+        win_left,
+        win_right,
+    ) = ctx
+    NUM_WARPS: gl.constexpr = 4
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # vectors over queries
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over keys
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    buf = step % STAGES
+    mbarrier.wait(ready.index(buf), (step // STAGES) % 2)
+    q_tile = q_smem.index(buf)
+    do_tile = do_smem.index(buf)
+    # The per-row vectors are read from shared memory before the products that need them are issued: a load issued
+    # behind this warpgroup's MMAs waits for their operand reads, and the exponentials and dS would wait for it.
+    lse = lse_smem.index(buf).load(col_layout)
+    sT = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
+    pT = gl.exp2(sT * qk_scale - lse[None, :])
+    if EDGE:
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        offs_n = key0 + gl.arange(0, KEYS, layout=row_layout)
+        visible = (
+            (offs_n[:, None] >= offs_m[None, :] + shift - win_left)
+            & (offs_n[:, None] <= offs_m[None, :] + shift + win_right)
+            & (offs_m < len_q)[None, :]
+            & (offs_n < len_k)[:, None]
+        )
+        pT = gl.where(visible, pT, 0.0)
+    delta = delta_smem.index(buf).load(col_layout)
+    if HAS_SINK:
+        sinkw = sinkw_smem.index(buf).load(col_layout)
+    pT_op = gl.convert_layout(pT.to(dtype), a_layout)
+    dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
+    dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+    if HAS_SINK:
+        # summed over each thread's columns only ([KEYS, 8] partial sums): the reduction across threads waits until
+        # the head's last step
+        sink_part += gl.sum(gl.reshape(pT * dpT * sinkw[None, :], [KEYS, BLOCK_M // 8, 8]), axis=1)
+    dsT16 = (pT * (dpT - delta[None, :])).to(dtype)
+    # dK first: the product runs while this warpgroup hands its rows of dS^T to the dQ warpgroup
+    dsT_op = gl.convert_layout(dsT16, a_layout)
+    dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
+    # this warpgroup's rows of the step's dS^T into its buffer (free once the dQ product of two steps ago retired)
+    dsb = step % 2
+    if step >= 2:
+        mbarrier.wait(ds_free.index(dsb), (step // 2 - 1) % 2)
+    ds_smem.index(2 * dsb + W).store(dsT16)
+    fence_async_shared()
+    _thread_barrier()  # every thread's part of the tile is written before the one arrive
+    mbarrier.arrive(ds_full.index(dsb), count=1)
+    dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+    mbarrier.arrive(empty.index(buf), count=1)
+    dk = warpgroup_mma_init(dk)
+    dv = warpgroup_mma_init(dv)
+    return dk, dv, sink_part
+
+
+@gluon.jit
 def _fused_bwd_mma(
     shared,
     W: gl.constexpr,
@@ -568,7 +670,8 @@ def _fused_bwd_mma(
         dS^T -> shared memory, this warpgroup's rows of the step's dS^T (the dQ warpgroup's operand; overlaps dK)
 
     dsink_h = -sum_i exp(s_h - LSE_i) sum_j P_ij dP_ij is summed from the fp32 tiles (as in the deterministic
-    kernels) per query head and added once per head."""
+    kernels) per query head and added once per head.  Per head, the edge blocks of this warpgroup's band (the
+    diagonal, rows past len_q, keys past len_k) and its full blocks run in separate loops (``_fused_bwd_step``)."""
     (
         k_smem,
         v_smem,
@@ -606,79 +709,68 @@ def _fused_bwd_mma(
         win_right,
     ) = shared
     NUM_WARPS: gl.constexpr = 4
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
     )
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # vectors over queries
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # vectors over keys
 
     key0 = start_n + W * KEYS
-    k_tile = k_smem.index(W)
-    v_tile = v_smem.index(W)
     # this warpgroup's own band: blocks of the program's range outside it are edge blocks (fully masked); key rows
     # past len_k (the next sequence's keys) are masked too, since their dS would reach dQ
     _, full_lo, full_hi, _ = _query_block_ranges(key0, len_q, len_k, shift, win_left, win_right, BLOCK_M, KEYS)
-    key_tail = key0 + KEYS > len_k
-    offs_n = key0 + gl.arange(0, KEYS, layout=row_layout)
-    offs_m0 = gl.arange(0, BLOCK_M, layout=col_layout)
-    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    # steps [0, n_lo) and [n_hi, num_m) of each head are edge blocks, [n_lo, n_hi) full blocks
+    n_lo = gl.minimum((full_lo - lo) // BLOCK_M, num_m)
+    n_hi = gl.minimum((full_hi - lo) // BLOCK_M, num_m)
+    if key0 + KEYS > len_k:
+        n_lo = num_m
+        n_hi = num_m
+    ctx = (
+        k_smem.index(W),
+        v_smem.index(W),
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        sinkw_smem,
+        ds_smem,
+        ready,
+        empty,
+        ds_full,
+        ds_free,
+        key0,
+        len_q,
+        len_k,
+        shift,
+        qk_scale,
+        win_left,
+        win_right,
+    )
     dk = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout))
-    pT_op = gl.zeros([KEYS, BLOCK_M], dtype, a_layout)  # register operands of the MMAs in flight
-    dsT_op = gl.zeros([KEYS, BLOCK_M], dtype, a_layout)
+    part_zero = gl.sum(gl.reshape(gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout), [KEYS, BLOCK_M // 8, 8]), axis=1)
     mbarrier.wait(kv_bar, 0)
     for g in range(heads):
-        sink_rows = gl.zeros([KEYS], gl.float32, row_layout)  # per key row: sum_i w_i P_ji dP_ji
-        for mb in range(num_m):
-            step = g * num_m + mb
-            start_m = lo + mb * BLOCK_M
-            buf = step % STAGES
-            mbarrier.wait(ready.index(buf), (step // STAGES) % 2)
-            q_tile = q_smem.index(buf)
-            do_tile = do_smem.index(buf)
-            sT = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sT, dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv, pT_op, dsT_op))
-            pT = gl.exp2(sT * qk_scale - lse_smem.index(buf).load(col_layout)[None, :])
-            if (start_m < full_lo) | (start_m >= full_hi) | key_tail:  # edge block
-                row_pos = start_m + offs_m0 + shift
-                visible = (
-                    (offs_n[:, None] >= row_pos[None, :] - win_left)
-                    & (offs_n[:, None] <= row_pos[None, :] + win_right)
-                    & (start_m + offs_m0 < len_q)[None, :]
-                    & (offs_n < len_k)[:, None]
-                )
-                pT = gl.where(visible, pT, 0.0)
-            pT_op = gl.convert_layout(pT.to(dtype), a_layout)
-            dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
-            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-            if HAS_SINK:
-                sink_rows += gl.sum(pT * dpT * sinkw_smem.index(buf).load(col_layout)[None, :], axis=1)
-            dsT16 = (pT * (dpT - delta_smem.index(buf).load(col_layout)[None, :])).to(dtype)
-            # dK first: the product runs while this warpgroup hands its rows of dS^T to the dQ warpgroup
-            dsT_op = gl.convert_layout(dsT16, a_layout)
-            dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
-            # this warpgroup's rows of the step's dS^T into its buffer (free once the dQ product of two steps ago
-            # retired)
-            dsb = step % 2
-            if step >= 2:
-                mbarrier.wait(ds_free.index(dsb), (step // 2 - 1) % 2)
-            ds_smem.index(2 * dsb + W).store(dsT16)
-            fence_async_shared()
-            _thread_barrier()  # every thread's part of the tile is written before the one arrive
-            mbarrier.arrive(ds_full.index(dsb), count=1)
-            dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
-            mbarrier.arrive(empty.index(buf), count=1)
-            dk = warpgroup_mma_init(dk)
-            dv = warpgroup_mma_init(dv)
+        part = part_zero  # per key row and thread: sum_i w_i P_ji dP_ji over the thread's columns
+        for mb in range(0, n_lo):
+            step, start_m = g * num_m + mb, lo + mb * BLOCK_M
+            dk, dv, part = _fused_bwd_step(
+                ctx, dk, dv, part, step, start_m, W, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK, True
+            )
+        for mb in range(n_lo, n_hi):
+            step, start_m = g * num_m + mb, lo + mb * BLOCK_M
+            dk, dv, part = _fused_bwd_step(
+                ctx, dk, dv, part, step, start_m, W, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK, False
+            )
+        for mb in range(n_hi, num_m):
+            step, start_m = g * num_m + mb, lo + mb * BLOCK_M
+            dk, dv, part = _fused_bwd_step(
+                ctx, dk, dv, part, step, start_m, W, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK, True
+            )
         if HAS_SINK:
-            gl.atomic_add(DSink + head0 + g, -gl.sum(sink_rows, axis=0))
-    dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
+            gl.atomic_add(DSink + head0 + g, -gl.sum(gl.sum(part, axis=1), axis=0))
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
 
     dk = dk * sm_scale  # dS is w.r.t. S = scale * q.k
     out_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
