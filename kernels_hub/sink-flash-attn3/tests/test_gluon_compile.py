@@ -121,12 +121,17 @@ def _compile(fn, cfg, block_q, block_k, head_dim=64):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _sass(cuobjdump: Path, cubin: bytes) -> list[tuple[int, str]]:
-    """(address, instruction) of every SASS instruction of a cubin."""
+def _cuobjdump(cuobjdump: Path, cubin: bytes, flag: str) -> str:
+    """``cuobjdump <flag>`` of a cubin (``--dump-resource-usage``, ``-sass``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(cuobjdump), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _sass(cuobjdump: Path, cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS instruction of a cubin."""
+    text = _cuobjdump(cuobjdump, cubin, "-sass")
     return [(int(a, 16), ins.strip()) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
 
 
@@ -173,12 +178,7 @@ def test_gluon_kernels_compile_for_sm90(tk, gk, kernel, options):
     assert "cp.async.bulk.tensor" in ptx, "the tiles must arrive through TMA"
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.is_file():  # register spills show as a stack frame in the cubin's resource usage
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run(
-                [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-            ).stdout
+        usage = _cuobjdump(cuobjdump, compiled.asm["cubin"], "--dump-resource-usage")
         stack = re.search(r"STACK:(\d+)", usage)
         # under a register cap (maxnreg) ptxas versions differ by a register or two: triton 3.6's spills nothing
         # at 168, 3.9's 8 bytes; a real spill (a cap too tight, 150+ bytes at 152 registers) must still fail
