@@ -16,7 +16,8 @@ Rows (B=1, 64 query / 8 KV heads, head_dim 64, bf16, forward + backward with the
 
     python benchmarks/attention.py [--out DIR]        # writes DIR/attention.md, attention.json, attention.png
 
-Timings are medians of ``triton.testing.do_bench`` (milliseconds).  ``--device cpu`` runs the same code on tiny
+Timings are medians of ``triton.testing.do_bench`` samples (milliseconds), the implementations of a row timed in
+interleaved rounds (``bench_interleaved``).  ``--device cpu`` runs the same code on tiny
 shapes (a smoke test of the script; its numbers mean nothing).
 """
 
@@ -154,6 +155,37 @@ def bench(fn, rep=150):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+ROUNDS = 3  # interleaved rounds per comparison
+MIN_CALLS = 10  # timed calls per implementation and round, however long a call takes
+
+
+def bench_interleaved(steps, rounds=ROUNDS, min_calls=MIN_CALLS, rep=150):
+    """Times the implementations in ``steps`` ({key: fn}) side by side: ``rounds`` rounds, each timing every
+    implementation once (a drift of clocks or temperature during the comparison reaches every column alike), each
+    time for ``rep`` ms or ``min_calls`` calls, whichever is longer (``do_bench`` alone takes 2 samples of a 66 ms
+    call).  Returns ({key: median ms over every sample}, {key: error}); an implementation that raises is an error
+    entry and leaves the later rounds."""
+    samples = {key: [] for key in steps}
+    errors = {}
+    for _ in range(rounds if DEVICE == "cuda" else 1):
+        for key, fn in steps.items():
+            if key in errors:
+                continue
+            try:
+                if DEVICE != "cuda":
+                    samples[key].append(bench(fn))
+                    continue
+                import triton  # noqa: PLC0415
+
+                taken = samples[key]
+                call_ms = sorted(taken)[len(taken) // 2] if taken else 0.0
+                taken += triton.testing.do_bench(fn, warmup=25, rep=max(rep, min_calls * call_ms), return_mode="all")
+            except Exception as exc:  # noqa: BLE001 - a failing implementation is a table entry, not a crash
+                errors[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    medians = {key: (sorted(v)[len(v) // 2] if v and key not in errors else None) for key, v in samples.items()}
+    return medians, errors
+
+
 def host_time(fn, calls=20, repeats=3):
     """The host's time to issue one call of ``fn`` (ms): ``calls`` calls without waiting for the GPU, best of
     ``repeats``.  Where it reaches the GPU time, a ``do_bench`` row times the host rather than the kernels."""
@@ -191,12 +223,10 @@ def time_kernels(kernel, fa4, shapes):
             steps["deterministic_ms"] = public_step(kernel, window, inputs, deterministic=True)
         if fa4 is not None:
             steps["fa4_ms"] = fa4_step(fa4, window, inputs)
-        for key, step in steps.items():
-            try:
-                row[key] = bench(step)
-            except Exception as exc:  # noqa: BLE001 - a failing implementation is a table entry, not a crash
-                row[key] = None
-                row.setdefault("errors", {})[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        medians, errors = bench_interleaved(steps)
+        row.update(medians)
+        if errors:
+            row["errors"] = errors
         if row["public_ms"] is not None:
             row["public_host_ms"] = host_time(steps["public_ms"])
         rows.append(row)
@@ -401,20 +431,29 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
         row = dict(
             case=f"{seq_name(S)} " + ("sliding (window 128)" if sliding else "full (causal)"), S=S, sliding=sliding
         )
-        outputs = {}
+        steps, forwards, errors = {}, {}, {}
         for label, impl in layer_impls.items():
             if impl == "flex_attention" and S not in flex_seqlens:
                 continue
             try:
-                step, forward = layer_step(impl, S, sliding)
-                row[label] = bench(step)
-                with torch.no_grad():
-                    outputs[label] = forward().float()
-            except Exception as exc:  # noqa: BLE001
+                steps[label], forwards[label] = layer_step(impl, S, sliding)
+            except Exception as exc:  # noqa: BLE001 - a layer that cannot be built is a table entry
                 row[label] = None
-                row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
+                errors[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        medians, bench_errors = bench_interleaved(steps)
+        row.update(medians)
+        errors.update(bench_errors)
+        outputs = {}
+        for label, forward in forwards.items():
+            if label in errors:
+                continue
+            with torch.no_grad():
+                outputs[label] = forward().float()
+        if errors:
+            row["errors"] = errors
+        del steps, forwards
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         # the implementations compute the same layer: their outputs agree to bf16 precision
         base = outputs.get(IMPL_OURS)
         row["max_rel_diff_to_ours"] = {
@@ -430,6 +469,15 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
 # ----------------------------------------------------------------------------------------------------------------
 def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
+
+
+def timing_how(result):
+    if "rounds" not in result:  # a json written before the interleaved rounds
+        return "medians of `triton.testing.do_bench`, ms."
+    return (
+        f"medians of `triton.testing.do_bench` samples over {result['rounds']} interleaved rounds of a row's "
+        f"implementations (at least {result['min_calls']} calls each per round), ms."
+    )
 
 
 def targets(result):
@@ -513,7 +561,7 @@ def write_markdown(result, path):
         f"`{result.get('command', 'python benchmarks/attention.py')}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, "
         f"transformers {env['transformers']}, flash-attn-4 {env.get('flash_attn_4', 'not installed')}); all numbers "
         "below come from that one run. GPT-OSS shapes: B=1, 64 query / 8 KV heads, head_dim 64, bf16; "
-        "forward + backward with the gradients of q, k, v and the sinks; medians of `triton.testing.do_bench`, ms.",
+        "forward + backward with the gradients of q, k, v and the sinks; " + timing_how(result),
         "",
         "## Targets",
         "",
@@ -725,6 +773,8 @@ def main():
         mixed=None,
         accuracy=[],
         configs=configs,
+        rounds=ROUNDS,
+        min_calls=MIN_CALLS,
     )
 
     def save():  # after every section: a run stopped at a time limit still leaves what it measured

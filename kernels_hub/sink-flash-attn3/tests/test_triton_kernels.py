@@ -720,6 +720,29 @@ def test_cuda_dkdv_head_splits(monkeypatch, gluon):
 
 @pytest.mark.gpu
 @SM90
+@pytest.mark.parametrize("programs", [1, 5, 10_000])
+def test_cuda_gluon_forward_any_number_of_programs(monkeypatch, programs):
+    # The persistent Gluon forward walks its tiles with a stride of the grid: one program (every tile, the pipeline
+    # counters running over tiles of different lengths, skipped tiles past short sequences), a few, or one program
+    # per tile must give the same output and LSE bit for bit (a tile's arithmetic does not depend on its program)
+    tk_cuda = _load_kernels(interpret=False)
+    monkeypatch.setattr(tk_cuda, "_GLUON_FWD_MIN_SEQLEN", 1)
+    case = make_case(
+        [700, 1029, 64, 0, 5], [700, 1029, 64, 0, 300], 8, 2, 64, dtype=torch.bfloat16, seed=43, device="cuda"
+    )
+    q, k, v, sinks = case["q"], case["k"], case["v"], case["sinks"]
+    args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, True, -1, -1)
+    assert tk_cuda._plan(q, k, v, False, case["max_q"], case["max_k"]).fwd == "gluon_fwd"
+    expected = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
+    monkeypatch.setattr(tk_cuda, "_multiprocessors", lambda device: programs)
+    tk_cuda._CALLS.clear()
+    got = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
+    for name, a, b in zip(("out", "lse"), got, expected):
+        assert torch.equal(a, b), f"{name} changed with {programs} programs"
+
+
+@pytest.mark.gpu
+@SM90
 @pytest.mark.parametrize(
     "seqlens_q, seqlens_k, causal, window",
     [

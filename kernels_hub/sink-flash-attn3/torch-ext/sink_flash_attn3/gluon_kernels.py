@@ -22,7 +22,9 @@ them (1-D copies; a per-row global load per step cost ~25% of that kernel's inst
 
 The forward ``_fwd_ws_kernel`` has FA4's sm_90 shape: a load warp and three consumer warpgroups of 64 query rows on
 128-key tiles, each overlapping the softmax of key block j+1 with its P_j V_j product, the consumers taking turns on
-the tensor cores.  ``triton_kernels._plan`` runs it on layers without a left window from 8k queries.
+the tensor cores.  It is persistent (one program per multiprocessor walking the tiles, as FlashAttention-3's tile
+schedulers do), so the next tile's loads overlap a tile's last products and output stores.  ``triton_kernels._plan``
+runs it on layers without a left window from 8k queries.
 
 Scope (``triton_kernels._plan`` checks it): CUDA sm_90, 16-bit inputs, head_dim 64, rows 16-byte aligned.  The
 launch configurations are ``triton_kernels.CONFIGS`` ("gluon_*" entries), passed in by the caller.  Gluon has no
@@ -1050,12 +1052,59 @@ def _to_16bit_pairs(x, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_ws_producer(
-    loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr
+def _fwd_tile(
+    tile,
+    num_m,
+    heads,
+    num_seqs,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    win_left,
+    win_right,
+    ROWS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
 ):
-    """The load warp of ``_fwd_ws_kernel``: every consumer's Q tile, then K_j and V_j into buffer j % STAGES once
-    all consumers released that buffer's previous use (its u-th use waits for the (u-1)-th completion of the
-    buffer's ``empty`` barrier, which counts one arrival per consumer)."""
+    """Tile ``tile`` of the persistent forward: query rows [start_m0, start_m0 + ROWS) of head ``off_h`` of sequence
+    ``off_b``, the longest (last) query blocks first, then sequences, heads fastest.  A tile past its sequence's end
+    has ``start_m0 >= len_q``.  Its key blocks: [lo, lo + num_n * BLOCK_N), every key any of its rows sees."""
+    per_block = heads * num_seqs
+    mi = tile // per_block
+    off_b = (tile - mi * per_block) // heads
+    off_h = tile - mi * per_block - off_b * heads
+    start_m0 = (num_m - 1 - mi) * ROWS
+    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
+    lo, _, _, hi = _key_block_ranges(start_m0, len_q, len_k, len_k - len_q, win_left, win_right, ROWS, BLOCK_N)
+    num_n = gl.cdiv(hi - lo, BLOCK_N)
+    return off_h, start_m0, q_start, len_q, k_start, len_k, lo, num_n
+
+
+@gluon.jit
+def _fwd_ws_load_q(
+    q_desc, q_smem, q_ready, q_empty, row0, col, tiles_done, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr
+):
+    """Every consumer's Q tile of the next tile, each once that consumer released its previous one (the Q tile is
+    also its output staging buffer)."""
+    for c in gl.static_range(CONSUMERS):
+        if tiles_done > 0:
+            mbarrier.wait(q_empty.index(c), (tiles_done - 1) % 2)
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [row0 + c * BLOCK_M, col], q_ready.index(c), q_smem.index(c))
+
+
+@gluon.jit
+def _fwd_ws_producer(
+    loads,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+):
+    """The load warp of ``_fwd_ws_kernel``.  Per tile: K_0 (it can land while the consumers finish the previous
+    tile), the consumers' Q tiles, then V_0, K_1, V_1, ...  Key block i of the program (counted over its tiles) goes
+    into buffer i % STAGES once every consumer released that buffer's previous use (its u-th use waits for the
+    (u-1)-th completion of the buffer's ``empty`` barrier, which counts one arrival per consumer)."""
     (
         q_desc,
         k_desc,
@@ -1063,31 +1112,52 @@ def _fwd_ws_producer(
         q_smem,
         k_smem,
         v_smem,
-        q_bar,
+        q_ready,
+        q_empty,
         k_ready,
         v_ready,
         k_empty,
         v_empty,
-        q_row0,
-        q_col,
-        kv_row0,
-        kv_col,
-        num_n,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        num_tiles,
+        num_m,
+        heads,
+        num_seqs,
+        win_left,
+        win_right,
     ) = loads
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
-    for c in gl.static_range(CONSUMERS):
-        _tma_load(q_desc, [q_row0 + c * BLOCK_M, q_col], q_bar, q_smem.index(c))
-    for j in range(num_n):
-        buf = j % STAGES
-        use = j // STAGES
-        if use > 0:
-            mbarrier.wait(k_empty.index(buf), (use - 1) % 2)
-        mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row0 + j * BLOCK_N, kv_col], k_ready.index(buf), k_smem.index(buf))
-        if use > 0:
-            mbarrier.wait(v_empty.index(buf), (use - 1) % 2)
-        mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [kv_row0 + j * BLOCK_N, kv_col], v_ready.index(buf), v_smem.index(buf))
+    it = 0  # key blocks loaded by this program so far
+    tiles_done = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_h, start_m0, q_start, len_q, k_start, _, lo, num_n = _fwd_tile(
+            tile, num_m, heads, num_seqs, cu_seqlens_q, cu_seqlens_k, win_left, win_right, CONSUMERS * BLOCK_M, BLOCK_N
+        )
+        if start_m0 < len_q:
+            q_row0 = q_start + start_m0
+            kv_row0 = k_start + lo
+            kv_col = (off_h // GROUP) * HEAD_DIM
+            if num_n == 0:
+                _fwd_ws_load_q(
+                    q_desc, q_smem, q_ready, q_empty, q_row0, off_h * HEAD_DIM, tiles_done, BLOCK_M, CONSUMERS
+                )
+            for j in range(num_n):
+                buf = (it + j) % STAGES
+                use = (it + j) // STAGES
+                if use > 0:
+                    mbarrier.wait(k_empty.index(buf), (use - 1) % 2)
+                mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [kv_row0 + j * BLOCK_N, kv_col], k_ready.index(buf), k_smem.index(buf))
+                if j == 0:
+                    _fwd_ws_load_q(
+                        q_desc, q_smem, q_ready, q_empty, q_row0, off_h * HEAD_DIM, tiles_done, BLOCK_M, CONSUMERS
+                    )
+                if use > 0:
+                    mbarrier.wait(v_empty.index(buf), (use - 1) % 2)
+                mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [kv_row0 + j * BLOCK_N, kv_col], v_ready.index(buf), v_smem.index(buf))
+            it += num_n
+            tiles_done += 1
 
 
 @gluon.jit
@@ -1101,15 +1171,16 @@ def _fwd_ws_consumer(
     HAS_SINK: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Consumer warpgroup C of ``_fwd_ws_kernel``: query rows [start_m0 + C * BLOCK_M, + BLOCK_M), every key block of
-    the program, with FlashAttention-3's in-warpgroup overlap (the softmax of key block j+1 runs while P_j V_j is on
-    the tensor cores).  The consumers issue their products in turn (mbarriers ``turn``, round robin), so one's
-    softmax runs while the others' products hold the tensor cores."""
+    """Consumer warpgroup C of ``_fwd_ws_kernel``: per tile, query rows [start_m0 + C * BLOCK_M, + BLOCK_M) over
+    every key block of the tile, with FlashAttention-3's in-warpgroup overlap (the softmax of key block j+1 runs
+    while P_j V_j is on the tensor cores).  The consumers issue their products in turn (mbarriers ``turn``, round
+    robin over the program's key blocks), so one's softmax runs while the others' products hold the tensor cores."""
     (
         q_smem,
         k_smem,
         v_smem,
-        q_bar,
+        q_ready,
+        q_empty,
         k_ready,
         v_ready,
         k_empty,
@@ -1119,13 +1190,12 @@ def _fwd_ws_consumer(
         Out,
         Lse,
         o_desc,
-        off_h,
-        q_start,
-        len_q,
-        len_k,
-        start_m0,
-        lo,
-        num_n,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        num_tiles,
+        num_m,
+        heads,
+        num_seqs,
         stride_ot,
         stride_oh,
         stride_lse_h,
@@ -1134,8 +1204,6 @@ def _fwd_ws_consumer(
         win_right,
     ) = shared
     NUM_WARPS: gl.constexpr = 4
-    start_m = start_m0 + C * BLOCK_M
-    shift = len_k - len_q
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
@@ -1146,85 +1214,101 @@ def _fwd_ws_consumer(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # this warpgroup's masks: blocks of the program's band outside its own full range are edge blocks
-    _, full_lo, full_hi, _ = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
     q_tile = q_smem.index(C)
-    m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
-    row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     if C == CONSUMERS - 1:  # consumer 0 issues first
         mbarrier.arrive(turn.index(0), count=1)
-    mbarrier.wait(q_bar, 0)
-    if num_n > 0:
-        acc = warpgroup_mma_init(acc)
-        mbarrier.wait(k_ready.index(0), 0)
-        mbarrier.wait(turn.index(C), 0)
-        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, m_i, l_i = _fwd_softmax(
-            s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left, win_right, qk_scale
+    it = 0  # key blocks of this program so far: buffer it % STAGES, this consumer's turn parity it % 2
+    tiles_done = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_h, start_m0, q_start, len_q, _, len_k, lo, num_n = _fwd_tile(
+            tile, num_m, heads, num_seqs, cu_seqlens_q, cu_seqlens_k, win_left, win_right, CONSUMERS * BLOCK_M, BLOCK_N
         )
-        p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
-        for j in range(num_n - 1):
-            buf = j % STAGES
-            nxt = (j + 1) % STAGES
-            mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) % 2)
-            mbarrier.wait(v_ready.index(buf), (j // STAGES) % 2)
-            mbarrier.wait(turn.index(C), (j + 1) % 2)
-            s = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
-            mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_{j+1} retired; P_j V_j may still run
-            mbarrier.arrive(k_empty.index(nxt), count=1)
-            p, alpha, m_i, l_i = _fwd_softmax(
-                s,
+        if start_m0 < len_q:
+            start_m = start_m0 + C * BLOCK_M
+            shift = len_k - len_q
+            # this warpgroup's masks: blocks of the tile's band outside its own full range are edge blocks
+            _, full_lo, full_hi, _ = _key_block_ranges(
+                start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N
+            )
+            m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
+            row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_ready.index(C), tiles_done % 2)
+            if num_n > 0:
+                acc = warpgroup_mma_init(acc)
+                buf = it % STAGES
+                mbarrier.wait(k_ready.index(buf), (it // STAGES) % 2)
+                mbarrier.wait(turn.index(C), it % 2)
+                s = warpgroup_mma(q_tile, k_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                mbarrier.arrive(k_empty.index(buf), count=1)
+                p, alpha, m_i, l_i = _fwd_softmax(
+                    s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left, win_right, qk_scale
+                )
+                p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
+                for j in range(num_n - 1):
+                    buf = (it + j) % STAGES
+                    nxt = (it + j + 1) % STAGES
+                    mbarrier.wait(k_ready.index(nxt), ((it + j + 1) // STAGES) % 2)
+                    mbarrier.wait(v_ready.index(buf), ((it + j) // STAGES) % 2)
+                    mbarrier.wait(turn.index(C), (it + j + 1) % 2)
+                    s = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(p_op, v_smem.index(buf), acc, is_async=True)
+                    mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_{j+1} retired; P_j V_j may still run
+                    mbarrier.arrive(k_empty.index(nxt), count=1)
+                    p, alpha, m_i, l_i = _fwd_softmax(
+                        s,
+                        m_i,
+                        l_i,
+                        lo + (j + 1) * BLOCK_N,
+                        offs_n0,
+                        row_pos,
+                        len_k,
+                        full_lo,
+                        full_hi,
+                        win_left,
+                        win_right,
+                        qk_scale,
+                    )
+                    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+                    mbarrier.arrive(v_empty.index(buf), count=1)
+                    acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
+                    p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
+                last = (it + num_n - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it + num_n - 1) // STAGES) % 2)
+                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+                mbarrier.arrive(v_empty.index(last), count=1)
+            _fwd_store(
+                acc,
                 m_i,
                 l_i,
-                lo + (j + 1) * BLOCK_N,
-                offs_n0,
-                row_pos,
-                len_k,
-                full_lo,
-                full_hi,
-                win_left,
-                win_right,
-                qk_scale,
+                q_tile,
+                o_desc,
+                Out,
+                Lse,
+                off_h,
+                q_start,
+                len_q,
+                start_m,
+                stride_ot,
+                stride_oh,
+                stride_lse_h,
+                BLOCK_M,
+                HEAD_DIM,
+                o_layout,
+                row_layout,
             )
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            mbarrier.arrive(v_empty.index(buf), count=1)
-            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_row_layout)[:, None])
-            p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
-        last = (num_n - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((num_n - 1) // STAGES) % 2)
-        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _fwd_store(
-        acc,
-        m_i,
-        l_i,
-        q_tile,
-        o_desc,
-        Out,
-        Lse,
-        off_h,
-        q_start,
-        len_q,
-        start_m,
-        stride_ot,
-        stride_oh,
-        stride_lse_h,
-        BLOCK_M,
-        HEAD_DIM,
-        o_layout,
-        row_layout,
-    )
+            mbarrier.arrive(q_empty.index(C), count=1)  # the Q tile (and output staging) is free
+            it += num_n
+            tiles_done += 1
 
 
-@gluon.jit(do_not_specialize=["stride_lse_h"])
+@gluon.jit(do_not_specialize=["stride_lse_h", "num_tiles", "num_m", "num_seqs"])
 def _fwd_ws_kernel(
     q_desc,
     k_desc,
@@ -1238,6 +1322,10 @@ def _fwd_ws_kernel(
     stride_ot,
     stride_oh,
     stride_lse_h,
+    num_tiles,
+    num_m,
+    heads,
+    num_seqs,
     qk_scale,
     win_left,
     win_right,
@@ -1251,46 +1339,39 @@ def _fwd_ws_kernel(
     PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Forward with a load warp and three consumer warpgroups of BLOCK_M query rows of one head per program (FA4's
-    sm_90 forward at head_dim 64: 3 x 64 rows, 128-key tiles).  The load warp alone issues TMA, so the consumers run no
+    """Persistent forward with a load warp and three consumer warpgroups of BLOCK_M query rows (FA4's sm_90 forward
+    at head_dim 64: 3 x 64 rows, 128-key tiles).  One program per multiprocessor walks the tiles (``_fwd_tile``,
+    ``num_tiles`` = query blocks x sequences x heads) with a stride of the grid, so the loads of a tile overlap
+    the previous tile's last products and output stores.  The load warp alone issues TMA, so the consumers run no
     CTA barriers; K and V have their own ready / empty barriers, so S_{j+1} can start before V_j lands."""
     CONSUMERS: gl.constexpr = 3
-    off_h = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    off_b = gl.program_id(2)
-    q_start, len_q, k_start, len_k = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, off_b)
-    start_m0 = (gl.num_programs(1) - 1 - pid_m) * (CONSUMERS * BLOCK_M)  # longest (last) query blocks first
-    if start_m0 >= len_q:
-        return
-    shift = len_k - len_q
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)  # released by every consumer
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    # the key blocks seen by any of the program's rows
-    lo, _, _, hi = _key_block_ranges(start_m0, len_q, len_k, shift, win_left, win_right, CONSUMERS * BLOCK_M, BLOCK_N)
-    num_n = gl.cdiv(hi - lo, BLOCK_N)
-    kv_col = (off_h // GROUP) * HEAD_DIM
     # runtime arguments travel as one tuple; the constexprs stay separate arguments (a tuple would make them tensors)
     shared = (
         q_smem,
         k_smem,
         v_smem,
-        q_bar,
+        q_ready,
+        q_empty,
         k_ready,
         v_ready,
         k_empty,
@@ -1300,13 +1381,12 @@ def _fwd_ws_kernel(
         Out,
         Lse,
         o_desc,
-        off_h,
-        q_start,
-        len_q,
-        len_k,
-        start_m0,
-        lo,
-        num_n,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        num_tiles,
+        num_m,
+        heads,
+        num_seqs,
         stride_ot,
         stride_oh,
         stride_lse_h,
@@ -1321,23 +1401,27 @@ def _fwd_ws_kernel(
         q_smem,
         k_smem,
         v_smem,
-        q_bar,
+        q_ready,
+        q_empty,
         k_ready,
         v_ready,
         k_empty,
         v_empty,
-        q_start + start_m0,
-        off_h * HEAD_DIM,
-        k_start + lo,
-        kv_col,
-        num_n,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        num_tiles,
+        num_m,
+        heads,
+        num_seqs,
+        win_left,
+        win_right,
     )
     gl.warp_specialize(
         [
             (_fwd_ws_consumer, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
             (_fwd_ws_consumer, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
             (_fwd_ws_consumer, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, HAS_SINK, STAGES)),
-            (_fwd_ws_producer, (loads, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+            (_fwd_ws_producer, (loads, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
         ],
         [4, 4, 1],
         [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1488,19 +1572,35 @@ def backward(
 
 
 def fwd(
-    q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, win_left, win_right, config, sites
+    q,
+    k,
+    v,
+    sinks,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    qk_scale,
+    win_left,
+    win_right,
+    config,
+    num_programs,
+    sites,
 ):
-    """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (three consumers x BLOCK_M query rows per program);
-    ``sites`` as in :func:`backward`."""
+    """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (three consumers x BLOCK_M query rows per tile, at
+    most ``num_programs`` persistent programs: one per multiprocessor); ``sites`` as in :func:`backward`."""
     _, H_q, D = q.shape
     bm, bn, cfg = _launch_options(config)
-    grid = (H_q, _cdiv(int(max_seqlen_q), 3 * bm), cu_seqlens_q.numel() - 1)
+    num_m = _cdiv(int(max_seqlen_q), 3 * bm)
+    num_seqs = cu_seqlens_q.numel() - 1
+    num_tiles = H_q * num_m * num_seqs
     has_sink = sinks is not None
     launch_at(
         sites,
         "gluon_fwd",
         _fwd_ws_kernel,
-        grid,
+        (min(num_tiles, num_programs), 1, 1),
         _descriptor(q, bm),
         _descriptor(k, bn),
         _descriptor(v, bn),
@@ -1513,6 +1613,10 @@ def fwd(
         out.stride(0),
         out.stride(1),
         lse.stride(0),
+        num_tiles,
+        num_m,
+        H_q,
+        num_seqs,
         qk_scale,
         win_left,
         win_right,

@@ -1243,7 +1243,7 @@ def sink_attention_forward(
     if call.kernel == "gluon_fwd":
         _run_gluon(
             "fwd", q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, qk_scale, left, right,
-            call.constexprs, call.sites,
+            call.constexprs, _multiprocessors(q.device), call.sites,
         )  # fmt: skip
         return out, lse
     k_desc, v_desc = _descriptors_if(call.tma, call.constexprs["BLOCK_N"], k, v)
