@@ -391,6 +391,37 @@ def test_attention_targets_name_host_bound_rows():
     assert values["S=16k window 128"] == ("0.860 ms (FA4 1.190, raw 0.850)", True)
 
 
+def test_attention_bench_interleaves_rounds_and_keeps_failures(monkeypatch):
+    """`bench_interleaved` (GPU timing, here with a stand-in for `do_bench`): every round times each implementation
+    once, in the row's order; from the second round a slow call gets at least `min_calls` samples; the median is
+    over every sample; an implementation that raises is an error entry, left out of the later rounds."""
+    import triton
+
+    from benchmarks import attention as bench
+
+    calls = []
+    call_ms = {"fast": 1.0, "slow": 60.0}
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        assert return_mode == "all"
+        name = fn()
+        calls.append((name, rep))
+        n = max(1, int(rep / call_ms[name]))
+        return [call_ms[name]] * n
+
+    def broken():
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(bench, "DEVICE", "cuda")
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    steps = {"fast": lambda: "fast", "broken": broken, "slow": lambda: "slow"}
+    medians, errors = bench.bench_interleaved(steps, rounds=3, min_calls=10, rep=150)
+    assert [name for name, _ in calls] == ["fast", "slow"] * 3
+    assert [rep for name, rep in calls if name == "slow"] == [150, 600.0, 600.0]  # 2 samples, then 10 per round
+    assert errors == {"broken": "RuntimeError: no kernel image"}
+    assert medians == {"fast": 1.0, "broken": None, "slow": 60.0}
+
+
 def test_full_step_ragged_batch_runs_on_cpu(tmp_path):
     """`--ragged`: packed (project) and padded (stock) micro-batches of a log-normal batch; same log-probs."""
     cmd = [sys.executable, "benchmarks/full_step.py", "--model", "tiny", "--device", "cpu", "--dtype", "float32",
