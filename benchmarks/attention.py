@@ -17,8 +17,8 @@ Rows (B=1, 64 query / 8 KV heads, head_dim 64, bf16, forward + backward with the
     python benchmarks/attention.py [--out DIR]        # writes DIR/attention.md, attention.json, attention.png
 
 Timings are medians of ``triton.testing.do_bench`` samples (milliseconds), the implementations of a row timed in
-interleaved rounds (``bench_interleaved``).  ``--device cpu`` runs the same code on tiny
-shapes (a smoke test of the script; its numbers mean nothing).
+interleaved rounds (``bench_interleaved``).  ``--device cpu`` runs the same code on tiny shapes (a smoke test of the
+script; its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -178,11 +179,11 @@ def bench_interleaved(steps, rounds=ROUNDS, min_calls=MIN_CALLS, rep=150):
                 import triton  # noqa: PLC0415
 
                 taken = samples[key]
-                call_ms = sorted(taken)[len(taken) // 2] if taken else 0.0
+                call_ms = statistics.median_high(taken) if taken else 0.0
                 taken += triton.testing.do_bench(fn, warmup=25, rep=max(rep, min_calls * call_ms), return_mode="all")
             except Exception as exc:  # noqa: BLE001 - a failing implementation is a table entry, not a crash
                 errors[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    medians = {key: (sorted(v)[len(v) // 2] if v and key not in errors else None) for key, v in samples.items()}
+    medians = {key: (statistics.median_high(v) if v and key not in errors else None) for key, v in samples.items()}
     return medians, errors
 
 
