@@ -1364,7 +1364,8 @@ def _fwd_ws_kernel(
     at head_dim 64: 3 x 64 rows, 128-key tiles).  One program per multiprocessor walks the tiles (``_fwd_tile``,
     ``num_tiles`` = query blocks x sequences x heads) one round of the grid at a time (``_fwd_tile_of_round``), so
     the loads of a tile overlap the previous tile's last products and output stores.  The load warp alone issues
-    TMA, so the consumers run no CTA barriers; K and V have their own ready / empty barriers, so S_{j+1} can start before V_j lands."""
+    TMA, so the consumers run no CTA barriers; K and V have their own ready / empty barriers, so S_{j+1} can start
+    before V_j lands."""
     CONSUMERS: gl.constexpr = 3
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], q_desc.layout)
