@@ -246,7 +246,7 @@ def _kernels_package():
 CUDA_CASES = [
     (torch.bfloat16, 1000, 128, "auto", True),  # Triton forward (TMA tiles), Gluon dK/dV + dQ
     (torch.bfloat16, 2500, None, "auto", False),  # fused backward (sm_90)
-    (torch.bfloat16, 8192, None, "auto", True),  # Gluon forward (sm_90, from 8k queries)
+    (torch.bfloat16, 8192, None, "auto", True),  # Gluon forward (sm_90, from 2k queries)
     (torch.bfloat16, 1000, None, "0", True),  # Triton kernels only, TMA tiles
     (torch.float32, 700, 128, "0", True),  # fp32: pointer loads in the backward
 ]

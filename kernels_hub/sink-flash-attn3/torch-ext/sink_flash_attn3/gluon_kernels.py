@@ -24,7 +24,7 @@ The forward ``_fwd_ws_kernel`` has FA4's sm_90 shape: a load warp and three cons
 128-key tiles, each overlapping the softmax of key block j+1 with its P_j V_j product, the consumers taking turns on
 the tensor cores.  It is persistent (one program per multiprocessor walking the tiles, as FlashAttention-3's tile
 schedulers do), so the next tile's loads overlap a tile's last products and output stores.  ``triton_kernels._plan``
-runs it on layers without a left window from 8k queries.
+runs it on layers without a left window from 2k queries.
 
 Scope (``triton_kernels._plan`` checks it): CUDA sm_90, 16-bit inputs, head_dim 64, rows 16-byte aligned.  The
 launch configurations are ``triton_kernels.CONFIGS`` ("gluon_*" entries), passed in by the caller.  Gluon has no
@@ -1188,7 +1188,9 @@ def _fwd_ws_consumer(
     """Consumer warpgroup C of ``_fwd_ws_kernel``: per tile, query rows [start_m0 + C * BLOCK_M, + BLOCK_M) over
     every key block of the tile, with FlashAttention-3's in-warpgroup overlap (the softmax of key block j+1 runs
     while P_j V_j is on the tensor cores).  The consumers issue their products in turn (mbarriers ``turn``, round
-    robin over the program's key blocks), so one's softmax runs while the others' products hold the tensor cores."""
+    robin over the program's key blocks), so one's softmax runs while the others' products hold the tensor cores.
+    A consumer stops at the last key block its own rows see and only passes its turn through the tile's remaining
+    blocks, so on causal layers the first consumers' output stores overlap the others' last blocks."""
     (
         q_smem,
         o_smem,
@@ -1245,14 +1247,19 @@ def _fwd_ws_consumer(
             start_m = start_m0 + C * BLOCK_M
             shift = len_k - len_q
             # this warpgroup's masks: blocks of the tile's band outside its own full range are edge blocks
-            _, full_lo, full_hi, _ = _key_block_ranges(
+            _, full_lo, full_hi, own_hi = _key_block_ranges(
                 start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N
             )
+            # the tile's key blocks this warpgroup's rows see: [lo, lo + own_n); on causal layers the tile's last
+            # block (two of them for some tiles) lies past the diagonal of its first 64 rows
+            own_n = gl.minimum(gl.cdiv(gl.maximum(own_hi - lo, 0), BLOCK_N), num_n)
+            if start_m >= len_q:
+                own_n = 0
             m_i, l_i = _fwd_softmax_start(Sinks, off_h, HAS_SINK, BLOCK_M, row_layout)
             row_pos = start_m + gl.arange(0, BLOCK_M, layout=row_layout) + shift
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
             mbarrier.wait(q_ready.index(C), tiles_done % 2)
-            if num_n > 0:
+            if own_n > 0:
                 acc = warpgroup_mma_init(acc)
                 buf = it % STAGES
                 mbarrier.wait(k_ready.index(buf), (it // STAGES) % 2)
@@ -1265,7 +1272,7 @@ def _fwd_ws_consumer(
                     s, m_i, l_i, lo, offs_n0, row_pos, len_k, full_lo, full_hi, win_left, win_right, qk_scale
                 )
                 p_op = gl.convert_layout(_to_16bit_pairs(p, dtype), p_layout)
-                for j in range(num_n - 1):
+                for j in range(own_n - 1):
                     buf = (it + j) % STAGES
                     nxt = (it + j + 1) % STAGES
                     mbarrier.wait(k_ready.index(nxt), ((it + j + 1) // STAGES) % 2)
@@ -1297,13 +1304,24 @@ def _fwd_ws_consumer(
                 # the tile's last S product retired: the load warp may bring the next tile's Q while this
                 # consumer runs its last P V product and the epilogue
                 mbarrier.arrive(q_empty.index(C), count=1)
-                last = (it + num_n - 1) % STAGES
-                mbarrier.wait(v_ready.index(last), ((it + num_n - 1) // STAGES) % 2)
+                last = (it + own_n - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it + own_n - 1) // STAGES) % 2)
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
                 mbarrier.arrive(v_empty.index(last), count=1)
             else:
                 mbarrier.arrive(q_empty.index(C), count=1)  # no key block: Q unused
+            # The tile's blocks past this warpgroup's rows: pass its turn on (the others' products go on) and release
+            # the buffers, each once loaded, so that the arrivals count toward this use of the buffer.  Its output
+            # store then overlaps the others' last blocks.
+            for j in range(own_n, num_n):
+                buf = (it + j) % STAGES
+                mbarrier.wait(k_ready.index(buf), ((it + j) // STAGES) % 2)
+                mbarrier.wait(turn.index(C), (it + j) % 2)
+                mbarrier.arrive(turn.index((C + 1) % CONSUMERS), count=1)
+                mbarrier.arrive(k_empty.index(buf), count=1)
+                mbarrier.wait(v_ready.index(buf), ((it + j) // STAGES) % 2)
+                mbarrier.arrive(v_empty.index(buf), count=1)
             _fwd_store(
                 acc,
                 m_i,

@@ -100,7 +100,7 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # CPU (interpreter): numpy per block
 # The Gluon forward runs on full-attention layers from this many queries; below, and on sliding layers (a
 # window-128 program sees two or three key blocks, too few to fill its pipeline), the Triton forward is faster.
-_GLUON_FWD_MIN_SEQLEN = 8192
+_GLUON_FWD_MIN_SEQLEN = 2048
 # The dK/dV grid of a full layer is split over the query heads of a KV group until it has this many programs per
 # multiprocessor (``_dkdv_head_splits``): six for the deterministic dK/dV kernels (three share a multiprocessor),
 # one for the fused backward (one program per multiprocessor; more splits only add partial sums).  Measured on an
