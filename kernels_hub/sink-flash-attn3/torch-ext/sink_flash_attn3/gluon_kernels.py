@@ -21,9 +21,9 @@ the tiles of step i+1 are requested at the start of step i; in the dK/dV kernel 
 them (1-D copies; a per-row global load per step cost ~25% of that kernel's instructions).
 
 The forward ``_fwd_ws_kernel`` has FA4's sm_90 shape: a load warp and three consumer warpgroups of 64 query rows on
-128-key tiles, each overlapping the softmax of key block j+1 with its P_j V_j product, the consumers taking turns on
-the tensor cores.  It is persistent (one program per multiprocessor walking the tiles, as FlashAttention-3's tile
-schedulers do), so the next tile's loads overlap a tile's last products and output stores.  ``triton_kernels._plan``
+128-key tiles, each issuing S_{j+1} = Q K_{j+1}^T with P_j V_j, the consumers taking turns on the tensor cores.
+It is persistent (one program per multiprocessor walking the tiles, as FlashAttention-3's tile schedulers do), so
+the next tile's loads overlap a tile's last products and output stores.  ``triton_kernels._plan``
 runs it on layers without a left window from 2k queries.
 
 Scope (``triton_kernels._plan`` checks it): CUDA sm_90, 16-bit inputs, head_dim 64, rows 16-byte aligned.  The
@@ -1186,9 +1186,10 @@ def _fwd_ws_consumer(
     STAGES: gl.constexpr,
 ):
     """Consumer warpgroup C of ``_fwd_ws_kernel``: per tile, query rows [start_m0 + C * BLOCK_M, + BLOCK_M) over
-    every key block of the tile, with FlashAttention-3's in-warpgroup overlap (the softmax of key block j+1 runs
-    while P_j V_j is on the tensor cores).  The consumers issue their products in turn (mbarriers ``turn``, round
-    robin over the program's key blocks), so one's softmax runs while the others' products hold the tensor cores.
+    every key block of the tile, issuing S_{j+1} and P_j V_j together as FlashAttention-3's in-warpgroup overlap
+    does (the sm_90 compile retires P_j V_j before the softmax of block j+1: benchmarks/notes/attention.md).  The
+    consumers issue their products in turn (mbarriers ``turn``, round robin over the program's key blocks), so one's
+    softmax runs while the others' products hold the tensor cores.
     A consumer stops at the last key block its own rows see and only passes its turn through the tile's remaining
     blocks, so on causal layers the first consumers' output stores overlap the others' last blocks."""
     (
