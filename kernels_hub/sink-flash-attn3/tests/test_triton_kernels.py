@@ -568,7 +568,7 @@ def interpreter_bf16_dot(tk, monkeypatch):
     ],
 )
 def test_bf16_matches_fp64(tk, interpreter_bf16_dot, seqlens_q, seqlens_k, hq, hkv, window):
-    # bf16 inputs, fp32 accumulation: relative error of every output near bf16 precision (issue: 1e-3 - 1e-2)
+    # bf16 inputs, fp32 accumulation: relative error of every output near bf16 precision (expected: 1e-3 - 1e-2)
     case = make_case(seqlens_q, seqlens_k, hq, hkv, 64, dtype=torch.bfloat16, seed=13 + hq)
     case["sinks"] = case["sinks"] * 3.0
     errs, (out, _lse, dq, dk, dv, _ds) = run_and_compare(tk, case, True, *window, tol=2e-2)
