@@ -89,6 +89,17 @@ def test_kernels_that_are_not_compiled_launch_through_their_grid():
     assert launch._RECORDS == {}
 
 
+class _CFunction:
+    """Stands for a function of a C extension module (no ``__code__``) and records its calls."""
+
+    def __init__(self, module):
+        self.__module__ = module
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
 def _fake_compiled(base_format="iiiKKppOOOOOO"):
     """A compiled kernel shaped like Triton 3.6's: a launcher object from a driver module whose ``launch`` wraps the
     generated C launcher (module ``__triton_launcher``) to expand descriptors, and the driver's
@@ -96,12 +107,7 @@ def _fake_compiled(base_format="iiiKKppOOOOOO"):
     driver = types.ModuleType("_fake_triton_driver")
     driver._BASE_ARGS_FORMAT = base_format
     driver.make_tensordesc_arg = lambda arg, meta: [f"map<{meta}>", *arg.shape, *arg.strides]
-    calls = []
-
-    def generated_launch(*args):
-        calls.append(args)
-
-    generated_launch.__module__ = "__triton_launcher"
+    generated_launch = _CFunction("__triton_launcher")
 
     def wrap_handle_tensordesc(launcher, tensordesc_meta):
         def inner(*args):
@@ -115,7 +121,33 @@ def _fake_compiled(base_format="iiiKKppOOOOOO"):
     launcher.launch_cooperative_grid, launcher.launch_pdl = False, True
     metadata = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=["m0", "m1"])
     compiled = types.SimpleNamespace(function=77, packed_metadata="packed", metadata=metadata, run=launcher)
-    return driver, compiled, calls
+    return driver, compiled, generated_launch.calls
+
+
+def _fake_generic_compiled(make_tensordesc_arg=None):
+    """A compiled kernel shaped like Triton 3.7+'s: a ``CudaLauncher`` keeping the argument annotations and the
+    signature, whose ``launch`` wraps the driver's one C launcher (``utils.launch``) to expand descriptors."""
+    driver = types.ModuleType("_fake_triton_generic_driver")
+
+    def expand(arg, meta, _):  # Triton 3.9's parameters
+        return [f"map<{meta}>", *arg.shape, *arg.strides]
+
+    driver.make_tensordesc_arg = make_tensordesc_arg or expand
+    utils_launch = _CFunction("cuda_utils")
+
+    def wrap_handle_tensordesc(launcher):
+        def inner(*args):
+            return launcher(*args)
+
+        return inner
+
+    launcher = type("CudaLauncher", (), {"__module__": driver.__name__})()
+    launcher.launch = wrap_handle_tensordesc(utils_launch)
+    launcher.arg_annotations, launcher.kernel_signature = "annotations", b"signature"
+    launcher.launch_cooperative_grid, launcher.launch_pdl = False, True
+    metadata = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=["m0", "m1"])
+    compiled = types.SimpleNamespace(function=77, packed_metadata=(4, 1, 0), metadata=metadata, run=launcher)
+    return driver, compiled, utils_launch.calls
 
 
 def _fake_kernel():
@@ -145,6 +177,101 @@ def test_direct_launch_arguments_match_the_launcher_layout(monkeypatch):
         (3, 2, 1, 1234, 77, False, True, None, None, "packed", None, None, None,
          "map<m0>", 4, 16, 16, 1, x, "map<m1>", 6, 16, 16, 1, 7, 64, True, 5),
     ]  # fmt: skip
+
+
+def test_direct_launch_arguments_match_the_generic_launcher_layout(monkeypatch):
+    # Triton 3.7+: the 13 base arguments, the launcher's annotations and signature, then one list of every kernel
+    # parameter in signature order (descriptors expanded in place, constexprs and defaults last)
+    launch = _launch_module()
+    driver, compiled, calls = _fake_generic_compiled()
+    monkeypatch.setitem(sys.modules, driver.__name__, driver)
+    x = torch.empty(8)
+    a = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
+    b = launch.Tile(torch.empty(6, 16), (6, 16), (16, 1), (3, 16))
+    args = (a, x, b, 7)
+    direct = launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True})
+    assert direct is not None
+    direct((3, 2, 1), 1234, args)
+    assert calls == [
+        (3, 2, 1, 1234, 77, False, True, (4, 1, 0), None, None, None, None, None, "annotations", b"signature",
+         ["map<m0>", 4, 16, 16, 1, x, "map<m1>", 6, 16, 16, 1, 7, 64, True, 5]),
+    ]  # fmt: skip
+
+
+def test_a_descriptor_expander_that_reads_more_keeps_the_standard_path(monkeypatch):
+    # a make_tensordesc_arg whose third parameter is used could make maps that a record must not keep
+    launch = _launch_module()
+    driver, compiled, calls = _fake_generic_compiled(make_tensordesc_arg=lambda arg, meta, stream: [arg])
+    monkeypatch.setitem(sys.modules, driver.__name__, driver)
+    args = (launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16)), torch.empty(8), None, 7)
+    with pytest.warns(RuntimeWarning, match="launch through kernel\\[grid\\]"):
+        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}) is None
+    assert calls == []
+
+
+def test_direct_launch_passes_what_the_installed_triton_launcher_passes(monkeypatch):
+    # The installed Triton's own CudaLauncher (its driver's C functions faked: no GPU here) against the direct path,
+    # on one kernel signature with two descriptors: the C launcher must receive the same arguments from both.
+    nvidia = pytest.importorskip("triton.backends.nvidia.driver")
+    if hasattr(nvidia, "_BASE_ARGS_FORMAT"):
+        pytest.skip(f"triton {triton.__version__} generates a launcher per kernel (the fake-compiled tests cover it)")
+    launch = _launch_module()
+    utils_launch = _CFunction("cuda_utils")
+
+    def fill_tma_descriptor_tiled(address, swizzle, elem_size, elem_type, block, shape, strides, padding):
+        return ("map", address, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
+
+    utils = types.SimpleNamespace(
+        launch=utils_launch,
+        build_signature_metadata=lambda kinds: ",".join(kinds).encode(),
+        fill_tma_descriptor_tiled=fill_tma_descriptor_tiled,
+    )
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(utils=utils))
+    monkeypatch.setattr(nvidia, "PyKernelArg", lambda nested_tuple, type: (type, nested_tuple), raising=False)
+    for name in ("ARG_CONSTEXPR", "ARG_KERNEL", "ARG_TUPLE"):
+        monkeypatch.setattr(nvidia, name, name, raising=False)
+    kernel = _fake_kernel()
+    names = [param.name for param in kernel.params]
+    kinds = [
+        "tensordesc<bf16[2, 16]>",
+        "*fp32",
+        "tensordesc<bf16[4, 16]>",
+        "i32",
+        "constexpr",
+        "constexpr",
+        "constexpr",
+    ]
+    src = types.SimpleNamespace(
+        constants={}, signature=dict(zip(names, kinds)), fn=types.SimpleNamespace(arg_names=names)
+    )
+    metadata = types.SimpleNamespace(
+        tensordesc_meta=[
+            dict(swizzle=3, elem_size=2, elem_type=5, block_size=[2, 16], fp4_padded=False),
+            dict(swizzle=2, elem_size=2, elem_type=5, block_size=[4, 16], fp4_padded=False),
+        ],
+        num_ctas=1,
+        global_scratch_size=0,
+        global_scratch_align=1,
+        profile_scratch_size=0,
+        profile_scratch_align=1,
+        launch_cooperative_grid=False,
+        launch_pdl=False,
+        instrumentation_mode="",
+    )
+    launcher = nvidia.CudaLauncher(src, metadata)
+    compiled = types.SimpleNamespace(function=77, packed_metadata=(4, 1, 1024), metadata=metadata, run=launcher)
+    x = torch.empty(8)
+    a = launch.Tile(torch.empty(4, 16, dtype=torch.bfloat16), (4, 16), (16, 1), (2, 16))
+    b = launch.Tile(torch.empty(6, 16, dtype=torch.bfloat16), (6, 16), (16, 1), (4, 16))
+    standard = (launch._descriptor_object(a), x, launch._descriptor_object(b), 7, 64, True, 5)
+    launcher(3, 2, 1, 1234, 77, compiled.packed_metadata, None, None, None, *standard)  # as CompiledKernel.run does
+    direct = launch._record(compiled, kernel, (a, x, b, 7), {"BLOCK": 64, "HAS_SINK": True})
+    assert direct is not None, f"triton {triton.__version__}: no direct launcher"
+    direct((3, 2, 1), 1234, (a, x, b, 7))
+    (via_triton, via_direct) = utils_launch.calls
+    assert via_direct[:-1] == via_triton[:-1]
+    assert [v if v is not x else "x" for v in via_direct[-1]] == [v if v is not x else "x" for v in via_triton[-1]]
+    assert via_triton[-1][0][0] == "map" and len(via_triton[-1]) > 9  # descriptors were expanded, x passed through
 
 
 def test_unknown_launcher_layout_keeps_the_standard_path_and_warns_once(monkeypatch):

@@ -31,9 +31,17 @@ Standard launches remain for every call when:
 
 - the interpreter runs (``TRITON_INTERPRET=1``: no compiled kernel);
 - a launch hook is installed (Triton's profiler), so the hooks see every launch;
-- a kernel needs a scratch allocation;
-- the installed Triton's launcher does not have the layout this module calls (``_BASE_ARGS_FORMAT``: Triton 3.6's
-  generated launcher). This case warns once and names the Triton version.
+- a kernel needs a scratch allocation (or Triton's sanitizer instruments it);
+- the installed Triton's launcher has neither layout this module calls. This case warns once and names the Triton
+  version.
+
+The two launcher layouts:
+
+- Triton 3.6 generates a C launcher per kernel (module ``__triton_launcher``). It takes ``_BASE_ARGS_FORMAT``'s 13
+  arguments, then the kernel's arguments flattened, each descriptor expanded in place.
+- Triton 3.7 and later (the Triton of PyTorch 2.13) have one C launcher for every kernel, the driver's
+  ``utils.launch``. It takes 15 arguments, the last two the kernel's argument annotations and signature that the
+  ``CudaLauncher`` object built once, then the flattened arguments as one sequence.
 
 Two further savings for callers that launch the same kernels many times:
 
@@ -72,17 +80,22 @@ class Tile(NamedTuple):
     block_shape: tuple
     layout: Any = None
     padding: str = "zero"
+    round_f32_to_tf32: bool = False  # (Triton 3.7+; read by its make_tensordesc_arg)
 
 
 def _descriptor_object(tile: Tile):
+    # (Triton 3.6's descriptor classes have no round_f32_to_tf32: passed only when set)
+    extra = {"round_f32_to_tf32": True} if tile.round_f32_to_tf32 else {}
     if tile.layout is None:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
-        return TensorDescriptor(tile.base, list(tile.shape), list(tile.strides), list(tile.block_shape), tile.padding)
+        return TensorDescriptor(
+            tile.base, list(tile.shape), list(tile.strides), list(tile.block_shape), tile.padding, **extra
+        )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
 
     return TensorDescriptor(
-        tile.base, list(tile.shape), list(tile.strides), list(tile.block_shape), tile.layout, tile.padding
+        tile.base, list(tile.shape), list(tile.strides), list(tile.block_shape), tile.layout, tile.padding, **extra
     )
 
 
@@ -100,7 +113,7 @@ def _args_key(args) -> tuple:
         if kind is int:
             key.append((arg == 1, arg % 16 == 0, _I32_MIN <= arg <= _I32_MAX))
         elif kind is Tile:
-            key.append((arg.base.dtype, arg.block_shape, id(arg.layout), arg.padding))
+            key.append((arg.base.dtype, arg.block_shape, id(arg.layout), arg.padding, arg.round_f32_to_tf32))
         elif kind is float or kind is bool or arg is None:
             key.append(kind)
         elif isinstance(arg, torch.Tensor):
@@ -122,6 +135,16 @@ def _debug_knobs() -> tuple:
     return (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
 
 
+class _Launcher(NamedTuple):
+    """How to call one compiled kernel's C launcher (see the module docstring for the two layouts)."""
+
+    raw_launch: Any  # the C function
+    expand: Any  # descriptor -> [tensor map, *shape, *strides] (the driver's make_tensordesc_arg), or None
+    generic: bool  # Triton 3.7+'s utils.launch: arguments as one sequence after the annotations and signature
+    annotations: Any = None
+    signature: Any = None
+
+
 class _Direct:
     """One compiled kernel and its compiled launcher, called without ``JITFunction.run``."""
 
@@ -129,6 +152,9 @@ class _Direct:
         "function",
         "packed_metadata",
         "raw_launch",
+        "generic",
+        "annotations",
+        "signature",
         "cooperative",
         "pdl",
         "tail",
@@ -140,15 +166,18 @@ class _Direct:
         "maps",
     )
 
-    def __init__(self, compiled, fn, args: tuple, constexprs: dict, raw_launch, expand):
-        if expand is None and any(type(arg) is Tile for arg in args):
+    def __init__(self, compiled, fn, args: tuple, constexprs: dict, launcher: _Launcher):
+        if launcher.expand is None and any(type(arg) is Tile for arg in args):
             raise TypeError("descriptor arguments without the driver's make_tensordesc_arg")
         self.function = compiled.function
         self.packed_metadata = compiled.packed_metadata
-        self.raw_launch = raw_launch
+        self.raw_launch = launcher.raw_launch
+        self.generic = launcher.generic
+        self.annotations = launcher.annotations
+        self.signature = launcher.signature
         self.cooperative = compiled.run.launch_cooperative_grid
         self.pdl = compiled.run.launch_pdl
-        self.expand = expand
+        self.expand = launcher.expand
         # the key holds id(fn) and the layouts' ids: the record keeps those objects alive, so no other object can take
         # one of their ids while the key is in use
         self.kernel = fn
@@ -189,6 +218,13 @@ class _Direct:
                     maps.clear()
                 expanded = maps[key] = self.expand(tile, meta)
             values[index : index + 1] = expanded
+        if self.generic:
+            values.extend(self.tail)
+            self.raw_launch(
+                grid[0], grid[1], grid[2], stream, self.function, self.cooperative, self.pdl, self.packed_metadata,
+                None, None, None, None, None, self.annotations, self.signature, values,
+            )  # fmt: skip
+            return
         self.raw_launch(
             grid[0], grid[1], grid[2], stream, self.function, self.cooperative, self.pdl, None, None,
             self.packed_metadata, None, None, None, *values, *self.tail,
@@ -211,33 +247,57 @@ _LOCK = threading.Lock()
 _UNSUPPORTED: dict = {}  # the Triton version whose launcher keeps kernel[grid] (warned once)
 
 
-# The launcher layout the direct path calls: the per-kernel C launcher Triton generates (module "__triton_launcher",
-# arguments: this base format, then the kernel's arguments flattened, each descriptor expanded by the driver's
-# make_tensordesc_arg(arg, metadata)). Triton 3.6 has it; a launcher without it keeps kernel[grid].
+# Triton 3.6's generated launcher (module "__triton_launcher"): this base format, then the kernel's arguments flattened,
+# each descriptor expanded by the driver's make_tensordesc_arg(arg, metadata).
 _BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
 _LAUNCHER_MODULE = "__triton_launcher"
 
 
-def _raw_launcher(compiled):
-    """The compiled launcher behind ``compiled.run`` and the function that expands a descriptor (None without
-    descriptor arguments), or None where the launcher does not have the layout above."""
-    launcher = getattr(compiled, "run", None)
-    driver = sys.modules.get(type(launcher).__module__)
-    if getattr(driver, "_BASE_ARGS_FORMAT", None) != _BASE_ARGS_FORMAT:
+def _descriptor_expander(driver):
+    """The driver's ``make_tensordesc_arg`` as a function of (descriptor, metadata), or None.
+
+    Triton 3.9's takes a third parameter, which its CUDA driver leaves unused (named ``_``): the tensor map depends on
+    the descriptor and its metadata only, which is what lets a record keep its maps. Any other signature is refused."""
+    expand = getattr(driver, "make_tensordesc_arg", None)
+    code = getattr(expand, "__code__", None)
+    if code is None:
         return None
-    wrapped = getattr(launcher, "launch", None)
-    if getattr(wrapped, "__module__", None) == _LAUNCHER_MODULE:  # no descriptor arguments
-        return wrapped, None
+    if code.co_argcount == 2:
+        return expand
+    if code.co_argcount == 3 and code.co_varnames[2] == "_":
+        return lambda arg, meta: expand(arg, meta, None)
+    return None
+
+
+def _wrapped_launcher(wrapped):
+    """The C launcher ``wrapped`` calls: itself, or the ``launcher`` its descriptor-expanding closure holds (a Python
+    function has ``__code__``, a function of a C extension module does not)."""
+    if callable(wrapped) and not hasattr(wrapped, "__code__"):
+        return wrapped
     code, closure = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
     if code is None or closure is None:
         return None
     raw = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure))).get("launcher")
-    expand = getattr(driver, "make_tensordesc_arg", None)
-    if getattr(raw, "__module__", None) != _LAUNCHER_MODULE or getattr(expand, "__code__", None) is None:
+    return raw if callable(raw) and not hasattr(raw, "__code__") else None
+
+
+def _raw_launcher(compiled) -> _Launcher | None:
+    """How to call ``compiled``'s C launcher directly, or None where the launcher has neither layout this module
+    knows."""
+    launcher = getattr(compiled, "run", None)
+    driver = sys.modules.get(type(launcher).__module__)
+    raw = _wrapped_launcher(getattr(launcher, "launch", None))
+    if raw is None:
         return None
-    if expand.__code__.co_argcount != 2:
+    expand = _descriptor_expander(driver)
+    if getattr(driver, "_BASE_ARGS_FORMAT", None) == _BASE_ARGS_FORMAT:  # Triton 3.6
+        return _Launcher(raw, expand, False) if getattr(raw, "__module__", None) == _LAUNCHER_MODULE else None
+    # Triton 3.7+: the CudaLauncher object keeps the argument annotations and the signature for utils.launch
+    annotations = getattr(launcher, "arg_annotations", None)
+    signature = getattr(launcher, "kernel_signature", None)
+    if annotations is None or not isinstance(signature, bytes) or getattr(launcher, "gsan_enabled", False):
         return None
-    return raw, expand
+    return _Launcher(raw, expand, True, annotations, signature)
 
 
 def _record(compiled, fn, args, constexprs):
@@ -248,8 +308,8 @@ def _record(compiled, fn, args, constexprs):
     try:
         found = _raw_launcher(compiled)
         if found is not None:
-            return _Direct(compiled, fn, args, constexprs, *found)
-        reason = "its launcher does not have the layout this package calls directly"
+            return _Direct(compiled, fn, args, constexprs, found)
+        reason = "its launcher has neither layout this package calls directly"
     except Exception as exc:  # noqa: BLE001 - a launcher this module does not know: the standard path, once warned
         reason = f"{type(exc).__name__}: {exc}"
     if not _UNSUPPORTED:
