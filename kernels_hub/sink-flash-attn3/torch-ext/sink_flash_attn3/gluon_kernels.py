@@ -28,7 +28,7 @@ layers without a left window from 2k queries.
 
 Scope (``triton_kernels._plan`` checks it): CUDA sm_90, 16-bit inputs, head_dim 64, rows 16-byte aligned.  The
 launch configurations are ``triton_kernels.CONFIGS`` ("gluon_*" entries), passed in by the caller.  Gluon has no
-interpreter, so CPU CI compiles these kernels for sm_90 (``tests/test_gluon_compile.py``) and the GPU tests compare
+interpreter, so CPU CI compiles these kernels for sm_90 (``tests/test_sm90_compile.py``) and the GPU tests compare
 them with an fp64 reference.
 """
 

@@ -121,8 +121,13 @@ _GLUON_SETTINGS = {"auto": True, "1": True, "true": True, "on": True, "0": False
 _INTERPRETER_BF16 = False
 
 
+def _compiled(device: torch.device) -> bool:
+    """Whether the kernels for ``device`` are compiled (a GPU), not run by the interpreter (CPU): their tile sizes."""
+    return device.type == "cuda"
+
+
 def _config(kernel: str, head_dim: int, device: torch.device) -> dict:
-    if device.type != "cuda":
+    if not _compiled(device):
         return dict(_INTERPRET_CONFIG)
     cfg = CONFIGS.get((kernel, head_dim))
     if cfg is None:
@@ -1337,7 +1342,7 @@ def _backward_call(
     dq_blocks = num_seqs * _cdiv(max_seqlen_q, dq_cfg["BLOCK_M"]) if sinks is not None and not fused else 0
     shared_partials = 0 < dq_blocks <= stride_rows
     buffer_shape = (rows + 1 + shared_partials, H_q, stride_rows)
-    pre_block = 64 if q.device.type == "cuda" else 16
+    pre_block = 64 if _compiled(q.device) else 16
     pre_grid = (max(_cdiv(max_seqlen_q, pre_block), 1), H_q, num_seqs)
     # dK / dV: written by the kernel, or, when the dK/dV grid is split over the heads of a KV group, its fp32 partial
     # sums [splits, T_k, H_kv, D] (dK's and dV's in one buffer), reduced in a fixed order

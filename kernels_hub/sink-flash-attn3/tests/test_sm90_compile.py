@@ -1,8 +1,12 @@
-"""The Gluon kernels (gluon_kernels.py) compile for sm_90 with the installed Triton, on any machine.
+"""The kernels compile for sm_90 with the installed Triton, on any machine.
 
-Gluon has no interpreter, so CPU CI cannot run these kernels (the GPU tests in test_triton_kernels.py compare them
-with fp64); compiling them ahead of time for an sm_90 target catches what CI can: Gluon API changes between
-Triton releases, layout errors and register spills.  The Triton compiler needs no GPU for this.
+Gluon has no interpreter, and the Triton interpreter does not compile, so CPU CI runs neither the Gluon kernels nor
+the compiled Triton kernels (the GPU tests in test_triton_kernels.py compare them with fp64). Compiling them ahead of
+time for an sm_90 target catches what CI can: API changes between Triton releases, layout errors and register
+spills. The Triton compiler needs no GPU for this. Two kinds of checks:
+
+- every launch the public API makes on an sm_90 GPU, with its real arguments, for each plan ``_plan`` chooses;
+- the Gluon kernels of the launch configurations, with their SASS inspected for spills.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
@@ -67,6 +72,64 @@ def test_compile_in_subprocess():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " skipped" in result.stdout, result.stdout[-2000:]
+
+
+class _Sm90Driver:
+    """Triton's active driver as far as compiling needs it (``JITFunction.warmup``): an sm_90 device."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+# (seqlen, head_dim, dtype, window, deterministic) -> the kernels _plan launches for a forward + backward on sm_90
+PUBLIC_CASES = [
+    ((4096, 64, torch.bfloat16, None, False), {"_fwd_ws_kernel", "_bwd_preprocess", "_bwd_fused_kernel"}),
+    ((4096, 64, torch.bfloat16, 128, False), {"_sink_attn_fwd", "_bwd_preprocess", "_dkdv_kernel", "_dq_kernel"}),
+    ((4096, 64, torch.float16, None, True), {"_fwd_ws_kernel", "_bwd_preprocess", "_dkdv_kernel", "_dq_kernel"}),
+    ((1024, 64, torch.float32, None, False), {"_sink_attn_fwd", "_bwd_preprocess", "_sink_attn_bwd_dkdv", "_sink_attn_bwd_dq"}),
+    ((1024, 128, torch.float16, 128, False), {"_sink_attn_fwd", "_bwd_preprocess", "_sink_attn_bwd_dkdv", "_sink_attn_bwd_dq"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case, kernels",
+    PUBLIC_CASES,
+    ids=["bf16-4k-causal", "bf16-4k-window128", "fp16-4k-deterministic", "fp32-1k-causal", "fp16-1k-d128-window128"],
+)
+def test_every_launch_of_the_public_api_compiles_for_sm90(tk, gk, monkeypatch, case, kernels):
+    # flash_attn_func forward + backward on CPU tensors, planned as on an H200: each launch is captured instead of
+    # run, then compiled for sm_90 with its own arguments (the specialization Triton derives from them)
+    seqlen, head_dim, dtype, window, deterministic = case
+    package = sys.modules[tk.__name__.rsplit(".", 1)[0]]
+    launch = sys.modules[f"{package.__name__}._launch"]
+    monkeypatch.setattr(tk, "_compiled", lambda device: True)  # the GPU's tile sizes, not the interpreter's
+    monkeypatch.setattr(tk, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(tk, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(tk, "_INTERPRETER_BF16", True)  # (no interpreter here: nothing runs)
+    monkeypatch.setattr(package.interface, "_select_backend", lambda q, backend: "triton")
+    launches = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, *args, **kw: launches.append((fn, grid, args, kw)))
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Driver())
+    torch.manual_seed(0)
+    q = torch.randn(1, seqlen, 64, head_dim, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, seqlen, 8, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(64, requires_grad=True)
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    out = package.flash_attn_func(
+        q, k, v, causal=True, window_size=window_size, s_aux=sinks, deterministic=deterministic
+    )
+    torch.autograd.grad(out, (q, k, v, sinks), torch.randn_like(out))
+    assert {fn.__name__ for fn, *_ in launches} == kernels
+    for fn, grid, args, kw in launches:
+        standard = [launch._descriptor_object(a) if type(a) is launch.Tile else a for a in args]
+        compiled = fn.warmup(*standard, grid=grid, **kw)
+        assert compiled.asm["cubin"], f"{fn.__name__}: no sm_90 binary"
 
 
 def _compile(fn, cfg, block_q, block_k, head_dim=64):
