@@ -100,40 +100,24 @@ class _CFunction:
         self.calls.append(args)
 
 
-def _fake_compiled(base_format="iiiKKppOOOOOO"):
-    """A compiled kernel shaped like Triton 3.6's: a launcher object from a driver module whose ``launch`` wraps the
-    generated C launcher (module ``__triton_launcher``) to expand descriptors, and the driver's
-    ``make_tensordesc_arg``. The generated launcher records what it is called with."""
+def _expand_descriptor(arg, meta):
+    return [f"map<{meta}>", *arg.shape, *arg.strides]
+
+
+def _fake_compiled(generic=False, base_format="iiiKKppOOOOOO", make_tensordesc_arg=None):
+    """A compiled kernel shaped like Triton's: a launcher object from a driver module whose ``launch`` wraps a C
+    launcher to expand descriptors, and the driver's ``make_tensordesc_arg``. Triton 3.6's (``generic=False``) wraps
+    the launcher generated for the kernel (module ``__triton_launcher``); Triton 3.7+'s (``generic=True``) wraps the
+    driver's one ``utils.launch`` and keeps the argument annotations and the signature it takes. The C launcher
+    records what it is called with."""
     driver = types.ModuleType("_fake_triton_driver")
-    driver._BASE_ARGS_FORMAT = base_format
-    driver.make_tensordesc_arg = lambda arg, meta: [f"map<{meta}>", *arg.shape, *arg.strides]
-    generated_launch = _CFunction("__triton_launcher")
-
-    def wrap_handle_tensordesc(launcher, tensordesc_meta):
-        def inner(*args):
-            return launcher(*args)
-
-        return inner
-
-    launcher_type = type("CudaLauncher", (), {"__module__": driver.__name__})
-    launcher = launcher_type()
-    launcher.launch = wrap_handle_tensordesc(generated_launch, None)
-    launcher.launch_cooperative_grid, launcher.launch_pdl = False, True
-    metadata = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=["m0", "m1"])
-    compiled = types.SimpleNamespace(function=77, packed_metadata="packed", metadata=metadata, run=launcher)
-    return driver, compiled, generated_launch.calls
-
-
-def _fake_generic_compiled(make_tensordesc_arg=None):
-    """A compiled kernel shaped like Triton 3.7+'s: a ``CudaLauncher`` keeping the argument annotations and the
-    signature, whose ``launch`` wraps the driver's one C launcher (``utils.launch``) to expand descriptors."""
-    driver = types.ModuleType("_fake_triton_generic_driver")
-
-    def expand(arg, meta, _):  # Triton 3.9's parameters
-        return [f"map<{meta}>", *arg.shape, *arg.strides]
-
-    driver.make_tensordesc_arg = make_tensordesc_arg or expand
-    utils_launch = _CFunction("cuda_utils")
+    if generic:
+        driver.make_tensordesc_arg = make_tensordesc_arg or (lambda arg, meta, _: _expand_descriptor(arg, meta))
+        c_launch = _CFunction("cuda_utils")
+    else:
+        driver._BASE_ARGS_FORMAT = base_format
+        driver.make_tensordesc_arg = make_tensordesc_arg or _expand_descriptor
+        c_launch = _CFunction("__triton_launcher")
 
     def wrap_handle_tensordesc(launcher):
         def inner(*args):
@@ -142,12 +126,14 @@ def _fake_generic_compiled(make_tensordesc_arg=None):
         return inner
 
     launcher = type("CudaLauncher", (), {"__module__": driver.__name__})()
-    launcher.launch = wrap_handle_tensordesc(utils_launch)
-    launcher.arg_annotations, launcher.kernel_signature = "annotations", b"signature"
+    launcher.launch = wrap_handle_tensordesc(c_launch)
     launcher.launch_cooperative_grid, launcher.launch_pdl = False, True
+    if generic:
+        launcher.arg_annotations, launcher.kernel_signature = "annotations", b"signature"
     metadata = types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=["m0", "m1"])
-    compiled = types.SimpleNamespace(function=77, packed_metadata=(4, 1, 0), metadata=metadata, run=launcher)
-    return driver, compiled, utils_launch.calls
+    packed = (4, 1, 0) if generic else "packed"
+    compiled = types.SimpleNamespace(function=77, packed_metadata=packed, metadata=metadata, run=launcher)
+    return driver, compiled, c_launch.calls
 
 
 def _fake_kernel():
@@ -160,11 +146,13 @@ def _fake_kernel():
     )
 
 
-def test_direct_launch_arguments_match_the_launcher_layout(monkeypatch):
-    # the arguments handed to the generated launcher: the 13 base arguments, then every kernel parameter in signature
-    # order, each descriptor expanded in place by the driver (with its own metadata), constexprs and defaults last
+@pytest.mark.parametrize("generic", [False, True], ids=["generated launcher", "generic launcher"])
+def test_direct_launch_arguments_match_the_launcher_layout(monkeypatch, generic):
+    # Triton 3.6's generated launcher: the 13 base arguments, then every kernel parameter in signature order, each
+    # descriptor expanded in place by the driver (with its own metadata), constexprs and defaults last. Triton 3.7+'s
+    # utils.launch: its 13 base arguments, the launcher's annotations and signature, then those parameters as a list.
     launch = _launch_module()
-    driver, compiled, calls = _fake_compiled()
+    driver, compiled, calls = _fake_compiled(generic)
     monkeypatch.setitem(sys.modules, driver.__name__, driver)
     x = torch.empty(8)
     a = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
@@ -173,35 +161,19 @@ def test_direct_launch_arguments_match_the_launcher_layout(monkeypatch):
     direct = launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True})
     assert direct is not None
     direct((3, 2, 1), 1234, args)
-    assert calls == [
-        (3, 2, 1, 1234, 77, False, True, None, None, "packed", None, None, None,
-         "map<m0>", 4, 16, 16, 1, x, "map<m1>", 6, 16, 16, 1, 7, 64, True, 5),
-    ]  # fmt: skip
-
-
-def test_direct_launch_arguments_match_the_generic_launcher_layout(monkeypatch):
-    # Triton 3.7+: the 13 base arguments, the launcher's annotations and signature, then one list of every kernel
-    # parameter in signature order (descriptors expanded in place, constexprs and defaults last)
-    launch = _launch_module()
-    driver, compiled, calls = _fake_generic_compiled()
-    monkeypatch.setitem(sys.modules, driver.__name__, driver)
-    x = torch.empty(8)
-    a = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
-    b = launch.Tile(torch.empty(6, 16), (6, 16), (16, 1), (3, 16))
-    args = (a, x, b, 7)
-    direct = launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True})
-    assert direct is not None
-    direct((3, 2, 1), 1234, args)
-    assert calls == [
-        (3, 2, 1, 1234, 77, False, True, (4, 1, 0), None, None, None, None, None, "annotations", b"signature",
-         ["map<m0>", 4, 16, 16, 1, x, "map<m1>", 6, 16, 16, 1, 7, 64, True, 5]),
-    ]  # fmt: skip
+    params = ["map<m0>", 4, 16, 16, 1, x, "map<m1>", 6, 16, 16, 1, 7, 64, True, 5]
+    if generic:
+        expected = (3, 2, 1, 1234, 77, False, True, (4, 1, 0), None, None, None, None, None, "annotations", b"signature",
+                    params)  # fmt: skip
+    else:
+        expected = (3, 2, 1, 1234, 77, False, True, None, None, "packed", None, None, None, *params)
+    assert calls == [expected]
 
 
 def test_a_descriptor_expander_that_reads_more_keeps_the_standard_path(monkeypatch):
     # a make_tensordesc_arg whose third parameter is used could make maps that a record must not keep
     launch = _launch_module()
-    driver, compiled, calls = _fake_generic_compiled(make_tensordesc_arg=lambda arg, meta, stream: [arg])
+    driver, compiled, calls = _fake_compiled(generic=True, make_tensordesc_arg=lambda arg, meta, stream: [arg])
     monkeypatch.setitem(sys.modules, driver.__name__, driver)
     args = (launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16)), torch.empty(8), None, 7)
     with pytest.warns(RuntimeWarning, match="launch through kernel\\[grid\\]"):

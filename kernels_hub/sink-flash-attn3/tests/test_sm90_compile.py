@@ -11,7 +11,6 @@ spills. The Triton compiler needs no GPU for this. Two kinds of checks:
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -48,30 +47,12 @@ def gk(tk):
 
 def test_compile_in_subprocess():
     """Runs this file's compile tests in a fresh process with Triton compiled, when this one interprets."""
-    from test_triton_kernels import INTERPRETED  # noqa: PLC0415
+    from test_triton_kernels import INTERPRETED, run_file_in_subprocess  # noqa: PLC0415
 
     if not INTERPRETED:
         pytest.skip("this process compiles the kernels itself")
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "not gpu",
-            str(Path(__file__).resolve()),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " skipped" in result.stdout, result.stdout[-2000:]
+    output = run_file_in_subprocess(__file__, interpret=False, timeout=600)
+    assert " passed" in output and " skipped" in output, output[-2000:]
 
 
 class _Sm90Driver:

@@ -70,29 +70,31 @@ def tk():
     return _load_kernels(interpret=True)
 
 
+def run_file_in_subprocess(path, interpret: bool, timeout: int) -> str:
+    """Runs the CPU tests of the test file ``path`` in a fresh process with ``TRITON_INTERPRET`` set as asked (Triton
+    reads it once, at import) and no GPU; returns pytest's output, failing with it when a test failed."""
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", CUDA_VISIBLE_DEVICES="")
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not gpu",
+        str(Path(path).resolve()),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return result.stdout
+
+
 def test_interpreter_in_subprocess():
     """Runs this file's interpreter tests in a fresh process when this one cannot interpret kernels."""
     if INTERPRETED:
         pytest.skip("this process runs the interpreter tests itself")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "not gpu",
-            str(Path(__file__).resolve()),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run_file_in_subprocess(__file__, interpret=True, timeout=900)
 
 
 # ----------------------------------------------------------------------------------------------------------
