@@ -297,6 +297,17 @@ def test_launch_at_reuses_a_site_and_its_tensor_maps(monkeypatch):
     assert sorted(expanded) == ["m0", "m0", "m1"] and len(calls) == 3
 
 
+def test_launch_at_compiles_with_fma_contraction(monkeypatch):
+    # asked for explicitly: Triton's default turns it off from 3.10
+    launch = _launch_module()
+    kernel, calls, standard = _recording_launch(monkeypatch, launch)
+    seen = []
+    monkeypatch.setattr(type(kernel), "__getitem__", lambda self, grid: lambda *a, **kw: seen.append(kw))
+    tile = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
+    launch.launch_at({}, "site", kernel, (1, 1, 1), tile, torch.empty(8), tile, 7, BLOCK=64, HAS_SINK=True)
+    assert seen == [{"enable_fp_fusion": True, "BLOCK": 64, "HAS_SINK": True}]
+
+
 def test_launch_at_keeps_hooks_and_debug_knobs(monkeypatch):
     launch = _launch_module()
     kernel, calls, standard = _recording_launch(monkeypatch, launch)

@@ -354,19 +354,27 @@ def launch(fn, grid: tuple, *args, **constexprs):
 # Tests set this: every launch_at hit also computes the full key and checks that it finds the same record.
 _CHECK_SITES = False
 
+# Compile options of every kernel launched through launch_at. FMA contraction: the kernels were written and measured
+# with it (the softmax's scale and running max are one FFMA per score). Triton 3.9 warns that its default turns it
+# off from 3.10 (TRITON_DEFAULT_FP_FUSION); asking for it keeps the compiled kernels what they are on every release.
+# TRITON_FORCE_DISABLE_FP_FUSION still turns it off.
+_COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
 
 def launch_at(sites: dict, site, fn, grid: tuple, *args, **constexprs) -> None:
     """``launch`` through a record the caller keeps in ``sites`` under ``site``.
 
     ``sites`` must belong to one input signature of the caller: every argument's entry in the key (``_args_key``) and
-    every constexpr must follow from it. Launch hooks and debug knobs are checked on every call, as ``launch`` does."""
+    every constexpr must follow from it. Launch hooks and debug knobs are checked on every call, as ``launch`` does.
+    The kernel compiles with ``_COMPILE_OPTIONS`` besides the caller's constexprs and launch options."""
     direct = sites.get(site)
     if direct is not None and direct.debug == _debug_knobs() and not _hooks_installed():
         device = torch.cuda.current_device()
         if _CHECK_SITES:
-            key = (id(fn), device, _args_key(args), tuple(constexprs.items()), _debug_knobs())
+            options = {**_COMPILE_OPTIONS, **constexprs}
+            key = (id(fn), device, _args_key(args), tuple(options.items()), _debug_knobs())
             if _RECORDS.get(key) is not direct:
                 raise AssertionError(f"{fn.__name__}: launch site {site!r} reused a record of other arguments")
         direct(grid, _current_stream(device), args)
         return
-    sites[site] = launch(fn, grid, *args, **constexprs)
+    sites[site] = launch(fn, grid, *args, **_COMPILE_OPTIONS, **constexprs)
