@@ -323,6 +323,11 @@ def _record(compiled, fn, args, constexprs):
     return None
 
 
+def _record_key(fn, device: int, args, constexprs: dict) -> tuple:
+    """The key of ``launch``'s records: everything the compiled kernel and its launch depend on."""
+    return (id(fn), device, _args_key(args), tuple(constexprs.items()), _debug_knobs())
+
+
 def launch(fn, grid: tuple, *args, **constexprs):
     """``fn[grid](*args, **constexprs)`` with ``Tile`` arguments for TMA descriptors; see the module docstring.
 
@@ -330,7 +335,7 @@ def launch(fn, grid: tuple, *args, **constexprs):
     # (under TRITON_INTERPRET=1 the kernels are InterpretedFunction objects: no compiled kernel to call)
     if _KNOBS and isinstance(fn, JITFunction) and not fn.pre_run_hooks and not _hooks_installed():
         device = torch.cuda.current_device()
-        key = (id(fn), device, _args_key(args), tuple(constexprs.items()), _debug_knobs())
+        key = _record_key(fn, device, args, constexprs)
         direct = _RECORDS.get(key, False)
         if direct:
             direct(grid, _current_stream(device), args)
@@ -371,8 +376,7 @@ def launch_at(sites: dict, site, fn, grid: tuple, *args, **constexprs) -> None:
     if direct is not None and direct.debug == _debug_knobs() and not _hooks_installed():
         device = torch.cuda.current_device()
         if _CHECK_SITES:
-            options = {**_COMPILE_OPTIONS, **constexprs}
-            key = (id(fn), device, _args_key(args), tuple(options.items()), _debug_knobs())
+            key = _record_key(fn, device, args, {**_COMPILE_OPTIONS, **constexprs})
             if _RECORDS.get(key) is not direct:
                 raise AssertionError(f"{fn.__name__}: launch site {site!r} reused a record of other arguments")
         direct(grid, _current_stream(device), args)
