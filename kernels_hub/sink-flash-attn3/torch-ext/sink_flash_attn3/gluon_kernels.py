@@ -354,8 +354,9 @@ def _dq_kernel(
     num_warps: gl.constexpr,
 ):
     """dQ of one (query head, query block), looping over the visible key blocks.  With a sink, also this block's share
-    of dsink_h = -sum_i exp(s_h - LSE_i) D_i, with D_i = sum_j P_ij dP_ij taken from the fp32 tiles (D from the bf16
-    output, as dS uses it, carries the output's rounding), into its own slot of ``DSinkPart``."""
+    of dsink_h = -sum_i w_i D_i (w_i = exp(s_h - LSE_i)), with D_i = sum_j P_ij dP_ij taken from the fp32 tiles (D
+    from the bf16 output, as dS uses it, carries the output's rounding), into its own slot of ``DSinkPart``; as
+    sum_j dS_ij + D_i (1 - w_i), since sum_j P_ij = 1 - w_i."""
     off_h = gl.program_id(0)
     pid_m = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -408,7 +409,7 @@ def _dq_kernel(
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
     ds_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, a_layout)  # register operand of the dQ MMA in flight
-    pdp = gl.zeros([BLOCK_M], gl.float32, row_layout)  # sum_j P_ij dP_ij
+    sum_ds = gl.zeros([BLOCK_M], gl.float32, row_layout)  # sum_j dS_ij
     mbarrier.wait(q_bar, 0)
     for step in range(num_n):
         start_n = lo + step * BLOCK_N
@@ -429,9 +430,9 @@ def _dq_kernel(
             )
             p = gl.where(visible, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        if HAS_SINK:
-            pdp += gl.sum(p * dp, axis=1)
         ds = p * (dp - delta[:, None])
+        if HAS_SINK:
+            sum_ds += gl.sum(ds, axis=1)
         ds_op = gl.convert_layout(ds.to(dtype), a_layout)
         dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
@@ -443,7 +444,8 @@ def _dq_kernel(
         mbarrier.invalidate(bars.index(i))
     if HAS_SINK:  # rows past len_q: lse2 = +inf, P = 0
         sink2 = gl.load(Sinks + off_h).to(gl.float32) * _LOG2E
-        part = gl.sum(gl.where(row_ok, gl.exp2(sink2 - lse2) * pdp, 0.0), axis=0)
+        w = gl.exp2(sink2 - lse2)
+        part = gl.sum(gl.where(row_ok, w * (sum_ds + delta * (1.0 - w)), 0.0), axis=0)
         gl.store(DSinkPart + off_h * stride_part + off_b * gl.num_programs(1) + pid_m, -part)
     dq = dq * sm_scale
     out_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
@@ -629,11 +631,13 @@ def _fused_bwd_step(
     pT_op = gl.convert_layout(pT.to(dtype), a_layout)
     dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
     dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+    dsT = pT * (dpT - delta[None, :])
     if HAS_SINK:
-        # summed over each thread's columns only ([KEYS, 8] partial sums): the reduction across threads waits until
-        # the head's last step
-        sink_part += gl.sum(gl.reshape(pT * dpT * sinkw[None, :], [KEYS, BLOCK_M // 8, 8]), axis=1)
-    dsT16 = (pT * (dpT - delta[None, :])).to(dtype)
+        # sum_j w_i dS_ij (one FMA per score; the preprocessing kernel adds sum_i w_i D_i (1 - w_i), see the
+        # docstring), summed over each thread's columns only ([KEYS, 8] partial sums): the reduction across threads
+        # waits until the head's last step
+        sink_part += gl.sum(gl.reshape(dsT * sinkw[None, :], [KEYS, BLOCK_M // 8, 8]), axis=1)
+    dsT16 = dsT.to(dtype)
     # dK first: the product runs while this warpgroup hands its rows of dS^T to the dQ warpgroup
     dsT_op = gl.convert_layout(dsT16, a_layout)
     dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
@@ -671,8 +675,10 @@ def _fused_bwd_mma(
         dS^T = P^T (dP^T - D)                                        dK_W += dS^T Q   (async)
         dS^T -> shared memory, this warpgroup's rows of the step's dS^T (the dQ warpgroup's operand; overlaps dK)
 
-    dsink_h = -sum_i exp(s_h - LSE_i) sum_j P_ij dP_ij is summed from the fp32 tiles (as in the deterministic
-    kernels) per query head and added once per head.  Per head, the edge blocks of this warpgroup's band (the
+    dsink_h = -sum_i w_i sum_j P_ij dP_ij (w_i = exp(s_h - LSE_i), the sink's probability) comes from the fp32
+    tiles, as in the deterministic kernels, not from the rounded output.  Since sum_j P_ij = 1 - w_i over a row's
+    keys, sum_j P_ij dP_ij = sum_j dS_ij + D_i (1 - w_i): this warpgroup sums w_i dS_ij over its tiles (one FMA per
+    score) and adds it once per head; the preprocessing kernel adds -sum_i w_i D_i (1 - w_i).  Per head, the edge blocks of this warpgroup's band (the
     diagonal, rows past len_q, keys past len_k) and its full blocks run in separate loops (``_fused_bwd_step``)."""
     (
         k_smem,

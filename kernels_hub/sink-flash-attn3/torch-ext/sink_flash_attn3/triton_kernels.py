@@ -588,6 +588,7 @@ def _bwd_preprocess(
     Lse2,
     Sinks,
     SinkW,
+    DSink,
     cu_seqlens_q,
     stride_rows,
     stride_ot,
@@ -600,8 +601,9 @@ def _bwd_preprocess(
     SINK_WEIGHTS: tl.constexpr,
 ):
     """D_i = rowsum(dO_i * O_i) and the base-2 LSE used by the other kernels (-inf -> +inf so that P = 0), written
-    at the sequence's aligned offset (`row_vector_start`); with SINK_WEIGHTS also the sink's probability
-    exp(s_h - LSE_i) per row (the weights of dsink in the fused backward)."""
+    at the sequence's aligned offset (`row_vector_start`); with SINK_WEIGHTS (the fused backward) also the sink's
+    probability w_i = exp(s_h - LSE_i) per row, and -sum_i w_i D_i (1 - w_i) added into ``DSink[h]``: the part of
+    dsink that the fused kernel leaves out (``gluon_kernels._fused_bwd_mma``)."""
     pid = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -625,7 +627,9 @@ def _bwd_preprocess(
     tl.store(Lse2 + at, lse2, mask=ok)
     if SINK_WEIGHTS:
         sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
-        tl.store(SinkW + at, tl.exp2(sink2 - lse2), mask=ok)
+        w = tl.exp2(sink2 - lse2)  # 0 on rows past the sequence (lse2 = +inf there, and D = 0)
+        tl.store(SinkW + at, w, mask=ok)
+        tl.atomic_add(DSink + off_h, -tl.sum(w * delta * (1.0 - w), axis=0))
 
 
 @triton.jit
@@ -885,7 +889,7 @@ def _sink_attn_bwd_dkdv(
 @triton.jit
 def _bwd_dq_inner(
     dq,
-    pdp,
+    sum_ds,
     q,
     do,
     lse2,
@@ -937,13 +941,13 @@ def _bwd_dq_inner(
             )
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if HAS_SINK:
-            pdp += tl.sum(p * dp, 1)
         ds = p * (dp - delta[:, None])
+        if HAS_SINK:
+            sum_ds += tl.sum(ds, 1)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kt
         v_ptrs += BLOCK_N * stride_vt
-    return dq, pdp
+    return dq, sum_ds
 
 
 @triton.jit(do_not_specialize=["stride_rows", "stride_part"])
@@ -986,8 +990,9 @@ def _sink_attn_bwd_dq(
     HAS_SINK: tl.constexpr,
 ):
     """dQ of one (query head, query block).  With a sink, also this block's share of dsink_h =
-    -sum_i exp(s_h - LSE_i) D_i with D_i = sum_j P_ij dP_ij from the fp32 tiles (D from the 16-bit output, as dS uses
-    it, carries the output's rounding) into its own slot of ``DSinkPart`` (summed afterwards in a fixed order)."""
+    -sum_i w_i D_i (w_i = exp(s_h - LSE_i)) with D_i = sum_j P_ij dP_ij from the fp32 tiles (D from the 16-bit output,
+    as dS uses it, carries the output's rounding) into its own slot of ``DSinkPart`` (summed afterwards in a fixed
+    order).  Since sum_j P_ij = 1 - w_i, sum_j P_ij dP_ij = sum_j dS_ij + D_i (1 - w_i): one sum per score."""
     off_h = tl.program_id(0)
     pid_m = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -1024,10 +1029,10 @@ def _sink_attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row_pos = offs_m + shift
     lo, full_lo, full_hi, hi = _key_block_ranges(start_m, len_q, len_k, shift, win_left, win_right, BLOCK_M, BLOCK_N)
-    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dq, pdp = _bwd_dq_inner(
+    sum_ds = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j dS_ij
+    dq, sum_ds = _bwd_dq_inner(
         dq,
-        pdp,
+        sum_ds,
         q,
         do,
         lse2,
@@ -1055,9 +1060,9 @@ def _sink_attn_bwd_dq(
         USE_TMA,
         HAS_SINK,
     )
-    dq, pdp = _bwd_dq_inner(
+    dq, sum_ds = _bwd_dq_inner(
         dq,
-        pdp,
+        sum_ds,
         q,
         do,
         lse2,
@@ -1085,9 +1090,9 @@ def _sink_attn_bwd_dq(
         USE_TMA,
         HAS_SINK,
     )
-    dq, pdp = _bwd_dq_inner(
+    dq, sum_ds = _bwd_dq_inner(
         dq,
-        pdp,
+        sum_ds,
         q,
         do,
         lse2,
@@ -1117,7 +1122,8 @@ def _sink_attn_bwd_dq(
     )
     if HAS_SINK:  # rows past len_q: lse2 = +inf, P = 0
         sink2 = tl.load(Sinks + off_h).to(tl.float32) * _LOG2E
-        part = tl.sum(tl.where(row_ok, tl.math.exp2(sink2 - lse2) * pdp, 0.0), axis=0)
+        w = tl.math.exp2(sink2 - lse2)
+        part = tl.sum(tl.where(row_ok, w * (sum_ds + delta * (1.0 - w)), 0.0), axis=0)
         tl.store(DSinkPart + off_h * stride_part + off_b * tl.num_programs(1) + pid_m, -part)
     dq = dq * sm_scale
     tl.store(
@@ -1462,6 +1468,8 @@ def sink_attention_backward(
     buffer = torch.zeros(call.buffer_shape, device=q.device, dtype=torch.float32)
     scratch = buffer.unbind(0)
     delta, sink_weights, lse2 = scratch[0], scratch[rows - 1], scratch[rows]
+    # the fused kernel's dsink (its preprocessing adds one part of it)
+    dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if call.fused and sinks is not None else None
     if call.shared_partials:
         partials = scratch[rows + 1][:, : call.dq_blocks]
     elif call.dq_blocks:
@@ -1480,6 +1488,7 @@ def sink_attention_backward(
         lse2,
         sinks if rows == 2 else lse2,
         sink_weights,
+        dsink if rows == 2 else lse2,
         cu_seqlens_q,
         stride_rows,
         out.stride(0),
@@ -1512,7 +1521,6 @@ def sink_attention_backward(
 
     if call.fused:  # (the plan gives it layers of at least _FUSED_MIN_SEQLEN keys)
         dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
         _run_gluon(
             "backward_fused",
             q,
