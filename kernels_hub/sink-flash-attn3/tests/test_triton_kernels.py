@@ -757,7 +757,8 @@ def test_cuda_gluon_deeper_pipelines(monkeypatch, seqlens_q, seqlens_k, causal, 
     tk_cuda = _load_kernels(interpret=False)
     monkeypatch.setattr(tk_cuda, "_GLUON_FWD_MIN_SEQLEN", 1)
     for name in ("gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_bwd_fused"):
-        monkeypatch.setitem(tk_cuda.CONFIGS, (name, 64), dict(tk_cuda.CONFIGS[(name, 64)], STAGES=3))
+        config = tk_cuda.CONFIGS[(name, 64)]
+        monkeypatch.setitem(tk_cuda.CONFIGS, (name, 64), dict(config, STAGES=config["STAGES"] + 1))
     case = make_case(seqlens_q, seqlens_k, 8, 2, 64, dtype=torch.bfloat16, seed=41, device="cuda")
     run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
     plan = tk_cuda._plan

@@ -521,11 +521,13 @@ def _fused_bwd_loader(
 
 
 @gluon.jit
-def _fused_bwd_dq(dq_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _fused_bwd_dq(dq_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """The dQ warpgroup of ``_bwd_fused_kernel``: per step, once both MMA warpgroups wrote their rows of dS^T,
     dQ_tile = dS K = (dS^T)^T K over the program's keys, then the fp32 tile into shared memory and a TMA reduce-add
     (``cp.reduce.async.bulk.tensor``) into the dQ accumulator.  Its products run in the MMA warpgroups' gaps."""
-    dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, total, num_m, lo, q_start, head0, sm_scale = dq_args
+    dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, empty, total, num_m, lo, q_start, head0, sm_scale = (
+        dq_args
+    )
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
@@ -534,6 +536,8 @@ def _fused_bwd_dq(dq_args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     for step in range(total):
         dsb = step % 2
         mbarrier.wait(ds_full.index(dsb), (step // 2) % 2)
+        # both MMA warpgroups are done with the previous step's Q / dO buffer (``_fused_bwd_step``)
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > 0)
         dq = warpgroup_mma(
             ds_smem.index(2 * dsb).permute((1, 0)), k_smem.index(0), dq_zero, use_acc=False, is_async=True
         )
@@ -647,10 +651,12 @@ def _fused_bwd_step(
         mbarrier.wait(ds_free.index(dsb), (step // 2 - 1) % 2)
     ds_smem.index(2 * dsb + W).store(dsT16)
     fence_async_shared()
-    _thread_barrier()  # every thread's part of the tile is written before the one arrive
+    # every thread's part of the tile is written before the one arrive; every read of the previous step's Q / dO
+    # buffer (the vectors' loads, the products retired at that step's end) is done too, so the dQ warpgroup, once
+    # both warpgroups arrived, releases that buffer for them (no barrier and arrive of its own here)
+    _thread_barrier()
     mbarrier.arrive(ds_full.index(dsb), count=1)
     dk, dv, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pT_op, dsT_op))
-    mbarrier.arrive(empty.index(buf), count=1)
     dk = warpgroup_mma_init(dk)
     dv = warpgroup_mma_init(dv)
     return dk, dv, sink_part
@@ -866,7 +872,7 @@ def _bwd_fused_kernel(
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # released by both MMA warpgroups
+        mbarrier.init(empty.index(i), count=1)  # released by the dQ warpgroup for both MMA warpgroups
     for i in gl.static_range(2):
         mbarrier.init(ds_full.index(i), count=2)  # both warpgroups' rows of dS^T written
         mbarrier.init(ds_free.index(i), count=1)  # the dQ product has read them
@@ -941,12 +947,14 @@ def _bwd_fused_kernel(
         head0,
         stride_rows,
     )
-    dq_args = (dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, total, num_m, lo, q_start, head0, sm_scale)
+    dq_args = (
+        dq_desc, k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_free, empty, total, num_m, lo, q_start, head0, sm_scale
+    )  # fmt: skip
     gl.warp_specialize(
         [
             (_fused_bwd_mma, (shared, 0, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK)),
             (_fused_bwd_mma, (shared, 1, HEAD_DIM, BLOCK_M, KEYS, STAGES, HAS_SINK)),
-            (_fused_bwd_dq, (dq_args, HEAD_DIM, BLOCK_M)),
+            (_fused_bwd_dq, (dq_args, HEAD_DIM, BLOCK_M, STAGES)),
             (_fused_bwd_loader, (loads, HEAD_DIM, BLOCK_M, STAGES, HAS_SINK)),
         ],
         [4, 4, 1],

@@ -94,7 +94,7 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ("gluon_dkdv", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, maxnreg=168),
     ("gluon_dq", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2),
     ("gluon_bwd_fused", 64): dict(
-        BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, MMA_REGS=216, DQ_REGS=64, LOAD_REGS=24, maxnreg=128
+        BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, MMA_REGS=216, DQ_REGS=64, LOAD_REGS=24, maxnreg=128
     ),
 }
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # CPU (interpreter): numpy per block
