@@ -447,6 +447,48 @@ def test_fully_masked_rows(tk):
     assert torch.all(out[empty] == 0) and torch.all(lse[:, empty] == float("-inf"))
 
 
+def test_fused_backward_dsink_split(tk):
+    # The fused backward (sm_90) sums -w_i dS_ij over its tiles; the preprocessing kernel adds the rest of dsink,
+    # -sum_i w_i D_i (1 - w_i), with w_i = exp(s_h - LSE_i): since sum_j P_ij = 1 - w_i, the two parts add up to
+    # dsink_h = -sum_i w_i sum_j P_ij dP_ij. The preprocessing kernel with its sink weights, run here, against fp64.
+    case = make_case([21, 40, 7], [21, 40, 7], 4, 2, 16, seed=13)
+    q, k, v, dout, sinks, cu = case["q"], case["k"], case["v"], case["dout"], case["sinks"], case["cu_q"]
+    scale = 1.0 / math.sqrt(16)
+    out, lse = tk.sink_attention_forward(q, k, v, sinks, cu, cu, 40, 40, scale, True, -1, -1)
+    T, H, D = q.shape
+    num_seqs = cu.numel() - 1
+    stride_rows = tk._row_vector_stride(T, num_seqs)
+    delta, lse2, sink_weights = torch.zeros(3, H, stride_rows).unbind(0)
+    dsink_part = torch.zeros(H)
+    block = 16
+    tk._bwd_preprocess[(tk._cdiv(40, block), H, num_seqs)](
+        out, dout, lse, delta, lse2, sinks, sink_weights, dsink_part, cu, stride_rows, out.stride(0), out.stride(1),
+        dout.stride(0), dout.stride(1), lse.stride(0), HEAD_DIM=D, BLOCK=block, SINK_WEIGHTS=True,
+    )  # fmt: skip
+    rows = torch.cat([start + torch.arange(n) for start, n in zip(4 * ((cu[:-1] + 3) // 4) + 4 * torch.arange(num_seqs),
+                                                                  (cu[1:] - cu[:-1]).tolist())])  # fmt: skip
+    d_rows = (out.double() * dout.double()).sum(-1).T  # [H, T]
+    w = torch.exp(sinks.double()[:, None] - lse.double())
+    assert rel_err(delta[:, rows], d_rows) < 1e-6
+    assert rel_err(lse2[:, rows], lse.double() * tk.LOG2E) < 1e-6
+    assert rel_err(sink_weights[:, rows], w) < 1e-6
+    assert rel_err(dsink_part, -(w * d_rows * (1 - w)).sum(-1)) < 1e-6
+    # the fused kernel's part, from the fp64 P and dP of each sequence: the sum is the exact dsink
+    dsink = dsink_part.double().clone()
+    for b in range(num_seqs):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        kr, vr = (t[sl].double().repeat_interleave(2, dim=1) for t in (k, v))
+        scores = scale * torch.einsum("ihd,jhd->hij", q[sl].double(), kr)
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(scores - lse[:, sl].double()[..., None])
+        dp = torch.einsum("ihd,jhd->hij", dout[sl].double(), vr)
+        ds = p * (dp - d_rows[:, sl, None])
+        dsink -= (w[:, sl] * ds.sum(-1)).sum(-1)
+    exact = reference(q, k, v, sinks, cu, cu, scale, True, -1, -1, dout)[5]
+    assert rel_err(dsink, exact) < 1e-5
+
+
 def test_strided_views_and_deterministic(tk):
     # q/k/v as views of one packed qkv buffer (non-contiguous token/head strides); two backward runs agree bitwise
     g = torch.Generator().manual_seed(7)
