@@ -585,7 +585,6 @@ def _fused_bwd_step(
         sinkw_smem,
         ds_smem,
         ready,
-        empty,
         ds_full,
         ds_free,
         key0,
@@ -684,8 +683,9 @@ def _fused_bwd_mma(
     dsink_h = -sum_i w_i sum_j P_ij dP_ij (w_i = exp(s_h - LSE_i), the sink's probability) comes from the fp32
     tiles, as in the deterministic kernels, not from the rounded output.  Since sum_j P_ij = 1 - w_i over a row's
     keys, sum_j P_ij dP_ij = sum_j dS_ij + D_i (1 - w_i): this warpgroup sums w_i dS_ij over its tiles (one FMA per
-    score) and adds it once per head; the preprocessing kernel adds -sum_i w_i D_i (1 - w_i).  Per head, the edge blocks of this warpgroup's band (the
-    diagonal, rows past len_q, keys past len_k) and its full blocks run in separate loops (``_fused_bwd_step``)."""
+    score) and adds it once per head; the preprocessing kernel adds -sum_i w_i D_i (1 - w_i).  Per head, the edge
+    blocks of this warpgroup's band (the diagonal, rows past len_q, keys past len_k) and its full blocks run in
+    separate loops (``_fused_bwd_step``)."""
     (
         k_smem,
         v_smem,
@@ -697,7 +697,6 @@ def _fused_bwd_mma(
         ds_smem,
         kv_bar,
         ready,
-        empty,
         ds_full,
         ds_free,
         DK,
@@ -750,7 +749,6 @@ def _fused_bwd_mma(
         sinkw_smem,
         ds_smem,
         ready,
-        empty,
         ds_full,
         ds_free,
         key0,
@@ -894,7 +892,6 @@ def _bwd_fused_kernel(
         ds_smem,
         kv_bar,
         ready,
-        empty,
         ds_full,
         ds_free,
         DK + split64,
