@@ -342,6 +342,10 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
             str(tmp_path),
             "--shapes",
             "64,64/16",
+            "--stack-shapes",
+            "64/16",
+            "--stack-layers",
+            "3",
             "--layer-shapes",
             "64",
             "--flex-seqlens",
@@ -356,6 +360,9 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
     res = json.loads((tmp_path / "attention.json").read_text())
     assert [r["case"] for r in res["kernel_rows"]] == ["S=64 causal", "S=64 window 16"]
     assert all(r["public_ms"] > 0 and r["raw_ms"] > 0 and r["public_host_ms"] > 0 for r in res["kernel_rows"])
+    (stack,) = res["stack_rows"]
+    assert (stack["case"], stack["layers"]) == ("S=64 window 16", 3)
+    assert stack["public_ms"] > 0 and stack["raw_ms"] > 0 and stack["public_host_ms"] > 0
     assert res["mixed"]["first_ms"] > 0 and res["mixed"]["after_ms"] > 0
     assert [r["case"] for r in res["accuracy"]] == ["S=64 causal", "S=64 window 16", "S=64 causal, sinks x25"]
     for row in res["accuracy"]:
@@ -389,6 +396,16 @@ def test_attention_targets_name_host_bound_rows():
         False,
     )
     assert values["S=16k window 128"] == ("0.860 ms (FA4 1.190, raw 0.850)", True)
+    # rows of a stack of layers with one backward: the same rule per layer
+    result["stack_rows"] = [
+        dict(case="S=4k window 128", layers=12, public_ms=0.33, raw_ms=0.25, fa4_ms=0.35, public_host_ms=0.30),
+        dict(case="S=16k window 128", layers=12, public_ms=0.99, raw_ms=0.85, fa4_ms=1.1, public_host_ms=0.3),
+    ]
+    stacked = [t for t in bench.targets(result) if "stack" in t["target"]]
+    assert [(t["target"].split(",")[0], t["value"], t["met"]) for t in stacked] == [
+        ("S=4k window 128", "0.330 ms (FA4 0.350, raw 0.250; host 0.300 ms per layer: the host sets this row)", True),
+        ("S=16k window 128", "0.990 ms (FA4 1.100, raw 0.850)", False),
+    ]
 
 
 def test_attention_bench_interleaves_rounds_and_keeps_failures(monkeypatch):
