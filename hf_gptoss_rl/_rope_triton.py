@@ -24,6 +24,14 @@ import triton.language as tl
 
 __all__ = ["rotate_half_pairs"]
 
+# Tiles of 16 tokens x 16 heads on a GPU; under the interpreter (numpy per block) small tiles keep CPU tests fast.
+_CUDA_CONFIG = dict(BLOCK_S=16, BLOCK_H=16, num_warps=4)
+_INTERPRET_CONFIG = dict(BLOCK_S=4, BLOCK_H=4, num_warps=1)
+
+
+def _config(t: torch.Tensor) -> dict:
+    return dict(_CUDA_CONFIG if t.is_cuda else _INTERPRET_CONFIG)
+
 
 @triton.jit
 def _rope_kernel(
@@ -111,8 +119,8 @@ def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
     out = torch.empty_like(x)
     if x.numel() == 0:
         return out
-    block_s, block_h = (16, 16) if x.is_cuda else (4, 4)
-    grid = (triton.cdiv(seq, block_s), triton.cdiv(heads, block_h), batch)
+    config = _config(x)
+    grid = (triton.cdiv(seq, config["BLOCK_S"]), triton.cdiv(heads, config["BLOCK_H"]), batch)
     _rope_kernel[grid](
         x,
         cos,
@@ -133,9 +141,7 @@ def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
         sin.stride(1),
         sin.stride(2),
         HALF=half,
-        BLOCK_S=block_s,
-        BLOCK_H=block_h,
         INVERSE=inverse,
-        num_warps=4 if x.is_cuda else 1,
+        **config,
     )
     return out
