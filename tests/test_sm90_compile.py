@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,19 +36,6 @@ def test_compile_in_subprocess():
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
-
-
-class _Sm90Driver:
-    """Triton's active driver as far as compiling needs it (``JITFunction.warmup``): an sm_90 device."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
 
 
 @pytest.fixture
@@ -75,7 +63,13 @@ def compile_launches(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(JITFunction, "run", capture)
             fn()
-            patch.setattr(triton.runtime.driver, "_active", _Sm90Driver())
+            # Triton's active driver as far as compiling needs it (``JITFunction.warmup``): an sm_90 device
+            sm90 = SimpleNamespace(
+                get_current_device=lambda: 0,
+                get_current_stream=lambda device=None: 0,
+                get_current_target=lambda: GPUTarget("cuda", 90, 32),
+            )
+            patch.setattr(triton.runtime.driver, "_active", sm90)
             for kernel, grid, args, kwargs in launches:
                 grid = grid(kwargs) if callable(grid) else grid
                 compiled = kernel.warmup(*args, grid=grid, **kwargs)
