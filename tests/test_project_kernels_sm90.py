@@ -48,8 +48,6 @@ def compile_launches(monkeypatch):
 
     for module in (_rope_triton, _logprobs_triton):  # the GPU's tiles, not the interpreter's
         monkeypatch.setattr(module, "_config", lambda t, *args, module=module: dict(module._CUDA_CONFIG))
-    monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_BACKEND", "triton")
-    monkeypatch.setenv("HF_GPTOSS_RL_LOGPROBS_BACKEND", "triton")
 
     def run(fn):
         launches = []
