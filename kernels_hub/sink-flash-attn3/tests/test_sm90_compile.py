@@ -71,10 +71,10 @@ class _Sm90Driver:
 # (seqlen, head_dim, dtype, window, deterministic) -> the kernels _plan launches for a forward + backward on sm_90
 PUBLIC_CASES = [
     ((4096, 64, torch.bfloat16, None, False), {"_fwd_ws_kernel", "_bwd_preprocess", "_bwd_fused_kernel"}),
-    ((4096, 64, torch.bfloat16, 128, False), {"_sink_attn_fwd", "_bwd_preprocess", "_dkdv_kernel", "_dq_kernel"}),
-    ((4096, 64, torch.float16, None, True), {"_fwd_ws_kernel", "_bwd_preprocess", "_dkdv_kernel", "_dq_kernel"}),
-    ((1024, 64, torch.float32, None, False), {"_sink_attn_fwd", "_bwd_preprocess", "_sink_attn_bwd_dkdv", "_sink_attn_bwd_dq"}),
-    ((1024, 128, torch.float16, 128, False), {"_sink_attn_fwd", "_bwd_preprocess", "_sink_attn_bwd_dkdv", "_sink_attn_bwd_dq"}),
+    ((4096, 64, torch.bfloat16, 128, False), {"_sink_attn_fwd", "_bwd_preprocess", "_dkdv_kernel", "_dq_kernel", "_dsink_finish"}),
+    ((4096, 64, torch.float16, None, True), {"_fwd_ws_kernel", "_bwd_preprocess", "_dkdv_kernel", "_dq_kernel", "_dsink_finish"}),
+    ((1024, 64, torch.float32, None, False), {"_sink_attn_fwd", "_bwd_preprocess", "_sink_attn_bwd_dkdv", "_sink_attn_bwd_dq", "_dsink_finish"}),
+    ((1024, 128, torch.float16, 128, False), {"_sink_attn_fwd", "_bwd_preprocess", "_sink_attn_bwd_dkdv", "_sink_attn_bwd_dq", "_dsink_finish"}),
 ]  # fmt: skip
 
 

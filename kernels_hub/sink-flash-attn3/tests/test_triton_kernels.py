@@ -230,7 +230,7 @@ def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4,
         "dv": rel_err(dv.cpu(), r_dv),
     }
     if sinks is not None:
-        assert dsink.dtype == torch.float32 and dsink.shape == sinks.shape
+        assert dsink.dtype == sinks.dtype and dsink.shape == sinks.shape
         errs["dsink"] = rel_err(dsink.cpu(), r_dsink)
     else:
         assert dsink is None
@@ -413,6 +413,24 @@ def test_interpreter_refuses_bf16(tk):
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="11584"):
         tk.sink_attention_forward(q, q, q, None, cu, cu, 8, 8, 0.125, True, -1, -1)
+
+
+def test_one_batch_row_runs_without_a_view(tk):
+    # the public path hands dense [1, seqlen, heads, head_dim] tensors over as they are (no view per call): the same
+    # results as [tokens, heads, head_dim], in the caller's rank; a batch of several rows is refused
+    case = make_case([45], [45], 4, 2, 64, seed=5)
+    q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
+    args = (case["cu_q"], case["cu_k"], 45, 45, 0.125, True, 15, 0)
+    out, lse = tk.sink_attention_forward(q, k, v, sinks, *args)
+    grads = tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
+    out4, lse4 = tk.sink_attention_forward(q[None], k[None], v[None], sinks, *args)
+    grads4 = tk.sink_attention_backward(dout[None], q[None], k[None], v[None], out4, lse4, sinks, *args)
+    assert out4.shape == (1, *q.shape) and torch.equal(out4[0], out) and torch.equal(lse4, lse)
+    for g4, g in zip(grads4, grads):
+        assert torch.equal(g4.reshape(g.shape), g)
+    assert grads4[0].shape == (1, *q.shape) and grads4[3].dtype == sinks.dtype
+    with pytest.raises(ValueError, match=r"\[1, tokens, heads, head_dim\]"):
+        tk.sink_attention_forward(q.expand(2, *q.shape), k[None], v[None], sinks, *args)
 
 
 def test_decode_shorter_queries_bottom_right(tk):

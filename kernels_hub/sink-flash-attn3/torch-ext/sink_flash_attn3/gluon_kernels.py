@@ -1496,7 +1496,7 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
 
 def _descriptor(t, block_rows: int) -> Tile:
     """TMA descriptor over ``t [T, H, D]`` viewed as ``[T, H * D]``, tiles ``[block_rows, D]``."""
-    T, H, D = t.shape
+    T, H, D = t.shape[-3:]
     return Tile(t, (T, H * D), (H * D, 1), (block_rows, D), _shared_layout((block_rows, D), t.dtype))
 
 
@@ -1540,10 +1540,10 @@ def backward(
     ``triton_kernels.sink_attention_backward`` for the contract.  ``lse2`` and ``delta`` are the per-row vectors
     ``[H, stride_rows]`` laid out by ``_bands.row_vector_start``.  The two kernels share their Q / K / V / dO
     descriptors when their tiles agree (the host cost of a launch is mostly its arguments).  With ``sinks``, the dQ
-    kernel writes dsink's partial sums into ``dsink_partials [H, num_seqs * num_query_blocks]`` (zeroed).
+    kernel writes dsink's partial sums into ``dsink_partials [H, >= num_seqs * num_query_blocks]`` (zeroed).
     ``sites``: the caller's launch records for this input signature (``_launch.launch_at``)."""
-    _, H_q, D = q.shape
-    H_kv = k.shape[1]
+    H_q, D = q.shape[-2:]
+    H_kv = k.shape[-2]
     num_seqs = cu_seqlens_q.numel() - 1
     bm, bn, cfg = _launch_options(dkdv_config)
     descs = {}
@@ -1608,8 +1608,8 @@ def backward(
         dsink_partials if has_sink else lse2,
         cu_seqlens_q,
         cu_seqlens_k,
-        dq_out.stride(0),
-        dq_out.stride(1),
+        dq_out.stride(-3),
+        dq_out.stride(-2),
         lse2.stride(0),
         dsink_partials.stride(0) if has_sink else 0,
         qk_scale,
@@ -1644,7 +1644,7 @@ def fwd(
 ):
     """Forward into ``out`` and ``lse`` with ``_fwd_ws_kernel`` (three consumers x BLOCK_M query rows per tile, at
     most ``num_programs`` persistent programs: one per multiprocessor); ``sites`` as in :func:`backward`."""
-    _, H_q, D = q.shape
+    H_q, D = q.shape[-2:]
     bm, bn, cfg = _launch_options(config)
     num_m = _cdiv(int(max_seqlen_q), 3 * bm)
     num_seqs = cu_seqlens_q.numel() - 1
@@ -1664,8 +1664,8 @@ def fwd(
         lse,
         cu_seqlens_q,
         cu_seqlens_k,
-        out.stride(0),
-        out.stride(1),
+        out.stride(-3),
+        out.stride(-2),
         lse.stride(0),
         num_tiles,
         num_m,
@@ -1674,7 +1674,7 @@ def fwd(
         qk_scale,
         win_left,
         win_right,
-        GROUP=H_q // k.shape[1],
+        GROUP=H_q // k.shape[-2],
         HEAD_DIM=D,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -1711,8 +1711,8 @@ def backward_fused(
     zeroed float32 ``dq32 [T_q, H_q, D]`` (already scaled), and with a sink dsink into the zeroed float32
     ``dsink [H_q]``.  ``sink_weights [H, stride_rows]`` holds exp(s_h - LSE_i) per row (zeros in unused slots).
     ``sites`` as in :func:`backward`."""
-    _, H_q, D = q.shape
-    H_kv = k.shape[1]
+    H_q, D = q.shape[-2:]
+    H_kv = k.shape[-2]
     num_seqs = cu_seqlens_q.numel() - 1
     bm, bn, cfg = _launch_options(config)
     has_sink = dsink is not None

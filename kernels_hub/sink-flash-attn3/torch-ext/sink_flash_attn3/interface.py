@@ -179,6 +179,15 @@ def _tokens_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _backend_rows(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """``_tokens_major``, except that the Triton kernels take a dense ``[1, seqlen, heads, head_dim]`` as it is: a
+    view per tensor and call costs host time that the small layers of a model (sliding windows, short sequences)
+    feel, and its results then need no view back to the caller's shape either."""
+    if t.dim() == 4 and not (t.shape[0] == 1 and backend == "triton"):
+        t = t.reshape(-1, t.shape[2], t.shape[3])
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _heads_first(t: torch.Tensor) -> bool:
     """``t`` (``[batch, seqlen, heads, head_dim]`` with one batch row, or ``[tokens, heads, head_dim]``) is a
     transposed view of a dense heads-first tensor: what transformers' attention layers pass (``[b, h, s, d]`` states
@@ -198,7 +207,8 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
-        q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
+        backend = params[6]
+        q_t, k_t, v_t = _backend_rows(q, backend), _backend_rows(k, backend), _backend_rows(v, backend)
         out, lse = _forward(q_t, k_t, v_t, sinks, cu_seqlens_q, cu_seqlens_k, *params)
         # the token-major tensors the backward reads (views of dense inputs; FlashAttention saves its contiguous
         # copies the same way), so the backward re-lays out nothing but dout
@@ -209,7 +219,7 @@ class _SinkAttention(torch.autograd.Function):
         # attention (RoPE, the transposes of q/k/v) then run their backward on dense tensors
         ctx.heads_first = (_heads_first(q), _heads_first(k), _heads_first(v))
         ctx.mark_non_differentiable(lse)
-        return out.view(q.shape), lse
+        return (out if out.dim() == q.dim() else out.view(q.shape)), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -218,13 +228,15 @@ class _SinkAttention(torch.autograd.Function):
             _empty_heads_first(shape, t) if heads_first else None
             for shape, t, heads_first in zip(ctx.shapes, (q, k, v), ctx.heads_first)
         ]
+        rows = q.dim()  # the saved tensors' rank: the layout the backend reads and writes
         dq, dk, dv, dsink = _backward_impl(
-            _tokens_major(dout), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params,
-            grads=[None if g is None else g.view(-1, g.shape[-2], g.shape[-1]) for g in grads],
+            _backend_rows(dout, ctx.params[6]), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params,
+            grads=[g if g is None or g.dim() == rows else g.view(-1, g.shape[-2], g.shape[-1]) for g in grads],
         )  # fmt: skip
-        if dsink is not None and dsink.dtype != sinks.dtype:
-            dsink = dsink.to(sinks.dtype)  # the sink gradient in the sink's own dtype
-        dq, dk, dv = (g if g is not None else d.view(shape) for g, d, shape in zip(grads, (dq, dk, dv), ctx.shapes))
+        dq, dk, dv = (
+            g if g is not None else d if d.dim() == len(shape) else d.view(shape)
+            for g, d, shape in zip(grads, (dq, dk, dv), ctx.shapes)
+        )
         return dq, dk, dv, dsink, None, None, None
 
 
@@ -240,13 +252,16 @@ def _attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params):
     # torch.compile traces the op, and so do dispatch modes (selective activation checkpointing's caching mode,
     # FlopCounterMode, fake tensors): they see ops, never the inside of an autograd.Function.
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        forward = _fwd_op
-    elif not _needs_grad(q, k, v, sinks):  # log-prob passes, evaluation, decoding: no autograd node to build
-        forward = _forward
-    else:
+        q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
+        out, lse = _fwd_op(q_t, k_t, v_t, sinks, cu_seqlens_q, cu_seqlens_k, *params)
+        return out.view(q.shape), lse
+    if _needs_grad(q, k, v, sinks):
         return _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, params)
-    out, lse = forward(_tokens_major(q), _tokens_major(k), _tokens_major(v), sinks, cu_seqlens_q, cu_seqlens_k, *params)
-    return out.view(q.shape), lse
+    # log-prob passes, evaluation, decoding: no autograd node to build
+    backend = params[6]
+    q_t, k_t, v_t = _backend_rows(q, backend), _backend_rows(k, backend), _backend_rows(v, backend)
+    out, lse = _forward(q_t, k_t, v_t, sinks, cu_seqlens_q, cu_seqlens_k, *params)
+    return (out if out.dim() == q.dim() else out.view(q.shape)), lse
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -334,7 +349,7 @@ def _bwd_op(
     backend: str,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: ``dq, dk, dv`` (input dtypes) and ``dsink [Hq]`` fp32 (an empty tensor without sinks)."""
+    """Backward: ``dq, dk, dv`` (input dtypes) and ``dsink [Hq]`` in the sink's dtype (an empty tensor without sinks)."""
     dq, dk, dv, dsink = _backward_impl(
         dout,
         q,
@@ -362,8 +377,8 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
       causal, window_left, window_right, backend, deterministic):  # fmt: skip
-    dsink_shape = (q.shape[1],) if sinks is not None else (0,)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(dsink_shape, dtype=torch.float32)
+    dsink = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty((q.shape[1],))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _setup_context(ctx, inputs, output):
@@ -377,8 +392,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv, dsink = _bwd_op(dout.contiguous(), q, k, v, out, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.params)
-    dsink = dsink.to(sinks.dtype) if sinks is not None else None  # the sink gradient in the sink's own dtype
-    return dq, dk, dv, dsink, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, dsink if sinks is not None else None, None, None, None, None, None, None, None, None, None, None
 
 
 # The op is its own autograd unit (rather than an autograd.Function around it): dynamo cannot trace

@@ -139,7 +139,7 @@ def sink_attention_backward(
     dk_out: torch.Tensor | None = None,
     dv_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Returns ``dq, dk, dv`` in the input dtypes and ``dsink [Hq]`` in fp32 (None without sinks); ``dq_out``,
+    """Returns ``dq, dk, dv`` in the input dtypes and ``dsink [Hq]`` in the sink's dtype (None without sinks); ``dq_out``,
     ``dk_out``, ``dv_out``, when given, receive dq, dk, dv and are returned (any strides).
 
     Deterministic whatever ``deterministic`` says: sequential loops, no atomics.
@@ -189,4 +189,4 @@ def sink_attention_backward(
         grad if given is None else given.copy_(grad)
         for grad, given in ((dq, dq_out), (dk.to(k.dtype), dk_out), (dv.to(v.dtype), dv_out))
     ]
-    return *grads, dsink.reshape(num_heads) if dsink is not None else None
+    return *grads, dsink.reshape(num_heads).to(sinks.dtype) if dsink is not None else None

@@ -27,7 +27,7 @@ O(S * W) — and splits them into blocks fully inside the band (no mask arithmet
 The backward here is deterministic (bitwise reproducible) with no atomics: dK/dV are accumulated by one program per
 key block that loops over every query head of its KV group (GQA needs no repeated K/V and no reduction afterwards),
 dQ by one program per query block that loops over key blocks, and dsink from per-block partial sums (written by the
-dQ kernel) reduced in a fixed order.
+dQ kernel) reduced in a fixed order (``_dsink_finish``).
 
 On Hopper (sm_90) with 16-bit inputs at head_dim 64 the backward and the forward of long full-attention layers run
 the Gluon kernels of ``gluon_kernels.py`` instead (asynchronous warpgroup MMAs); ``SINK_FLASH_ATTN3_GLUON=0``
@@ -191,8 +191,8 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     if _TensorDescriptor is None or cap is None or cap[0] < 9:
         return False
     for t in tensors:
-        T, H, D = t.shape
-        if t.stride(1) != D or t.stride(0) != H * D or (H * D * t.element_size()) % 16 or t.data_ptr() % 16:
+        T, H, D = t.shape[-3:]
+        if t.stride(-2) != D or t.stride(-3) != H * D or (H * D * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return True
 
@@ -214,7 +214,7 @@ def _plan(q, k, v, windowed: bool, max_seqlen_q: int, max_seqlen_k: int) -> _Pla
         tma
         and half
         and _device_capability(q.device) == (9, 0)
-        and ("gluon_dkdv", q.shape[2]) in CONFIGS
+        and ("gluon_dkdv", q.shape[-1]) in CONFIGS
         and gluon_enabled()
         and _gluon_kernels() is not None
     )
@@ -285,10 +285,10 @@ def _dkdv_head_splits(
 
 def _check_inputs(tensors) -> None:
     for name, t in tensors:
-        if t.dim() != 3 or t.stride(-1) != 1:
+        if not (t.dim() == 3 or (t.dim() == 4 and t.shape[0] == 1)) or t.stride(-1) != 1:
             raise ValueError(
-                f"{name} must be [tokens, heads, head_dim] with a contiguous last dim, "
-                f"got shape {tuple(t.shape)} strides {t.stride()}"
+                f"{name} must be [tokens, heads, head_dim] (or [1, tokens, heads, head_dim]) with a contiguous last "
+                f"dim, got shape {tuple(t.shape)} strides {t.stride()}"
             )
 
 
@@ -303,7 +303,7 @@ def _check_interpreter_dtype(q: torch.Tensor) -> None:
 
 def _row_descriptor(t: torch.Tensor, block_rows: int) -> _Tile:
     """Descriptor over ``t [T, H, D]`` viewed as ``[T, H * D]``, tiles of ``[block_rows, D]``."""
-    T, H, D = t.shape
+    T, H, D = t.shape[-3:]
     return _Tile(t, (T, H * D), (H * D, 1), (block_rows, D))
 
 
@@ -950,6 +950,19 @@ def _bwd_dq_inner(
     return dq, sum_ds
 
 
+@triton.jit
+def _dsink_finish(Part, DSink, stride_part, num_parts, BLOCK: tl.constexpr):
+    """dsink_h = the sum of head h's ``num_parts`` partial sums (written by the dQ kernel), added up in a fixed order and
+    written in the sink's dtype: one launch instead of a ``torch.sum`` and a cast (host time per layer counts)."""
+    off_h = tl.program_id(0)
+    row = Part + off_h * stride_part
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, num_parts, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        total += tl.load(row + offs, mask=offs < num_parts, other=0.0)
+    tl.store(DSink + off_h, tl.sum(total, axis=0).to(DSink.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["stride_rows", "stride_part"])
 def _sink_attn_bwd_dq(
     Q,
@@ -1185,12 +1198,13 @@ class _ForwardCall(NamedTuple):
     tma: bool
     constexprs: dict  # the Triton kernel's constexprs and launch options, or the Gluon kernel's configuration
     sites: dict  # launch records (``_launch.launch_at``)
+    strides: tuple = ()  # the Triton kernel's token and head strides of q, k, v, out, and lse's head stride
 
 
 def _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right) -> _ForwardCall:
     _check_inputs((("q", q), ("k", k), ("v", v)))
-    T_q, H_q, D = q.shape
-    H_kv = k.shape[1]
+    T_q, H_q, D = q.shape[-3:]
+    H_kv = k.shape[-2]
     if H_q % H_kv:
         raise ValueError(f"number of query heads {H_q} must be a multiple of KV heads {H_kv}")
     num_seqs = cu_seqlens_q.numel() - 1
@@ -1210,7 +1224,9 @@ def _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left
         **cfg,
     )
     grid = (H_q, _cdiv(max_seqlen_q, block_m), num_seqs)
-    return _ForwardCall((H_q, T_q), empty, plan.fwd, grid, plan.tma, constexprs, {})
+    out = torch.empty_like(q, device="meta")  # (the strides the call's torch.empty_like(q) gives out)
+    strides = (*q.stride()[-3:-1], *k.stride()[-3:-1], *v.stride()[-3:-1], *out.stride()[-3:-1], T_q)
+    return _ForwardCall((H_q, T_q), empty, plan.fwd, grid, plan.tma, constexprs, {}, strides)
 
 
 @_on_input_device
@@ -1273,15 +1289,7 @@ def sink_attention_forward(
         lse,
         cu_seqlens_q,
         cu_seqlens_k,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
+        *call.strides,
         qk_scale,
         left,
         right,
@@ -1304,6 +1312,7 @@ class _BackwardCall(NamedTuple):
     stride_rows: int
     dq_blocks: int  # columns of dsink's partial sums (0: none)
     shared_partials: bool  # the partial sums are the buffer's last row (else their own allocation)
+    dsink_block: int  # partial sums per step of _dsink_finish
     head_splits: int
     pre_grid: tuple
     pre_block: int
@@ -1324,8 +1333,8 @@ def _backward_call(
                 f"{name} must be a {tuple(like.shape)} {like.dtype} tensor with a contiguous last dim, got "
                 f"{tuple(given.shape)} {given.dtype} strides {given.stride()}"
             )
-    T_q, H_q, D = q.shape
-    H_kv = k.shape[1]
+    T_q, H_q, D = q.shape[-3:]
+    H_kv = k.shape[-2]
     num_seqs = cu_seqlens_q.numel() - 1
     group = H_q // H_kv
     windowed = left < _UNBOUNDED
@@ -1341,9 +1350,9 @@ def _backward_call(
     stride_rows = _row_vector_stride(T_q, num_seqs)
     rows = 2 if fused and sinks is not None else 1
     # dsink's partial sums of the deterministic kernels, one per (head, dQ program; programs past a sequence's end
-    # leave their zero): the dQ kernel writes them, summed in a fixed order. They share the zero-filled buffer of
-    # the per-row vectors when they fit in a row (one allocation and one fill per call: host time counts at these
-    # sizes); each row is contiguous and 16-byte aligned (stride_rows % 4 == 0).
+    # leave their zero): the dQ kernel writes them, ``_dsink_finish`` adds them up in a fixed order. They share the
+    # zero-filled buffer of the per-row vectors when they fit in a row (one allocation and one fill per call: host
+    # time counts at these sizes); each row is contiguous and 16-byte aligned (stride_rows % 4 == 0).
     dq_cfg = dict(CONFIGS[("gluon_dq", D)] if gluon else _config("dq", D, q.device))
     dq_blocks = num_seqs * _cdiv(max_seqlen_q, dq_cfg["BLOCK_M"]) if sinks is not None and not fused else 0
     shared_partials = 0 < dq_blocks <= stride_rows
@@ -1388,12 +1397,13 @@ def _backward_call(
         gluon=gluon,
         side_stream=plan.concurrent,
         tma=tma,
-        keys=k.shape[0] > 0 and max_seqlen_k > 0,
+        keys=k.shape[-3] > 0 and max_seqlen_k > 0,
         buffer_shape=buffer_shape,
         rows=rows,
         stride_rows=stride_rows,
         dq_blocks=dq_blocks,
         shared_partials=shared_partials,
+        dsink_block=min(1024, triton.next_power_of_2(max(dq_blocks, 1))),
         head_splits=head_splits,
         pre_grid=pre_grid,
         pre_block=pre_block,
@@ -1403,6 +1413,14 @@ def _backward_call(
         dq_constexprs=dq_constexprs,
         sites={},
     )
+
+
+def _finish_dsink(call: _BackwardCall, partials: torch.Tensor, dsink: torch.Tensor) -> None:
+    """dsink [H] from the dQ kernel's partial sums (``_dsink_finish``)."""
+    _launch_at(
+        call.sites, "dsink", _dsink_finish, (dsink.shape[0], 1, 1), partials, dsink, partials.stride(0), call.dq_blocks,
+        BLOCK=call.dsink_block,
+    )  # fmt: skip
 
 
 @_on_input_device
@@ -1428,7 +1446,7 @@ def sink_attention_backward(
     dv_out=None,
 ):
     """Gradients of :func:`sink_attention_forward`: ``dq [Tq,Hq,D]``, ``dk, dv [Tk,Hkv,D]`` (input dtype,
-    summed over each KV group's query heads) and ``dsink [Hq]`` float32 (None without sinks).  ``dq_out``,
+    summed over each KV group's query heads) and ``dsink [Hq]`` in the sink's dtype (None without sinks).  ``dq_out``,
     ``dk_out``, ``dv_out``, when given, receive dq, dk, dv (any strides with a contiguous last dim) and are returned:
     gradients laid out like the caller's inputs (FlashAttention's ``dq``, ``dk``, ``dv`` arguments).
 
@@ -1455,12 +1473,12 @@ def sink_attention_backward(
             dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic, outputs
         ),
     )
-    H_q = q.shape[1]
+    H_q = q.shape[-2]
     dq = torch.empty_like(q) if dq_out is None else dq_out
     if call.empty:
         dk = torch.empty_like(k) if dk_out is None else dk_out
         dv = torch.empty_like(v) if dv_out is None else dv_out
-        dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if sinks is not None else None
+        dsink = torch.zeros(H_q, device=q.device, dtype=sinks.dtype) if sinks is not None else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dsink
     qk_scale = float(softmax_scale) * LOG2E
     sm_scale = float(softmax_scale)
@@ -1468,10 +1486,15 @@ def sink_attention_backward(
     buffer = torch.zeros(call.buffer_shape, device=q.device, dtype=torch.float32)
     scratch = buffer.unbind(0)
     delta, sink_weights, lse2 = scratch[0], scratch[rows - 1], scratch[rows]
-    # the fused kernel's dsink (its preprocessing adds one part of it)
-    dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32) if call.fused and sinks is not None else None
+    # dsink: added up by the fused kernel (and its preprocessing) in fp32, else by _dsink_finish in the sink's dtype
+    if sinks is None:
+        dsink = None
+    elif call.fused:
+        dsink = torch.zeros(H_q, device=q.device, dtype=torch.float32)
+    else:
+        dsink = torch.empty(H_q, device=q.device, dtype=sinks.dtype)
     if call.shared_partials:
-        partials = scratch[rows + 1][:, : call.dq_blocks]
+        partials = scratch[rows + 1]
     elif call.dq_blocks:
         partials = torch.zeros((H_q, call.dq_blocks), device=q.device, dtype=torch.float32)
     else:
@@ -1491,12 +1514,12 @@ def sink_attention_backward(
         dsink if rows == 2 else lse2,
         cu_seqlens_q,
         stride_rows,
-        out.stride(0),
-        out.stride(1),
-        dout.stride(0),
-        dout.stride(1),
+        out.stride(-3),
+        out.stride(-2),
+        dout.stride(-3),
+        dout.stride(-2),
         lse.stride(0),
-        HEAD_DIM=q.shape[2],
+        HEAD_DIM=q.shape[-1],
         BLOCK=call.pre_block,
         SINK_WEIGHTS=rows == 2,
     )
@@ -1542,9 +1565,11 @@ def sink_attention_backward(
             sm_scale,
             left,
             right,
-            CONFIGS[("gluon_bwd_fused", q.shape[2])],
+            CONFIGS[("gluon_bwd_fused", q.shape[-1])],
             call.sites,
         )
+        if dsink is not None and dsink.dtype != sinks.dtype:
+            dsink = dsink.to(sinks.dtype)
         return dq.copy_(dq32), *dkdv_result(), dsink
     if call.gluon:
         _run_gluon(
@@ -1569,11 +1594,13 @@ def sink_attention_backward(
             sm_scale,
             left,
             right,
-            CONFIGS[("gluon_dkdv", q.shape[2])],
+            CONFIGS[("gluon_dkdv", q.shape[-1])],
             call.dq_constexprs,
             call.sites,
         )
-        return dq, *dkdv_result(), partials.sum(dim=1) if sinks is not None else None
+        if dsink is not None:
+            _finish_dsink(call, partials, dsink)
+        return dq, *dkdv_result(), dsink
 
     side = _side_stream(q.device) if call.side_stream else None
     if side is not None:  # the dQ kernel below starts on the side stream once delta/lse2 are written
@@ -1600,14 +1627,14 @@ def sink_attention_backward(
             do_desc,
             cu_seqlens_q,
             cu_seqlens_k,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            dout.stride(0),
-            dout.stride(1),
+            q.stride(-3),
+            q.stride(-2),
+            k.stride(-3),
+            k.stride(-2),
+            v.stride(-3),
+            v.stride(-2),
+            dout.stride(-3),
+            dout.stride(-2),
             dk_dest.stride(-3),
             dk_dest.stride(-2),
             dv_dest.stride(-3),
@@ -1641,16 +1668,16 @@ def sink_attention_backward(
             partials if sinks is not None else lse2,
             cu_seqlens_q,
             cu_seqlens_k,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            dout.stride(0),
-            dout.stride(1),
-            dq.stride(0),
-            dq.stride(1),
+            q.stride(-3),
+            q.stride(-2),
+            k.stride(-3),
+            k.stride(-2),
+            v.stride(-3),
+            v.stride(-2),
+            dout.stride(-3),
+            dout.stride(-2),
+            dq.stride(-3),
+            dq.stride(-2),
             stride_rows,
             partials.stride(0) if sinks is not None else 0,
             qk_scale,
@@ -1659,7 +1686,9 @@ def sink_attention_backward(
             right,
             **call.dq_constexprs,
         )
+        if dsink is not None:
+            _finish_dsink(call, partials, dsink)
     if side is not None:
         # join: later work on the caller's stream (and the frees of delta/lse2 here) waits for the dQ kernel
         torch.cuda.current_stream(q.device).wait_stream(side)
-    return dq, *dkdv_result(), partials.sum(dim=1) if sinks is not None else None
+    return dq, *dkdv_result(), dsink
