@@ -271,7 +271,7 @@ def _recording_launch(monkeypatch, launch):
 
     monkeypatch.setattr(launch, "_RECORDS", {})
     monkeypatch.setattr(launch, "JITFunction", FakeJIT)
-    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_device", lambda: 0)
     monkeypatch.setattr(launch, "_current_stream", lambda device: 1234)
     return FakeJIT(**vars(_fake_kernel())), calls, standard
 

@@ -554,7 +554,7 @@ def test_launches_on_the_inputs_device(tk, monkeypatch):
         def __exit__(self, *exc):
             entered.append(None)
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tk, "_current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", DeviceGuard)
 
     class OnGpu:

@@ -63,7 +63,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-__all__ = ["Tile", "launch", "launch_at"]
+__all__ = ["Tile", "current_device", "launch", "launch_at"]
 
 
 class Tile(NamedTuple):
@@ -231,12 +231,17 @@ class _Direct:
         )  # fmt: skip
 
 
-try:  # what Triton's CUDA driver reads (torch.cuda.current_stream builds a Stream object per call)
+try:  # what Triton's CUDA driver reads (torch.cuda.current_stream builds a Stream object per call, and
+    # torch.cuda.current_device re-checks CUDA's initialization: a launch only happens once CUDA runs)
     from torch._C import _cuda_getCurrentRawStream as _current_stream
+    from torch._C import _cuda_getDevice as current_device
 except ImportError:  # pragma: no cover - CPU-only builds of PyTorch
 
     def _current_stream(device: int) -> int:
         return torch.cuda.current_stream(device).cuda_stream
+
+    def current_device() -> int:
+        return torch.cuda.current_device()
 
 
 _KNOBS = hasattr(triton, "knobs")  # (Triton 3.4+; older versions launch through kernel[grid] only)
@@ -334,7 +339,7 @@ def launch(fn, grid: tuple, *args, **constexprs):
     Returns the direct launcher this call used or recorded, None where Triton's standard path ran."""
     # (under TRITON_INTERPRET=1 the kernels are InterpretedFunction objects: no compiled kernel to call)
     if _KNOBS and isinstance(fn, JITFunction) and not fn.pre_run_hooks and not _hooks_installed():
-        device = torch.cuda.current_device()
+        device = current_device()
         key = _record_key(fn, device, args, constexprs)
         direct = _RECORDS.get(key, False)
         if direct:
@@ -374,7 +379,7 @@ def launch_at(sites: dict, site, fn, grid: tuple, *args, **constexprs) -> None:
     The kernel compiles with ``_COMPILE_OPTIONS`` besides the caller's constexprs and launch options."""
     direct = sites.get(site)
     if direct is not None and direct.debug == _debug_knobs() and not _hooks_installed():
-        device = torch.cuda.current_device()
+        device = current_device()
         if _CHECK_SITES:
             key = _record_key(fn, device, args, {**_COMPILE_OPTIONS, **constexprs})
             if _RECORDS.get(key) is not direct:

@@ -219,6 +219,9 @@ class _SinkAttention(torch.autograd.Function):
         # attention (RoPE, the transposes of q/k/v) then run their backward on dense tensors
         ctx.heads_first = (_heads_first(q), _heads_first(k), _heads_first(v))
         ctx.mark_non_differentiable(lse)
+        # lse has no gradient: without this, autograd would fill a zero tensor for it (an allocation and a launch per
+        # layer) that the backward never reads
+        ctx.set_materialize_grads(False)
         return (out if out.dim() == q.dim() else out.view(q.shape)), lse
 
     @staticmethod

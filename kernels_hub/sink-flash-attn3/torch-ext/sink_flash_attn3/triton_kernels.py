@@ -54,6 +54,7 @@ from ._bands import key_block_ranges as _key_block_ranges
 from ._bands import query_block_ranges as _query_block_ranges
 from ._bands import row_vector_start as _row_vector_start
 from ._launch import Tile as _Tile
+from ._launch import current_device as _current_device
 from ._launch import launch_at as _launch_at
 
 try:
@@ -1158,7 +1159,7 @@ def _on_input_device(fn):
     @functools.wraps(fn)
     def on_input_device(first, *args, **kwargs):
         device = first.device
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
+        if device.type == "cuda" and device.index != _current_device():
             with torch.cuda.device(device):
                 return fn(first, *args, **kwargs)
         return fn(first, *args, **kwargs)
