@@ -1322,6 +1322,7 @@ class _BackwardCall(NamedTuple):
     dq_grid: tuple
     dq_constexprs: dict
     sites: dict  # launch records (``_launch.launch_at``)
+    strides: tuple  # the Triton kernels' token and head strides of q, k, v and dout
 
 
 def _backward_call(
@@ -1413,6 +1414,7 @@ def _backward_call(
         dq_grid=dq_grid,
         dq_constexprs=dq_constexprs,
         sites={},
+        strides=(*q.stride()[-3:-1], *k.stride()[-3:-1], *v.stride()[-3:-1], *dout.stride()[-3:-1]),
     )
 
 
@@ -1628,14 +1630,7 @@ def sink_attention_backward(
             do_desc,
             cu_seqlens_q,
             cu_seqlens_k,
-            q.stride(-3),
-            q.stride(-2),
-            k.stride(-3),
-            k.stride(-2),
-            v.stride(-3),
-            v.stride(-2),
-            dout.stride(-3),
-            dout.stride(-2),
+            *call.strides,
             dk_dest.stride(-3),
             dk_dest.stride(-2),
             dv_dest.stride(-3),
@@ -1669,14 +1664,7 @@ def sink_attention_backward(
             partials if sinks is not None else lse2,
             cu_seqlens_q,
             cu_seqlens_k,
-            q.stride(-3),
-            q.stride(-2),
-            k.stride(-3),
-            k.stride(-2),
-            v.stride(-3),
-            v.stride(-2),
-            dout.stride(-3),
-            dout.stride(-2),
+            *call.strides,
             dq.stride(-3),
             dq.stride(-2),
             stride_rows,
