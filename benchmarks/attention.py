@@ -7,6 +7,9 @@ Rows (B=1, 64 query / 8 KV heads, head_dim 64, bf16, forward + backward with the
   ``flash_attn_varlen_func`` on the same tokens split into packed sequences;
 - raw kernels: ``triton_kernels.sink_attention_forward`` / ``sink_attention_backward`` called directly (a reference
   row: the public path's overhead is the difference);
+- raw kernels in a bare ``torch.autograd.Function`` (forward and backward call them and do nothing else): the
+  floor of any autograd API around these kernels, so that public - raw splits into PyTorch's autograd and the
+  public interface's own argument checks and layout handling;
 - FA4: ``flash_attn.cute.flash_attn_func(..., learnable_sink=)`` on the same inputs, when importable;
 - a stack of layers: each implementation's calls for N layers (each its own q, k, v and sinks), then one backward
   through all of them, as a model's forward and backward run its layers; per layer = the stack's time / N;
@@ -131,6 +134,56 @@ def raw_step(kernel, window, inputs):
     return step
 
 
+class _RawInAutograd(torch.autograd.Function):
+    """The raw kernels in the smallest ``torch.autograd.Function``: one output, the tensors the backward reads saved,
+    nothing checked or re-laid out (``bare_step``)."""
+
+    @staticmethod
+    def forward(ctx, tk, q, k, v, sinks, cu, S, scale, wl, wr):
+        out, lse = tk.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, scale, True, wl, wr)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (tk, cu, S, scale, wl, wr)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        tk, cu, S, scale, wl, wr = ctx.args
+        dq, dk, dv, dsink = tk.sink_attention_backward(
+            dout, q, k, v, out, lse, sinks, cu, cu, S, S, scale, True, wl, wr
+        )
+        return None, dq, dk, dv, dsink, None, None, None, None, None
+
+
+def bare_layers(kernel, window, stack):
+    """Per layer of ``stack``: the closure of one ``_RawInAutograd`` call on its own leaves, and those leaves."""
+    tk = kernel.interface._backend_module("triton" if DEVICE == "cuda" else "torch")
+    S = stack[0][0].shape[-3]
+    cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
+    wl, wr = window_size(window)
+    layers = []
+    for q, k, v, dout, sinks in stack:
+        q, k, v, sinks = leaves(*(t[0] if t.dim() == 4 else t for t in (q, k, v)), sinks)
+        dout = dout[0] if dout.dim() == 4 else dout
+        layers.append(((q, k, v, sinks), dout))
+    scale = HEAD_DIM**-0.5
+
+    def call(q, k, v, sinks):
+        return _RawInAutograd.apply(tk, q, k, v, sinks, cu, S, scale, wl, wr)
+
+    return call, layers
+
+
+def bare_step(kernel, window, inputs):
+    """One layer's fwd+bwd through ``_RawInAutograd``, timed like ``public_step``."""
+    call, ((leaf, dout),) = bare_layers(kernel, window, [inputs])
+
+    def step():
+        return torch.autograd.grad(call(*leaf), leaf, dout)
+
+    return step
+
+
 def fa4_call(fa4, q, k, v, sinks, window):
     left = None if window is None else window - 1
     out = fa4(q, k, v, causal=True, window_size=(left, None if window is None else 0), learnable_sink=sinks)
@@ -188,6 +241,17 @@ def raw_stack_step(kernel, window, stack):
             tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, scale, True, wl, wr)
             for (q, k, v, dout, sinks), (out, lse) in reversed(list(zip(layers, saved)))
         ]
+
+    return step
+
+
+def bare_stack_step(kernel, window, stack):
+    """``public_stack_step`` through ``_RawInAutograd``."""
+    call, layers = bare_layers(kernel, window, stack)
+
+    def step():
+        outs = [call(*leaf) for leaf, _ in layers]
+        return torch.autograd.grad(outs, [t for leaf, _ in layers for t in leaf], [dout for _, dout in layers])
 
     return step
 
@@ -277,7 +341,11 @@ def time_kernels(kernel, fa4, shapes):
     for S, window in shapes:
         inputs = make_inputs(S, seed=S + (window or 0))
         row = dict(case=case_name(S, window), S=S, window=window)
-        steps = {"public_ms": public_step(kernel, window, inputs), "raw_ms": raw_step(kernel, window, inputs)}
+        steps = {
+            "public_ms": public_step(kernel, window, inputs),
+            "raw_ms": raw_step(kernel, window, inputs),
+            "autograd_ms": bare_step(kernel, window, inputs),
+        }
         if S >= 4096 and S % 4096 == 0:
             steps["varlen_ms"] = varlen_step(kernel, window, inputs)
         if window is None:  # full layers: deterministic=False runs the one-kernel backward there (from 2k keys)
@@ -299,7 +367,11 @@ def time_stacks(kernel, fa4, shapes, layers):
     for S, window in shapes:
         stack = stack_inputs(S, layers)
         row = dict(case=case_name(S, window), S=S, window=window, layers=layers)
-        steps = {"public_ms": public_stack_step(kernel, window, stack), "raw_ms": raw_stack_step(kernel, window, stack)}
+        steps = {
+            "public_ms": public_stack_step(kernel, window, stack),
+            "raw_ms": raw_stack_step(kernel, window, stack),
+            "autograd_ms": bare_stack_step(kernel, window, stack),
+        }
         if fa4 is not None:
             steps["fa4_ms"] = public_stack_step(kernel, window, stack, fa4=fa4)
         rows.append(timed_row(row, steps, per=layers))
@@ -573,10 +645,12 @@ def targets(result):
         return ""
 
     def window_target(target, r, per="call"):
-        pub, raw, fa = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms")
+        pub, raw, fa, bare = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms"), r.get("autograd_ms")
+        # how much of public - raw a bare autograd.Function around the raw kernels pays already (PyTorch's autograd)
+        floor = "" if None in (pub, raw, bare) else f"; raw in a bare autograd.Function {bare:.3f}"
         return dict(
             target=f"{target}: faster than FA4 and within 0.1 ms of the raw kernels",
-            value=f"{fmt(pub, '.3f')} ms (FA4 {fmt(fa, '.3f')}, raw {fmt(raw, '.3f')}{host_note(r, per)})",
+            value=f"{fmt(pub, '.3f')} ms (FA4 {fmt(fa, '.3f')}, raw {fmt(raw, '.3f')}{floor}{host_note(r, per)})",
             met=None if None in (pub, raw, fa) else (pub < fa and pub - raw <= 0.1),
         )
 
@@ -650,7 +724,9 @@ def write_markdown(result, path):
         "",
         "`flash_attn_func` / `flash_attn_varlen_func` are the kernel's public functions (autograd included; "
         "varlen: the same tokens as 4 packed sequences of S/4, so a causal row does a quarter of the work); raw = "
-        "`triton_kernels.sink_attention_forward` + `sink_attention_backward` called directly, no autograd. Every "
+        "`triton_kernels.sink_attention_forward` + `sink_attention_backward` called directly, no autograd; raw in "
+        "autograd = the same calls inside a bare `torch.autograd.Function` (one output, nothing checked or re-laid "
+        "out): the floor of any autograd API, so public - raw in autograd is the public interface's own cost. Every "
         "column but the last runs with `deterministic=False` (FlashAttention's default, FA4's too): on full-attention "
         "layers from 2k keys that is the one-kernel backward (five products per tile, dQ and dsink added by atomics); "
         "`deterministic=True` is the same public call with the bitwise-reproducible two-kernel backward (seven "
@@ -659,21 +735,22 @@ def write_markdown(result, path):
         "it reaches the raw kernels' time (an upper bound on the GPU time), the host (Python per call) rather than "
         "the kernels sets that row, and the targets table says so.",
         "",
-        "| case | flash_attn_func | host per call | varlen | raw kernels | FA4 | FA4 host per call | public / FA4 "
-        "| public - raw | deterministic=True |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | flash_attn_func | host per call | varlen | raw kernels | raw in autograd | FA4 | FA4 host per call "
+        "| public / FA4 | public - raw | public - raw in autograd | deterministic=True |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cells(r, *keys):
-        pub, raw, fa = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms")
+        pub, raw, fa, bare = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms"), r.get("autograd_ms")
         derived = (
             f"{fmt(pub / fa if pub and fa else None)}x",
             fmt(pub - raw if pub and raw else None, "+.3f"),
+            fmt(pub - bare if pub and bare else None, "+.3f"),
         )
         return " | ".join((r["case"], *(fmt(r.get(key), ".3f") for key in keys), *derived))
 
     for r in result["kernel_rows"]:
-        timed = ("public_ms", "public_host_ms", "varlen_ms", "raw_ms", "fa4_ms", "fa4_host_ms")
+        timed = ("public_ms", "public_host_ms", "varlen_ms", "raw_ms", "autograd_ms", "fa4_ms", "fa4_host_ms")
         lines.append(f"| {cells(r, *timed)} | {fmt(r.get('deterministic_ms'), '.3f')} |")
     if result.get("stack_rows"):
         layers = result["stack_rows"][0]["layers"]
@@ -685,15 +762,17 @@ def write_markdown(result, path):
             f"and back on its own. Here each implementation runs the forward of {layers} layers (each with its own q, "
             f"k, v and sinks), then one `torch.autograd.grad` over all of them, as a model's forward and backward "
             f"pass run its layers (GPT-OSS-20B has 12 window-128 layers); raw: the {layers} forwards, then the "
-            f"backwards in reverse order. Times per layer: the stack's `do_bench` median / {layers}; host per layer: "
+            f"backwards in reverse order; raw in autograd: the {layers} layers through the bare "
+            f"`torch.autograd.Function` and one `torch.autograd.grad`. Times per layer: the stack's `do_bench` median / {layers}; host per layer: "
             f"the host's time to issue the stack (no wait for the GPU, best of 3) / {layers}.",
             "",
-            "| case | flash_attn_func | host per layer | raw kernels | FA4 | FA4 host per layer | public / FA4 "
-            "| public - raw |",
-            "|---|---|---|---|---|---|---|---|",
+            "| case | flash_attn_func | host per layer | raw kernels | raw in autograd | FA4 | FA4 host per layer "
+            "| public / FA4 | public - raw | public - raw in autograd |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["stack_rows"]:
-            lines.append(f"| {cells(r, 'public_ms', 'public_host_ms', 'raw_ms', 'fa4_ms', 'fa4_host_ms')} |")
+            keys = ("public_ms", "public_host_ms", "raw_ms", "autograd_ms", "fa4_ms", "fa4_host_ms")
+            lines.append(f"| {cells(r, *keys)} |")
     if result.get("layer_rows"):
         impls = list(result["layer_impls"])
         lines += [
@@ -756,7 +835,12 @@ def write_plot(result, path):
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rows = result["kernel_rows"]
-    keys = [("public_ms", "flash_attn_func"), ("raw_ms", "raw kernels"), ("fa4_ms", "FA4 + learnable_sink")]
+    keys = [
+        ("public_ms", "flash_attn_func"),
+        ("autograd_ms", "raw kernels in a bare autograd.Function"),
+        ("raw_ms", "raw kernels"),
+        ("fa4_ms", "FA4 + learnable_sink"),
+    ]
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(keys)
     for i, (key, label) in enumerate(keys):
@@ -764,10 +848,10 @@ def write_plot(result, path):
         ratios = [(r.get(key) or float("nan")) / b for r, b in zip(rows, base)]
         ax.bar([x + i * width for x in range(len(rows))], ratios, width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([x + width for x in range(len(rows))], [r["case"] for r in rows])
+    ax.set_xticks([x + width * (len(keys) - 1) / 2 for x in range(len(rows))], [r["case"] for r in rows])
     ax.set_ylabel("fwd+bwd time / FA4's")
     ax.set_title(f"Sink attention, GPT-OSS shapes, {result['env']['gpu']}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(keys))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

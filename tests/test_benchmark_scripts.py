@@ -359,10 +359,13 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
     )
     res = json.loads((tmp_path / "attention.json").read_text())
     assert [r["case"] for r in res["kernel_rows"]] == ["S=64 causal", "S=64 window 16"]
-    assert all(r["public_ms"] > 0 and r["raw_ms"] > 0 and r["public_host_ms"] > 0 for r in res["kernel_rows"])
+    assert all(
+        r["public_ms"] > 0 and r["raw_ms"] > 0 and r["autograd_ms"] > 0 and r["public_host_ms"] > 0
+        for r in res["kernel_rows"]
+    )
     (stack,) = res["stack_rows"]
     assert (stack["case"], stack["layers"]) == ("S=64 window 16", 3)
-    assert stack["public_ms"] > 0 and stack["raw_ms"] > 0 and stack["public_host_ms"] > 0
+    assert stack["public_ms"] > 0 and stack["raw_ms"] > 0 and stack["autograd_ms"] > 0 and stack["public_host_ms"] > 0
     assert res["mixed"]["first_ms"] > 0 and res["mixed"]["after_ms"] > 0
     assert [r["case"] for r in res["accuracy"]] == ["S=64 causal", "S=64 window 16", "S=64 causal, sinks x25"]
     for row in res["accuracy"]:
@@ -406,6 +409,32 @@ def test_attention_targets_name_host_bound_rows():
         ("S=4k window 128", "0.330 ms (FA4 0.350, raw 0.250; host 0.300 ms per layer: the host sets this row)", True),
         ("S=16k window 128", "0.990 ms (FA4 1.100, raw 0.850)", False),
     ]
+
+
+def test_attention_bare_autograd_row_computes_the_public_gradients(monkeypatch):
+    """The "raw in autograd" reference row (raw kernels in a bare autograd.Function) returns the gradients that
+    `flash_attn_func` returns on the same inputs, per call and in a stack, and its value shows in a window target."""
+    from benchmarks import attention as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "HEADS", (4, 2))
+    kernel = bench.load_kernel()
+    inputs = bench.make_inputs(48, seed=3)
+    for window in (None, 16):
+        public = bench.public_step(kernel, window, inputs)()
+        bare = bench.bare_step(kernel, window, inputs)()
+        for name, p, b in zip(("dq", "dk", "dv", "dsink"), public, bare):
+            torch.testing.assert_close(b, p.reshape(b.shape), msg=f"{name}, window {window}")
+    stack = bench.stack_inputs(32, 3)
+    bare = bench.bare_stack_step(kernel, 16, stack)()
+    public = bench.public_stack_step(kernel, 16, stack)()
+    for p, b in zip(public, bare):
+        torch.testing.assert_close(b, p.reshape(b.shape))
+    row = dict(case="S=4k window 128", public_ms=0.7, raw_ms=0.23, autograd_ms=0.62, fa4_ms=0.8, public_host_ms=0.2)
+    (target,) = [t for t in bench.targets(dict(kernel_rows=[row], accuracy=[])) if t["target"].startswith("S=4k w")]
+    assert target["value"] == "0.700 ms (FA4 0.800, raw 0.230; raw in a bare autograd.Function 0.620)"
+    assert target["met"] is False
 
 
 def test_attention_bench_interleaves_rounds_and_keeps_failures(monkeypatch):
