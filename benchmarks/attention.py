@@ -105,7 +105,7 @@ def public_step(kernel, window, inputs, deterministic=False):
 
 def varlen_step(kernel, window, inputs, pieces=4):
     """The same tokens as ``pieces`` packed sequences of equal length (what a packed RL batch sends)."""
-    q, k, v, dout, sinks = (t[0] if t.dim() == 4 else t for t in inputs)
+    q, k, v, dout, sinks = tokens_major(inputs)
     q, k, v, sinks = leaves(q, k, v, sinks)
     S = q.shape[0]
     cu = torch.arange(0, S + 1, S // pieces, device=DEVICE, dtype=torch.int32)
@@ -119,13 +119,22 @@ def varlen_step(kernel, window, inputs, pieces=4):
     return step
 
 
-def raw_step(kernel, window, inputs):
+def tokens_major(inputs):
+    """(q, k, v, dout, sinks) with the batch-1 tensors as the raw kernels' ``[S, heads, head_dim]``."""
+    return tuple(t[0] if t.dim() == 4 else t for t in inputs)
+
+
+def raw_args(kernel, window, S):
+    """The raw kernels' module and their arguments besides the tensors: (module, cu_seqlens, left, right, scale)."""
     tk = kernel.interface._backend_module("triton" if DEVICE == "cuda" else "torch")
-    q, k, v, dout, sinks = (t[0] if t.dim() == 4 else t for t in inputs)
-    S = q.shape[0]
     cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
-    wl, wr = window_size(window)
-    scale = HEAD_DIM**-0.5
+    return (tk, cu, *window_size(window), HEAD_DIM**-0.5)
+
+
+def raw_step(kernel, window, inputs):
+    q, k, v, dout, sinks = tokens_major(inputs)
+    S = q.shape[0]
+    tk, cu, wl, wr, scale = raw_args(kernel, window, S)
 
     def step():
         out, lse = tk.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, scale, True, wl, wr)
@@ -157,16 +166,11 @@ class _RawInAutograd(torch.autograd.Function):
 
 def bare_layers(kernel, window, stack):
     """Per layer of ``stack``: the closure of one ``_RawInAutograd`` call on its own leaves, and those leaves."""
-    tk = kernel.interface._backend_module("triton" if DEVICE == "cuda" else "torch")
     S = stack[0][0].shape[-3]
-    cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
-    wl, wr = window_size(window)
+    tk, cu, wl, wr, scale = raw_args(kernel, window, S)
     layers = []
-    for q, k, v, dout, sinks in stack:
-        q, k, v, sinks = leaves(*(t[0] if t.dim() == 4 else t for t in (q, k, v)), sinks)
-        dout = dout[0] if dout.dim() == 4 else dout
-        layers.append(((q, k, v, sinks), dout))
-    scale = HEAD_DIM**-0.5
+    for q, k, v, dout, sinks in map(tokens_major, stack):
+        layers.append((tuple(leaves(q, k, v, sinks)), dout))
 
     def call(q, k, v, sinks):
         return _RawInAutograd.apply(tk, q, k, v, sinks, cu, S, scale, wl, wr)
@@ -226,12 +230,9 @@ def public_stack_step(kernel, window, stack, fa4=None):
 
 def raw_stack_step(kernel, window, stack):
     """The raw kernels in the order a model runs them: every layer's forward, then the backwards in reverse."""
-    tk = kernel.interface._backend_module("triton" if DEVICE == "cuda" else "torch")
-    layers = [tuple(t[0] if t.dim() == 4 else t for t in inputs) for inputs in stack]
+    layers = [tokens_major(inputs) for inputs in stack]
     S = layers[0][0].shape[0]
-    cu = torch.tensor([0, S], device=DEVICE, dtype=torch.int32)
-    wl, wr = window_size(window)
-    scale = HEAD_DIM**-0.5
+    tk, cu, wl, wr, scale = raw_args(kernel, window, S)
 
     def step():
         saved = [
@@ -763,8 +764,9 @@ def write_markdown(result, path):
             f"k, v and sinks), then one `torch.autograd.grad` over all of them, as a model's forward and backward "
             f"pass run its layers (GPT-OSS-20B has 12 window-128 layers); raw: the {layers} forwards, then the "
             f"backwards in reverse order; raw in autograd: the {layers} layers through the bare "
-            f"`torch.autograd.Function` and one `torch.autograd.grad`. Times per layer: the stack's `do_bench` median / {layers}; host per layer: "
-            f"the host's time to issue the stack (no wait for the GPU, best of 3) / {layers}.",
+            f"`torch.autograd.Function` and one `torch.autograd.grad`. Times per layer: the stack's `do_bench` "
+            f"median / {layers}; host per layer: the host's time to issue the stack (no wait for the GPU, best of 3) "
+            f"/ {layers}.",
             "",
             "| case | flash_attn_func | host per layer | raw kernels | raw in autograd | FA4 | FA4 host per layer "
             "| public / FA4 | public - raw | public - raw in autograd |",
