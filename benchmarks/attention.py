@@ -21,6 +21,8 @@ Rows (B=1, 64 query / 8 KV heads, head_dim 64, bf16, forward + backward with the
 
     python benchmarks/attention.py [--out DIR]        # writes DIR/attention.md, attention.json, attention.png
 
+The exit status is non-zero when a row or an accuracy case failed, or (on a GPU) a target is not met.
+
 Timings are medians of ``triton.testing.do_bench`` samples (milliseconds), the implementations of a row timed in
 interleaved rounds (``bench_interleaved``).  ``--device cpu`` runs the same code on tiny shapes (a smoke test of the
 script; its numbers mean nothing).
@@ -37,7 +39,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+
 KERNEL_REPO_ID = "hf-gptoss-rl/sink-flash-attn3"
 IMPL_OURS = "sink-flash-attn3"
 IMPL_FA4 = "FA4 + learnable_sink"
@@ -858,6 +863,26 @@ def write_plot(result, path):
     fig.savefig(path, dpi=110)
 
 
+def run_failures(result, accuracy_cases: int, gpu: bool) -> list[str]:
+    """What fails a run: a row's implementation that raised, an accuracy case that did not finish, and on a GPU a
+    target not met (the CPU run is a smoke test of the script: its timings mean nothing)."""
+    failures = [
+        f"{r['case']}, {k}: {v}"
+        for r in result["kernel_rows"] + result.get("stack_rows", []) + result.get("layer_rows", [])
+        for k, v in r.get("errors", {}).items()
+    ]
+    failures += [f"{r['case']}, FA4: {r['fa4_error']}" for r in result.get("accuracy", []) if r.get("fa4_error")]
+    if result.get("mixed_error"):
+        failures.append(f"mixed workload: {result['mixed_error']}")
+    if len(result.get("accuracy", [])) < accuracy_cases:
+        failures.append(
+            f"accuracy: {accuracy_cases - len(result['accuracy'])} of {accuracy_cases} cases failed (see the log)"
+        )
+    if gpu:
+        failures += [f"target not met: {t['target']} ({t['value']})" for t in result["targets"] if t["met"] is False]
+    return failures
+
+
 def _flags_as_run() -> list[str]:
     """The command-line flags of this run, without --out (where the report went), quoted for a shell."""
     import shlex  # noqa: PLC0415
@@ -877,7 +902,7 @@ def _flags_as_run() -> list[str]:
 def main():
     global DEVICE, DTYPE, HEADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
         "--shapes",
@@ -910,10 +935,10 @@ def main():
     parser.add_argument("--mixed-seqlen", type=int, default=4096)
     parser.add_argument("--from-json", help="only re-render attention.md / .png from a saved attention.json")
     args = parser.parse_args()
+    out_dir = output_dir(args.out, "attention.json", "attention.md", "attention.png")
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
         result["targets"] = targets(result)
-        out_dir = Path(args.out)
         (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
         write_markdown(result, out_dir / "attention.md")
         write_plot(result, out_dir / "attention.png")
@@ -921,7 +946,6 @@ def main():
     DEVICE = args.device
     if DEVICE == "cpu":  # a smoke test of the script: fp32 (the CPU path), few heads
         DTYPE, HEADS = torch.float32, (4, 2)
-    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     kernel = load_kernel()
     fa4 = load_fa4() if DEVICE == "cuda" else None
@@ -1023,6 +1047,7 @@ def main():
     for t in result["targets"]:
         print(f"[target] {t['target']}: {t['value']} ({'-' if t['met'] is None else 'met' if t['met'] else 'NOT met'})")
     print(f"[done] {time.time() - t0:.0f} s", flush=True)
+    exit_if_failed("benchmarks/attention.py", run_failures(result, len(cases), gpu=DEVICE == "cuda"), out_dir)
 
 
 if __name__ == "__main__":

@@ -70,9 +70,11 @@ going at the deadline is killed and reported as timed out.
 On a GPU machine, `pip install -e ".[dev]"` gives every variant but FA4; for `fa4_grouped_mm` (Hopper or newer,
 CUDA 12.8+): `pip install flash-attn-4==4.0.0b36`.
 
-Writes `full_step.md`, `full_step.png`, `full_step.json` into `--out` (default `docs/benchmarks/`);
-`--report-from docs/benchmarks/full_step.json` (or `full_step_ragged.json`) re-renders the report of a saved run
-(no GPU). The ragged case writes `full_step_ragged.{md,json,png}`.
+Writes `full_step.md`, `full_step.png`, `full_step.json` into `--out` (default `docs/benchmarks/`, only while no
+report is there: name the folder to replace one); `--report-from docs/benchmarks/full_step.json` (or
+`full_step_ragged.json`) re-renders the report of a saved run (no GPU). The ragged case writes
+`full_step_ragged.{md,json,png}`. The exit status is non-zero when a run crashed, timed out or failed a check (an
+OOM is a result, not a failure).
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ import time
 from pathlib import Path
 
 import torch
+
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
 
 # `hf_gptoss_rl` is imported where it is used: the sweep's parent process stays light (torch only); every
 # (variant, S) run is its own worker process.
@@ -623,6 +629,7 @@ def run_ragged(args, device, layers: int, names: list[str], start: float) -> lis
             "ragged": ragged, "autocast": args.autocast}  # fmt: skip
     write_ragged_report(args.out, results, meta)
     print((args.out / "full_step_ragged.md").read_text())
+    exit_if_failed("benchmarks/full_step.py --ragged", run_failures(results), args.out)
     return results
 
 
@@ -720,6 +727,30 @@ def run_one(spec: dict, timeout: float) -> dict:
         "stderr_tail": tail,
         "wall_s": wall,
     }
+
+
+def report_files(ragged: bool, png_name: str = "full_step.png") -> list[str]:
+    """The files `write_report` (or, ``ragged``, `write_ragged_report`) writes."""
+    if ragged:
+        return ["full_step_ragged.json", "full_step_ragged.md", "full_step_ragged.png"]
+    return ["full_step.json", "full_step.md", png_name]
+
+
+def run_failures(results: list[dict]) -> list[str]:
+    """The (variant, S) runs that failed: a worker that crashed or timed out, a measurement that raised (an OOM is a
+    result: the variant does not fit), GRPO-step LoRA gradients that are not finite."""
+    failures = []
+    for r in results:
+        name = f"{r['variant']} S={r.get('seq_len')}"
+        if r.get("error") and not r["error"].startswith("OOM"):
+            failures.append(f"{name}: {r['error']}")
+        for key in ("grpo_step", "logprob_pass", "plain_step"):
+            m = r.get(key) or {}
+            if m.get("error") and not m.get("oom"):
+                failures.append(f"{name}, {key}: {m['error']}")
+        if "seconds" in (r.get("grpo_step") or {}) and r.get("lora_grads_finite") is False:
+            failures.append(f"{name}: LoRA gradients of the GRPO step are not finite")
+    return failures
 
 
 def cell_time(m: dict | None) -> str:
@@ -972,7 +1003,7 @@ def parse_args(argv=None):
         action="store_true",
         help="run the forward under bf16 autocast, as accelerate does with TRL's default bf16=True",
     )
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--profile", action="store_true", help="also profile one GRPO step per run: top ops by self time")
     p.add_argument("--report-from", type=Path, default=None, help="re-render the report of a saved full_step.json")
     p.add_argument("--ragged", action="store_true", help="the ragged-batch case instead of the S sweep")
@@ -994,11 +1025,11 @@ def main(argv=None) -> list[dict]:
         return []
     if args.report_from is not None:
         saved = json.loads(args.report_from.read_text())
-        if "ragged" in saved["meta"]:
-            write_ragged_report(args.out, saved["results"], saved["meta"])
-        else:
-            write_report(args.out, saved["results"], saved["meta"])
+        ragged = "ragged" in saved["meta"]
+        args.out = output_dir(args.out, *report_files(ragged, saved["meta"].get("png_name", "full_step.png")))
+        (write_ragged_report if ragged else write_report)(args.out, saved["results"], saved["meta"])
         return saved["results"]
+    args.out = output_dir(args.out, *report_files(args.ragged))
     start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device_type = device.type
@@ -1077,6 +1108,7 @@ def main(argv=None) -> list[dict]:
     }
     write_report(args.out, results, meta)
     print((args.out / "full_step.md").read_text())
+    exit_if_failed("benchmarks/full_step.py", run_failures(results), args.out)
     return results
 
 

@@ -1,43 +1,53 @@
 # Copyright 2026 The hf_gptoss_rl authors. Apache-2.0.
-"""Learning run of agentic GRPO on GSM8K: sink-dropping training attention vs the project's kernel.
+"""Learning run of agentic GRPO on GSM8K: the trainer's attention with and without the sinks, over several seeds.
 
-One small GPT-OSS (a few layers, a few experts, the real 201,088-id harmony vocabulary, fp32 weights, random init
-with per-head sink logits ~ N(1, 1.5²) as in `mismatch_study.py`, so that dropping them matters as it would in a
-trained model):
+One small GPT-OSS (a few layers, a few experts, the real 201,088-id harmony vocabulary, random init with per-head
+sink logits ~ N(1, 1.5²) as in `mismatch_study.py`, so that dropping them matters as it would in a trained model):
 
 1. Warm-up ("cold start"): `trl_ext.cold_start.cold_start` (TRL's `SFTTrainer`) on scripted `code_interpreter`
-   trajectories for up to 512 distinct training problems (the code recomputes the answer from the solution's GSM8K
-   calculator annotations, one line each, then prints it; the tool's real output is shown, the model answers in
-   `\\boxed{}`), with exact-sink eager attention. Done once; both variants start from it.
-2. Held-out accuracy before training: greedy (temperature 0) agent rollouts on `--eval-file` with the code tool,
-   scored by math-verify (`trl_ext.rewards.math_reward`), plus the share of trajectories that called the tool.
-3. RL: `trl_ext.AgenticGRPOTrainer` on `--train-file` with the code tool and the ReTool reward, rolled out by an
-   embedded engine that keeps **exact-sink eager attention** (as an inference server does), trained with
-   - `sink_dropping`: `eager_without_sinks` (`hf_gptoss_rl.testing`, GPT-OSS eager minus the sink column), or
-   - `sink_kernel`: the project's kernel, by default (`--kernel-route direct`) its sources registered through
-     `AttentionInterface` as `sink_kernel_span` (below: every row's valid token span packed into one
-     `flash_attn_varlen_func` call per layer, fp32 kept).
-   Per optimizer step, from the trainer's own log history: reward, tool-call rate, gradient norm, clip fraction
-   (`clip_ratio/region_mean`; nonzero only off-policy, hence `--num-iterations 2` by default) and the rollout/train
-   mismatch (`mismatch/k3_kl`, `mismatch/prob_diff_mean|max`).
-4. Held-out accuracy after training, as in 2, on the engine holding the trained weights.
+   trajectories for up to `--cold-start-problems` distinct training problems (the program recomputes the answer from
+   the solution's GSM8K calculator annotations, the tool's real output is shown, the model answers in `\\boxed{}`),
+   with exact-sink eager attention, fp32. Done once: every arm and seed starts from these weights.
+2. Rollout engine (`--rollout-backend`):
+   - `embedded`: `trl_ext.rollout.EmbeddedEngine` on a copy of the policy, eager attention with exact sinks;
+   - `sglang`: a real SGLang server launched by this script (`--server-cmd`, in SGLang's own environment) on the
+     warm-up's weights, with SGLang's own attention backend for GPT-OSS on this GPU, CUDA graphs and the radix
+     cache on (`--disable-cuda-graph` opts out and is recorded). The trainer syncs after every optimizer step
+     (`weight_sync_mode="disk"`), verified as the default verification does (`"version"` and `"checksum"`).
+3. Checks before any arm runs (each fails the script, exit status 1):
+   - **sink control**: weights whose sinks are shifted by `--control-sink-shift` are pushed to the engine; its
+     log-probs of its own samples must follow the trainer *with* sinks and not the trainer without them (mean
+     |Δ log p| without sinks > `--control-margin` x with sinks). A server that ignored the sinks, or the sync,
+     fails here. The warm-up's weights are pushed back afterwards (both pushes verified);
+   - **policy window** (`--policy-check`): sampled (temperature 1) accuracy on the practised slice within
+     `--accuracy-window` and a tool-call rate within `--tool-rate-window`, so that GRPO gets a reward signal.
+4. Arms (`--arms`), each for every seed of `--seeds`, on identical prompts (the trainer's seed sets their order)
+   and, with the embedded engine, identical sampling seeds; only the trainer's attention differs:
+   - `sink_kernel`: the project's kernel, sinks and their gradient (`--kernel-route direct`: its sources through
+     `AttentionInterface` as `sink_kernel_span`, every row's valid tokens packed into one varlen call per layer);
+   - `frozen_sinks`: the same kernel with the sinks frozen (`requires_grad=False`): sinks in the forward, no sink
+     gradient, which is what a forward-only sink kernel gives a trainer;
+   - `sink_dropping`: GPT-OSS eager attention without the sink column (`eager_without_sinks`).
+   Per optimizer step, from the trainer's log history: reward and its in-group spread, tool-call rate, pre-clip
+   gradient norm, clip fraction, the mismatch against the engine's own log-probs (k3, mean and max |Δp|, the
+   importance weights' spread), the served weight version, rollout / step / sync time; every `--eval-every` steps
+   the sampled accuracy on a held-out slice of the practised problems (`--eval-slice` rows, temperature 1).
+5. Greedy accuracy on the practised problems and on `--eval-file` (held out), before RL and after each run.
 
-Accuracy is also scored, before and after RL, on up to `--eval-limit` of the training problems the warm-up
-practised ("practised"). By default (`--rl-problems practised`) RL draws its prompts from those problems: a
-random-init model of this size does not solve unseen GSM8K problems after a minute of warm-up, so on unseen
-problems every reward would be a format reward and the run would show no learning signal to compare.
+Precision (`--precision`): `fp32` trains and rolls out in fp32; `bf16` keeps fp32 master weights and trains under
+bf16 autocast (`bf16=True`, as `accelerate` does), while the engine serves bf16 (SGLang `--dtype bfloat16`).
 
-Writes `learning_run.md`, `learning_run.png` and `learning_run.json` into `--out`.
+Writes `learning_run.{md,png,json}` (`learning_run_sglang.*` with `--rollout-backend sglang`) into `--out`
+(default `docs/benchmarks/`, only while no such report is there: name the folder to replace one). Exits non-zero
+when a check fails, a run finished no optimizer step, logged a non-finite loss, or never had reward variance inside
+a group (`--require-reward-signal`).
 
-    python benchmarks/learning_run.py                                        # GPU defaults: small model, 200 steps
-    python benchmarks/learning_run.py --device cpu --model-size tiny --steps 2 --cold-start-steps 2 \
-        --num-generations 2 --batch-size 2 --max-completion-length 16 --eval-limit 2 --out /tmp/lr   # CPU smoke
-
-On a GPU machine: `pip install -e .` in a CUDA environment (the project's dependencies include TRL, datasets,
-math-verify and openai-harmony), then `python benchmarks/learning_run.py --out results/learning_run`. `kernels` is not
-needed: the default `--kernel-route direct` imports the kernel sources and registers `sink_kernel_span`.
-(`--kernel-route hub` selects `hf-gptoss-rl/sink-flash-attn3` through `kernels`, but transformers' flash path then casts
-fp32 activations to bf16, which would add bf16 error to the kernel variant's mismatch.)
+    python benchmarks/learning_run.py --out results                              # GPU, embedded engine
+    python benchmarks/learning_run.py --rollout-backend sglang \\
+        --server-cmd "/opt/sglang/bin/python -m sglang.launch_server" --out results  # GPU, real SGLang server
+    python benchmarks/learning_run.py --device cpu --model-size tiny --steps 2 --cold-start-steps 2 \\
+        --num-generations 2 --batch-size 2 --max-completion-length 16 --eval-limit 2 --seeds 0 \\
+        --no-policy-check --no-require-reward-signal --out /tmp/lr                    # CPU smoke
 
 Full GSM8K (7,473 train / 1,319 test rows, MIT; `openai/gsm8k` on the Hub, config `main`): export both splits as
 .jsonl and pass `--train-file train.jsonl --eval-file test.jsonl`.
@@ -49,17 +59,28 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
 # no "flash" in the name: transformers routes attention names containing "flash" through its flash-attention
 # preparation (fp32 inputs cast to half precision, its own mask handling), which is not what this function expects
 SPAN_KERNEL_ATTENTION = "sink_kernel_span"
-VARIANTS = ("sink_dropping", "sink_kernel")
+# arm -> what the trainer's attention does with the sinks
+ARMS = {
+    "sink_kernel": "the project's kernel: sinks in the forward, sink gradient",
+    "frozen_sinks": "the project's kernel with the sinks frozen: sinks in the forward, no sink gradient",
+    "sink_dropping": "GPT-OSS eager attention without the sink column",
+}
+BACKENDS = ("embedded", "sglang")
 MODEL_SIZES = {
     # the smallest GPT-OSS that learns the tool format on a CPU in seconds
     "tiny": {
@@ -86,6 +107,7 @@ MODEL_SIZES = {
         "sliding_window": 128,
     },
 }
+SAMPLED_ACCURACY = "learning_run/sampled_accuracy"  # logged by `SampledAccuracy` into the trainer's metrics
 # (log-history key, JSON/plot name) of the per-step series
 STEP_METRICS = (
     ("reward", "reward"),
@@ -93,48 +115,56 @@ STEP_METRICS = (
     ("rollout/frac_with_tool_call", "tool_call_rate"),
     ("rollout/tool_calls_mean", "tool_calls_mean"),
     ("rollout/frac_final_answer", "frac_final_answer"),
+    ("rollout/weight_version", "weight_version"),
+    ("rollout/stale_trajectories", "stale_trajectories"),
     ("grad_norm", "grad_norm"),
     ("clip_ratio/region_mean", "clip_fraction"),
     ("mismatch/k3_kl", "mismatch_k3_kl"),
     ("mismatch/prob_diff_mean", "mismatch_prob_diff_mean"),
     ("mismatch/prob_diff_max", "mismatch_prob_diff_max"),
+    ("mismatch/is_weight_std", "is_weight_std"),
+    ("timing/rollout_s", "rollout_s"),
+    ("timing/step_s", "step_s"),
+    ("timing/weight_sync_s", "weight_sync_s"),
+    (SAMPLED_ACCURACY, "sampled_accuracy"),
     ("loss", "loss"),
     ("learning_rate", "learning_rate"),
 )
 
 
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _window(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition(",")
+    return float(lo), float(hi)
+
+
 # %% Arguments ---------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--train-file",
-        default=str(REPO / "data" / "gsm8k_train_mini.jsonl"),
-        help="GSM8K-style .jsonl",
-    )
-    p.add_argument(
-        "--eval-file",
-        default=str(REPO / "data" / "gsm8k_test_mini.jsonl"),
-        help="held-out .jsonl",
-    )
+    p.add_argument("--train-file", default=str(REPO / "data" / "gsm8k_train_mini.jsonl"), help="GSM8K-style .jsonl")
+    p.add_argument("--eval-file", default=str(REPO / "data" / "gsm8k_test_mini.jsonl"), help="held-out .jsonl")
     p.add_argument(
         "--eval-limit",
         type=int,
         default=64,
-        help="held-out problems scored before/after (and as many practised training problems)",
+        help="held-out problems scored greedily before/after (and as many practised training problems)",
     )
-    p.add_argument("--steps", type=int, default=200, help="GRPO optimizer steps per variant")
+    p.add_argument("--steps", type=int, default=200, help="GRPO optimizer steps per run")
     p.add_argument("--model-size", default="small", choices=sorted(MODEL_SIZES))
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--max-seconds", type=float, default=120.0, help="wall-clock limit of each run's RL phase")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {tuple(ARMS)}")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds; every arm runs each")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of the random init and the warm-up")
     p.add_argument(
-        "--max-seconds",
-        type=float,
-        default=120.0,
-        help="wall-clock limit of each variant's RL phase",
-    )
-    p.add_argument(
-        "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated subset of {VARIANTS}",
+        "--precision",
+        default=None,
+        choices=["fp32", "bf16"],
+        help="fp32 end to end, or fp32 master weights under bf16 autocast with a bf16 engine (default: fp32 with "
+        "the embedded engine, bf16 with SGLang)",
     )
     p.add_argument(
         "--kernel-route",
@@ -167,44 +197,82 @@ def parse_args(argv=None) -> argparse.Namespace:
         "reward on them within minutes), or every row of --train-file",
     )
     p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=10,
-        help="linear learning-rate warm-up of the RL phase (0 = none)",
-    )
+    p.add_argument("--warmup-steps", type=int, default=10, help="linear learning-rate warm-up of RL (0 = none)")
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument(
         "--batch-size", type=int, default=64, help="completions per optimizer step (8 prompts x 8 generations)"
     )
-    p.add_argument(
-        "--num-iterations",
-        type=int,
-        default=2,
-        help="GRPO μ: optimizer passes per generation batch",
-    )
+    p.add_argument("--num-iterations", type=int, default=2, help="GRPO μ: optimizer passes per generation batch")
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=5, help="sampled accuracy on the slice every N steps (0 = off)")
+    p.add_argument("--eval-slice", type=int, default=32, help="practised problems in the sampled-accuracy slice")
     p.add_argument(
         "--sink-mean",
         type=float,
         default=1.0,
-        help="initial sink logits ~ N(mean, std²) per head, as in "
-        "mismatch_study.py (transformers' init leaves them near 0, which hides what dropping them costs)",
+        help="initial sink logits ~ N(mean, std²) per head, as in mismatch_study.py (transformers' init leaves "
+        "them near 0, which hides what dropping them costs)",
     )
     p.add_argument("--sink-std", type=float, default=1.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
-    p.add_argument("--from-json", help="only rewrite learning_run.md/.png in --out from a saved learning_run.json")
+    p.add_argument("--control-sink-shift", type=float, default=6.0, help="sink control: added to every sink logit")
+    p.add_argument(
+        "--control-margin",
+        type=float,
+        default=3.0,
+        help="sink control: the engine must be this many times closer to the trainer with sinks than without",
+    )
+    p.add_argument("--control-prompts", type=int, default=8, help="sink control: prompts sampled (32 tokens each)")
+    p.add_argument(
+        "--policy-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refuse to run the arms unless the warm policy's sampled accuracy and tool-call rate are in their windows",
+    )
+    p.add_argument("--accuracy-window", type=_window, default=(0.2, 0.8), help="LO,HI sampled accuracy at step 0")
+    p.add_argument("--tool-rate-window", type=_window, default=(0.2, 0.9), help="LO,HI tool-call rate at step 0")
+    p.add_argument(
+        "--require-reward-signal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fail a run in which no group ever had reward variance (every advantage zero: nothing to learn)",
+    )
+    # rollout engine
+    p.add_argument("--rollout-backend", default="embedded", choices=BACKENDS)
+    p.add_argument(
+        "--server-cmd",
+        default="/opt/sglang/bin/python -m sglang.launch_server",
+        help="how to start SGLang (its own environment); flags are appended",
+    )
+    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. '--attention-backend fa3'")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="pass SGLang's --disable-cuda-graph (recorded)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.5, help="SGLang's share of GPU memory")
+    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    p.add_argument("--ready-timeout-s", type=float, default=600.0, help="deadline for the server to become healthy")
+    p.add_argument("--out", default=None, help=OUT_HELP)
+    p.add_argument("--from-json", help="only rewrite the report's .md/.png in --out from a saved .json")
     args = p.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
-    if unknown or not args.variants:
-        p.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
-    if args.steps < 1 or args.max_seconds <= 0 or args.eval_limit < 1:
-        p.error("--steps, --max-seconds and --eval-limit must be positive")
+    args.arms = _csv(args.arms)
+    unknown = sorted(set(args.arms) - set(ARMS))
+    if unknown or not args.arms:
+        p.error(f"--arms: unknown {unknown}; choose from {tuple(ARMS)}")
+    try:
+        args.seeds = [int(s) for s in _csv(args.seeds)]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds must name distinct seeds, got {args.seeds}")
+    if args.steps < 1 or args.max_seconds <= 0 or args.eval_limit < 1 or args.eval_slice < 1:
+        p.error("--steps, --max-seconds, --eval-limit and --eval-slice must be positive")
     if args.batch_size % args.num_generations:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --num-generations {args.num_generations}")
+    for name in ("accuracy_window", "tool_rate_window"):
+        lo, hi = getattr(args, name)
+        if not 0.0 <= lo <= hi <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be LO,HI with 0 <= LO <= HI <= 1, got {lo},{hi}")
+    if args.precision is None:
+        args.precision = "bf16" if args.rollout_backend == "sglang" else "fp32"
+    args.url = None  # the server is always launched here, from the warm-up's weights
     return args
 
 
@@ -335,9 +403,124 @@ def project_kernel_attention(route: str) -> tuple[str, str]:
     )
 
 
-# %% Held-out accuracy --------------------------------------------------------------------------------------------------
-def greedy_accuracy(engine, tool, rows: list[dict], args) -> dict:
-    """Greedy agent rollouts (exact-sink engine, code tool) on `rows`; math-verify accuracy and tool-call rate."""
+# %% Rollout engines ----------------------------------------------------------------------------------------------------
+class Rollouts:
+    """The rollout side of the whole script: an embedded engine per run, or one SGLang server (and one
+    `SGLangEngine`, whose weight-sync state then spans the runs) for all of them.
+
+    Every run starts from the warm-up's weights: the embedded engine is a fresh copy of them; the server gets them
+    pushed (version 0, verified against what it held, i.e. the previous run's last sync) before the run starts.
+    """
+
+    def __init__(self, args, device, work_dir: Path) -> None:
+        self.args = args
+        self.device = device
+        self.work_dir = work_dir
+        self.server = None
+        self.engine = None  # the SGLang engine (shared by every run)
+        self.url: str | None = None
+        self.pad_token_id: int | None = None
+        self.info: dict = {"backend": args.rollout_backend}
+
+    @property
+    def dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.args.precision == "bf16" else torch.float32
+
+    def start(self, warm_model) -> None:
+        if self.args.rollout_backend != "sglang":
+            self.info["engine"] = f"EmbeddedEngine, eager attention with exact sinks, {str(self.dtype)[6:]}"
+            return
+        from benchmarks.sglang_e2e import ServerManager
+        from trl_ext.rollout import SGLangEngine
+        from trl_ext.weight_sync import WeightSyncConfig
+        from trl_ext.weight_sync.settings import DEFAULT_SGLANG_VERIFY
+
+        model_dir = self.work_dir / "served_model"
+        save_served_model(warm_model, model_dir)
+        dtype = "bfloat16" if self.args.precision == "bf16" else "float32"
+        self.server = ServerManager(self.args, model_dir, self.work_dir / "logs", launch_flags=["--dtype", dtype])
+        self.url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
+        launch = self.server.launches[-1]
+        self.info.update(
+            {
+                "server_command": launch["command"],
+                "server_ready_s": launch.get("ready_s"),
+                "sglang_version": self.server.version,
+                "disable_cuda_graph": bool(self.args.disable_cuda_graph),
+                "served_dtype": dtype,
+                "weight_sync": {"mode": "disk", "verify": list(DEFAULT_SGLANG_VERIFY)},
+            }
+        )
+        sync = WeightSyncConfig(
+            mode="disk",
+            verify=DEFAULT_SGLANG_VERIFY,
+            checkpoint_path=str(model_dir),
+            weight_dir=str(self.work_dir / "rollout_weights"),
+            model_config=warm_model.config,
+        )
+        self.engine = SGLangEngine(self.url, weight_sync=sync, ready_timeout_s=self.args.ready_timeout_s)
+        self.engine.check_servers()
+
+    def engine_with(self, model, seed: int):
+        """An engine serving ``model``'s weights now: an embedded copy, or the server after a verified push."""
+        if self.engine is None:
+            from trl_ext.rollout import EmbeddedEngine
+
+            engine = EmbeddedEngine.from_policy(
+                model, attn_implementation="eager", pad_token_id=self.pad_token_id, seed=seed
+            )
+            engine.model.to(self.dtype)
+            engine.model.config.use_cache = True
+            return engine
+        self.push(model, version=0)
+        return self.engine
+
+    def push(self, model, version: int) -> None:
+        from trl_ext.weight_sync import push_policy_weights
+
+        push_policy_weights(self.engine, model, version=version)
+
+    def trainer_fields(self, run_dir: Path) -> dict:
+        """`AgenticGRPOConfig` fields of the rollout backend."""
+        if self.engine is None:
+            return {"rollout_backend": "embedded"}
+        return {
+            "rollout_backend": "sglang",
+            "sglang_urls": [self.url],
+            "weight_sync_mode": "disk",
+            "weight_sync_dir": str(run_dir / "rollout_weights"),
+            "weight_sync_checkpoint": str(self.server.model_dir),
+        }
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            from trl_ext.rollout import run_sync
+
+            run_sync(self.engine.close())
+        if self.server is not None:
+            self.server.stop()
+
+
+def save_served_model(model, model_dir: Path) -> None:
+    """``model`` as SGLang loads it: safetensors and a config.json with what its GPT-OSS loader reads
+    (`swiglu_limit`, and `torch_dtype` for the transformers release SGLang pins)."""
+    from trl_ext.weight_sync import save_config_for_sglang
+
+    model.save_pretrained(model_dir, safe_serialization=True)
+    save_config_for_sglang(model.config, model_dir)
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if "torch_dtype" not in config and config.get("dtype"):
+        config["torch_dtype"] = config["dtype"]
+        path.write_text(json.dumps(config, indent=2))
+
+
+# %% Accuracy -----------------------------------------------------------------------------------------------------------
+def agent_accuracy(engine, tool, rows: list[dict], args, *, temperature: float = 0.0) -> dict:
+    """Agent rollouts (code tool) of ``rows`` on ``engine``: math-verify accuracy and tool-call rate (greedy by
+    default; ``temperature=1`` samples, as training does)."""
     from hf_gptoss_rl.harmony import render_prompt
     from trl_ext.rewards import math_reward
     from trl_ext.rollout import AgentLoop, SamplingParams
@@ -345,7 +528,7 @@ def greedy_accuracy(engine, tool, rows: list[dict], args) -> dict:
     loop = AgentLoop(
         engine,
         [tool],
-        sampling=SamplingParams(max_new_tokens=args.max_completion_length, temperature=0.0),
+        sampling=SamplingParams(max_new_tokens=args.max_completion_length, temperature=temperature),
         max_turns=args.max_turns,
         max_completion_tokens=args.max_completion_length,
     )
@@ -357,10 +540,82 @@ def greedy_accuracy(engine, tool, rows: list[dict], args) -> dict:
         "correct": int(sum(correct)),
         "n": len(rows),
         "tool_call_rate": sum(t.num_tool_calls > 0 for t in trajectories) / len(rows),
+        "temperature": temperature,
     }
 
 
-# %% One variant --------------------------------------------------------------------------------------------------------
+# %% Checks before the arms ---------------------------------------------------------------------------------------------
+def sink_control(rollouts: Rollouts, warm_model, prompts: list[list[int]], args) -> dict:
+    """Does the engine honour the sinks and the sync? Push weights whose sinks are shifted by
+    ``--control-sink-shift``, sample 32 tokens per prompt from the engine, and score those tokens with the trainer's
+    fp32 eager attention with sinks and without them. The engine must sit ``--control-margin`` times closer to the
+    trainer with sinks (mean |Δ log p| over the sampled tokens). Then the warm weights go back."""
+    import copy
+
+    import torch
+
+    from hf_gptoss_rl.testing import register_sink_dropping_attention
+    from trl_ext.rollout import SamplingParams, run_sync
+
+    control = copy.deepcopy(warm_model).float()
+    with torch.no_grad():
+        for name, param in control.named_parameters():
+            if name.endswith("sinks"):
+                param.add_(args.control_sink_shift)
+    engine = rollouts.engine_with(control, seed=0)
+    sampling = SamplingParams(max_new_tokens=32, temperature=1.0)
+
+    async def sample():
+        import asyncio
+
+        return await asyncio.gather(*(engine.generate(ids, sampling) for ids in prompts))
+
+    outputs = run_sync(sample())
+    distances = {}
+    for label, attention in (("with_sinks", "eager"), ("without_sinks", register_sink_dropping_attention())):
+        control.set_attn_implementation(attention)
+        diffs = []
+        with torch.no_grad():
+            for ids, out in zip(prompts, outputs):
+                if not out.output_ids:
+                    continue
+                full = torch.tensor([ids + list(out.output_ids)], device=next(control.parameters()).device)
+                logits = control(input_ids=full).logits[0, len(ids) - 1 : -1].float()
+                trainer = logits.log_softmax(-1).gather(-1, full[0, len(ids) :, None])[:, 0].cpu()
+                diffs.append((trainer - torch.tensor(out.logprobs, dtype=torch.float32)).abs())
+        if not diffs:
+            raise RuntimeError("sink control: the engine returned no tokens for any prompt")
+        distances[label] = torch.cat(diffs).mean().item()
+    tokens = sum(len(o.output_ids) for o in outputs)
+    if rollouts.engine is not None:  # the server goes back to the warm weights (verified)
+        rollouts.push(warm_model, version=0)
+    else:  # the embedded copy of the control weights is dropped; each run gets a fresh copy of the warm weights
+        engine.shutdown()
+    passed = distances["without_sinks"] > args.control_margin * distances["with_sinks"]
+    return {
+        "sink_shift": args.control_sink_shift,
+        "margin": args.control_margin,
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "mean_abs_logp_diff_with_sinks": distances["with_sinks"],
+        "mean_abs_logp_diff_without_sinks": distances["without_sinks"],
+        "passed": passed,
+    }
+
+
+def policy_window(score: dict, args) -> list[str]:
+    """Why the warm policy gives GRPO no signal to learn from (empty: it does)."""
+    problems = []
+    lo, hi = args.accuracy_window
+    if not lo <= score["accuracy"] <= hi:
+        problems.append(f"sampled accuracy {score['accuracy']:.2f} on the practised slice is outside [{lo}, {hi}]")
+    lo, hi = args.tool_rate_window
+    if not lo <= score["tool_call_rate"] <= hi:
+        problems.append(f"tool-call rate {score['tool_call_rate']:.2f} is outside [{lo}, {hi}]")
+    return problems
+
+
+# %% One run ------------------------------------------------------------------------------------------------------------
 def time_limit_callback(seconds: float):
     """A `TrainerCallback` that stops training once `seconds` of wall time have passed (the step in flight ends)."""
     from transformers import TrainerCallback
@@ -376,10 +631,23 @@ def time_limit_callback(seconds: float):
     return TimeLimit()
 
 
+def sampled_accuracy_callback(trainer, measure, every: int):
+    """Every ``every`` optimizer steps, after the step's weight sync (added after the trainer's own callbacks),
+    ``measure()["accuracy"]`` goes into the trainer's metrics, so it is logged with that step."""
+    from transformers import TrainerCallback
+
+    class SampledAccuracy(TrainerCallback):
+        def on_step_end(self, train_args, state, control, **kwargs):
+            if every and state.global_step % every == 0:
+                trainer._metrics["train"][SAMPLED_ACCURACY].append(measure()["accuracy"])
+
+    return SampledAccuracy()
+
+
 def compile_warm_up(model, device) -> float:
     """One forward and backward through the training attention on a left-padded two-row batch, before the timed RL
     phase, so that Triton compiles the kernel's binaries here (fp32 on the H200: tens of seconds) and not inside
-    the first RL steps, where it would eat the variant's time budget. Returns the seconds it took."""
+    the first RL steps, where it would eat the run's time budget. Returns the seconds it took."""
     import torch
 
     start = time.perf_counter()
@@ -398,53 +666,40 @@ def compile_warm_up(model, device) -> float:
     return time.perf_counter() - start
 
 
-def run_variant(
-    name: str,
-    warm_state: dict,
-    model_config,
-    tokenizer,
-    train_dataset,
-    eval_rows,
-    practised_rows,
-    tool,
-    device,
-    args,
-):
+def _sinks(model) -> dict:
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters() if name.endswith("sinks")}
+
+
+def run_arm(arm: str, seed: int, ctx: dict) -> dict:
+    """One RL run from the warm weights: ``arm``'s training attention, ``seed`` for the prompt order and sampling."""
     import torch
     from transformers import GptOssForCausalLM
 
     from hf_gptoss_rl.testing import register_sink_dropping_attention
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
     from trl_ext.recipes import boxed_format_reward_func, retool_reward_func
-    from trl_ext.rollout import EmbeddedEngine
 
-    if name == "sink_dropping":
-        attention, how = (
-            register_sink_dropping_attention(),
-            "GPT-OSS eager minus the sink column",
-        )
-    else:
-        attention, how = project_kernel_attention(args.kernel_route)
-    torch.manual_seed(args.seed)
-    model = GptOssForCausalLM(model_config).to(device)
-    model.load_state_dict(warm_state)
+    args, device, rollouts, tool = ctx["args"], ctx["device"], ctx["rollouts"], ctx["tool"]
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(ctx["model_config"]).to(device)
+    model.load_state_dict(ctx["warm_state"])
     model.config.use_cache = False
-    # rollouts keep exact sinks (eager), like an inference server; only the trainer's attention changes
-    engine = EmbeddedEngine.from_policy(
-        model,
-        attn_implementation="eager",
-        pad_token_id=tokenizer.pad_token_id,
-        seed=args.seed,
-    )
-    engine.model.config.use_cache = True
+    if arm == "frozen_sinks":
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.requires_grad_(False)
+    sinks_before = _sinks(model)
+    weights_before = [p.detach().float().cpu().clone() for p in model.parameters()]
+    engine = rollouts.engine_with(model, seed)  # the engine serves exact-sink eager attention, whatever the arm
+    attention = register_sink_dropping_attention() if arm == "sink_dropping" else ctx["kernel_attention"]
     model.set_attn_implementation(attention)
-    before = greedy_accuracy(engine, tool, eval_rows, args)
-    print(f"[{name}] held-out before: {before}", flush=True)
-    practised_before = greedy_accuracy(engine, tool, practised_rows, args)
-    print(f"[{name}] practised before: {practised_before}", flush=True)
+    slice_rows = ctx["slice_rows"]
+    start_accuracy = agent_accuracy(engine, tool, slice_rows, args, temperature=1.0)
+    print(f"[{arm} seed {seed}] sampled accuracy at step 0: {start_accuracy}", flush=True)
 
+    run_dir = Path(tempfile.mkdtemp(prefix=f"learning_run_{arm}_{seed}_"))  # nothing is saved (save_strategy="no")
     config = AgenticGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix=f"learning_run_{name}_"),  # nothing is saved (save_strategy="no")
+        output_dir=str(run_dir),
         max_steps=args.steps,
         learning_rate=args.learning_rate,
         # constant: --max-seconds may stop the run before a decaying schedule would end; optional linear warm-up
@@ -460,176 +715,384 @@ def run_variant(
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        seed=args.seed,
+        seed=seed,
         use_cpu=device.type == "cpu",
-        bf16=False,  # fp32 end to end, like the rollout engine: only attention differs between rollout and training
+        bf16=args.precision == "bf16",  # fp32 master weights under bf16 autocast, or fp32 throughout
         reward_weights=[1.0, 0.0],
         max_turns=args.max_turns,
         reasoning_effort="low",
         disable_tqdm=True,
+        **rollouts.trainer_fields(run_dir),
     )
     warm_up_seconds = compile_warm_up(model, device)
-    print(f"[{name}] training-attention warm-up (compiles): {warm_up_seconds:.1f} s", flush=True)
+    print(f"[{arm} seed {seed}] training-attention warm-up (compiles): {warm_up_seconds:.1f} s", flush=True)
     trainer = AgenticGRPOTrainer(
         model=model,
         reward_funcs=[retool_reward_func, boxed_format_reward_func],
         args=config,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
+        train_dataset=ctx["train_dataset"],
+        processing_class=ctx["tokenizer"],
         tools=[tool],
         rollout_engine=engine,
         callbacks=[time_limit_callback(args.max_seconds)],
     )
+    trainer.add_callback(
+        sampled_accuracy_callback(
+            trainer, lambda: agent_accuracy(engine, tool, slice_rows, args, temperature=1.0), args.eval_every
+        )
+    )
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
-    after = greedy_accuracy(engine, tool, eval_rows, args)  # the engine holds the trained weights (synced)
-    print(f"[{name}] held-out after: {after}", flush=True)
-    practised_after = greedy_accuracy(engine, tool, practised_rows, args)
-    print(f"[{name}] practised after: {practised_after}", flush=True)
+    after = agent_accuracy(engine, tool, ctx["eval_rows"], args)  # the engine holds the trained weights (synced)
+    practised_after = agent_accuracy(engine, tool, ctx["practised_rows"], args)
+    print(f"[{arm} seed {seed}] held-out after: {after}; practised after: {practised_after}", flush=True)
+    if rollouts.engine is None:
+        engine.shutdown()
 
+    sinks_after = _sinks(model)
+    sink_change = max(((sinks_after[k] - v).abs().max().item() for k, v in sinks_before.items()), default=0.0)
+    moved = sum(
+        (p.detach().float().cpu() - w).norm().item() ** 2 for p, w in zip(model.parameters(), weights_before)
+    ) ** 0.5 / max(sum(w.norm().item() ** 2 for w in weights_before) ** 0.5, 1e-30)
     steps = []
     for entry in trainer.state.log_history:
         if "step" in entry and "loss" in entry:
-            steps.append(
-                {
-                    "step": entry["step"],
-                    **{out: entry.get(key) for key, out in STEP_METRICS},
-                }
-            )
+            steps.append({"step": entry["step"], **{out: entry.get(key) for key, out in STEP_METRICS}})
     return {
+        "seed": seed,
         "attention": attention,
-        "attention_how": how,
         "steps_done": trainer.state.global_step,
         "stopped_by_time_limit": trainer.state.global_step < args.steps,
         "train_seconds": train_seconds,
         "warm_up_seconds": warm_up_seconds,
-        "held_out_before": before,
+        "sampled_accuracy_start": start_accuracy,
         "held_out_after": after,
-        "practised_before": practised_before,
         "practised_after": practised_after,
+        "sink_change_max": sink_change,
+        "weight_change_rel": moved,
         "steps": steps,
     }
 
 
 # %% Report -------------------------------------------------------------------------------------------------------------
+def report_names(backend: str) -> tuple[str, str, str]:
+    stem = "learning_run" if backend == "embedded" else f"learning_run_{backend}"
+    return f"{stem}.json", f"{stem}.md", f"{stem}.png"
+
+
+def upgrade_result(result: dict) -> dict:
+    """A report written before arms and seeds (one seed, ``variants``) in today's layout, for ``--from-json``."""
+    if "arms" in result:
+        return result
+    seed = result.setdefault("setup", {}).get("seed", 0)
+    arms = {}
+    for name, run in result.pop("variants").items():
+        arms[name] = {"description": ARMS.get(name, name), "runs": {str(seed): {"seed": seed, **run}}}
+    result["arms"] = arms
+    result["setup"].setdefault("seeds", [seed])
+    result["setup"].setdefault("precision", "fp32")
+    result["setup"].setdefault("rollout_backend", "embedded")
+    return result
+
+
+def _finite(values) -> list[float]:
+    return [v for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
+
+
 def _mean(values) -> float | None:
-    values = [v for v in values if v is not None and not math.isnan(v)]
+    values = _finite(values)
     return sum(values) / len(values) if values else None
 
 
-def _window(steps: list[dict], key: str, first: bool, n: int = 10) -> float | None:
-    values = [s[key] for s in steps if s.get(key) is not None]
-    return _mean(values[:n] if first else values[-n:])
+def _series(run: dict, key: str) -> list[tuple[int, float]]:
+    return [(s["step"], s[key]) for s in run["steps"] if s.get(key) is not None and math.isfinite(s[key])]
 
 
-def _acc(score: dict | None) -> str:
-    return f"{score['correct']}/{score['n']}" if score else "–"
+def run_summary(run: dict) -> dict:
+    """One run's numbers for the table: reward over its first / last 10 logged generation steps, the last sampled
+    accuracy, the peak pre-clip gradient norm, the mean mismatch, the median time split."""
+    rewards = [v for _, v in _series(run, "reward")]
+    sampled = [v for _, v in _series(run, "sampled_accuracy")]
+    start = (run.get("sampled_accuracy_start") or {}).get("accuracy")
+    rollout = _finite(s.get("rollout_s") for s in run["steps"])
+    step = _finite(s.get("step_s") for s in run["steps"])
+    sync = _finite(s.get("weight_sync_s") for s in run["steps"])
+    grad = _finite(s.get("grad_norm") for s in run["steps"])
+    signal = [v for _, v in _series(run, "reward_std")]
+    return {
+        "reward_first": _mean(rewards[:10]),
+        "reward_last": _mean(rewards[-10:]),
+        "sampled_accuracy_start": start,
+        "sampled_accuracy_last": sampled[-1] if sampled else start,
+        "practised_after": (run.get("practised_after") or {}).get("accuracy"),
+        "held_out_after": (run.get("held_out_after") or {}).get("accuracy"),
+        "tool_call_rate_last": _mean([v for _, v in _series(run, "tool_call_rate")][-10:]),
+        "grad_norm_peak": max(grad) if grad else None,
+        "grad_norm_median": statistics.median(grad) if grad else None,
+        "k3_mean": _mean(s.get("mismatch_k3_kl") for s in run["steps"]),
+        "prob_diff_mean": _mean(s.get("mismatch_prob_diff_mean") for s in run["steps"]),
+        "prob_diff_max_mean": _mean(s.get("mismatch_prob_diff_max") for s in run["steps"]),
+        "is_weight_std_mean": _mean(s.get("is_weight_std") for s in run["steps"]),
+        "frac_steps_with_reward_variance": sum(v > 0 for v in signal) / len(signal) if signal else None,
+        "rollout_s_median": statistics.median(rollout) if rollout else None,
+        "step_s_median": statistics.median(step) if step else None,
+        "weight_sync_s_median": statistics.median(sync) if sync else None,
+    }
 
 
-def write_report(result: dict, out: Path) -> None:
+def arm_summary(arm: dict) -> dict:
+    """Per metric of `run_summary`: mean, sample standard deviation (None with one seed), min and max over seeds."""
+    per_run = [run_summary(run) for run in arm["runs"].values()]
+    out = {}
+    for key in per_run[0] if per_run else ():
+        values = _finite(r[key] for r in per_run)
+        out[key] = {
+            "mean": _mean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else None,
+            "min": min(values) if values else None,
+            "max": max(values) if values else None,
+            "n": len(values),
+        }
+    return out
+
+
+def separation(summaries: dict, key: str, reference: str = "sink_kernel") -> dict:
+    """For each other arm: do its seeds' values of ``key`` lie entirely on one side of the reference arm's seeds
+    (``separated``), or do the ranges overlap? With 3 seeds per arm, disjoint ranges is the least a difference
+    must show before anyone calls it one."""
+    ref = summaries.get(reference, {}).get(key)
+    out = {}
+    if not ref or ref["n"] == 0:
+        return out
+    for name, summary in summaries.items():
+        other = summary.get(key)
+        if name == reference or not other or other["n"] == 0:
+            continue
+        disjoint = other["max"] < ref["min"] or other["min"] > ref["max"]
+        out[name] = "separated" if disjoint else "overlap"
+    return out
+
+
+def _pm(stat: dict | None, spec: str = ".3g") -> str:
+    from hf_gptoss_rl.testing import fmt
+
+    if not stat or stat["mean"] is None:
+        return "–"
+    text = fmt(stat["mean"], spec)
+    return f"{text} ± {fmt(stat['std'], spec)}" if stat["std"] is not None else text
+
+
+ARM_COLOURS = {"sink_kernel": "tab:green", "frozen_sinks": "tab:orange", "sink_dropping": "tab:red"}
+
+
+def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hf_gptoss_rl.testing import fmt
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learning_run.json").write_text(json.dumps(result, indent=2))
-
     panels = [
-        ("reward", "reward"),
-        ("tool_call_rate", "tool-call rate"),
-        ("grad_norm", "gradient norm"),
-        ("clip_fraction", "clip fraction"),
-        ("mismatch_k3_kl", "mismatch k3 KL"),
-        ("mismatch_prob_diff_max", "mismatch max |Δp|"),
+        ("reward", "reward (mean of the last 5 logged steps)", False),
+        ("sampled_accuracy", "sampled accuracy, practised slice", False),
+        ("tool_call_rate", "tool-call rate", False),
+        ("grad_norm", "pre-clip gradient norm", True),
+        ("mismatch_k3_kl", "mismatch k3 KL", True),
+        ("mismatch_prob_diff_max", "mismatch max |Δp|", False),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
-    for ax, (key, title) in zip(axes.flat, panels):
-        for name, run in result["variants"].items():
-            pts = [(s["step"], s[key]) for s in run["steps"] if s.get(key) is not None]
-            if not pts:
-                continue
-            if key == "reward":  # 4 prompts per step: the per-step reward is mostly which problems were drawn
-                line = ax.plot(*zip(*pts), marker=".", alpha=0.35, label=f"{name} (per step)")[0]
-                window = 10
-                ys = [y for _, y in pts]
-                smooth = [
-                    sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
-                    for i in range(len(ys))
-                ]
-                ax.plot(
-                    [x for x, _ in pts],
-                    smooth,
-                    color=line.get_color(),
-                    linewidth=2.2,
-                    label=f"{name} (mean of last {window})",
-                )
-            else:
-                ax.plot(*zip(*pts), marker=".", label=name)
+    for ax, (key, title, log_scale) in zip(axes.flat, panels):
+        for name, arm in result["arms"].items():
+            colour = ARM_COLOURS.get(name)
+            curves = []
+            for run in arm["runs"].values():
+                pts = _series(run, key)
+                if key == "sampled_accuracy" and run.get("sampled_accuracy_start"):
+                    pts = [(0, run["sampled_accuracy_start"]["accuracy"])] + pts
+                if key == "reward":  # few prompts per step: smooth, or the curve shows which problems were drawn
+                    ys = [y for _, y in pts]
+                    pts = [
+                        (x, sum(ys[max(0, i - 4) : i + 1]) / len(ys[max(0, i - 4) : i + 1]))
+                        for i, (x, _) in enumerate(pts)
+                    ]
+                if pts:
+                    ax.plot(*zip(*pts), color=colour, alpha=0.3, linewidth=1)
+                    curves.append(dict(pts))
+            steps = sorted({x for c in curves for x in c})
+            mean = [(x, _mean(c.get(x) for c in curves)) for x in steps]
+            if mean:
+                ax.plot(*zip(*mean), color=colour, linewidth=2.2, label=f"{name} (mean of {len(curves)} seeds)")
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
-        if key.startswith("mismatch"):
+        if log_scale:
             ax.set_yscale("log")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Agentic GRPO on GSM8K, {result['setup']['model_size']} GPT-OSS ({result['environment']['device']})")
+    s = result["setup"]
+    fig.suptitle(
+        f"Agentic GRPO on GSM8K, {s['model_size']} GPT-OSS, rollouts: {s['rollout_backend']} "
+        f"({result['environment'].get('device')}); thin lines: seeds"
+    )
     fig.tight_layout()
-    fig.savefig(out / "learning_run.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def write_report(result: dict, out: Path) -> None:
+    from hf_gptoss_rl.testing import fmt
+
+    result = upgrade_result(result)
+    json_name, md_name, png_name = report_names(result["setup"].get("rollout_backend", "embedded"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / json_name).write_text(json.dumps(result, indent=2))
+    plot(result, out / png_name)
+
     s = result["setup"]
+    summaries = {name: arm_summary(arm) for name, arm in result["arms"].items()}
+    rollout = s.get("rollouts") or {"backend": s.get("rollout_backend", "embedded")}
+    if rollout.get("server_command"):
+        engine = (
+            f"SGLang {rollout.get('sglang_version')} served {rollout.get('served_dtype')} "
+            f"(`{rollout['server_command']}`; CUDA graphs {'off' if rollout.get('disable_cuda_graph') else 'on'}), "
+            f"synced after every optimizer step ({rollout['weight_sync']['mode']}, verified: "
+            f"{', '.join(rollout['weight_sync']['verify'])})"
+        )
+    else:
+        engine = rollout.get("engine", "EmbeddedEngine, eager attention with exact sinks")
+    precision = {
+        "fp32": "fp32 weights and compute",
+        "bf16": "fp32 master weights, bf16 autocast",
+    }.get(s.get("precision", "fp32"))
     lines = [
         f"Command: `{result['command']}`",
         "",
         (
-            f"Model: `{s['model_size']}` GPT-OSS, {s['parameters'] / 1e6:.1f} M parameters, fp32, real harmony vocabulary; "
-            f"initial sinks ~ N({s['sink_init'][0]}, {s['sink_init'][1]}²); cold start ≤{s['cold_start_steps']} steps (until nll/token < {s.get('cold_start_target_nll') or 0}) x "
-            f"{s.get('cold_start_batch', 4)} trajectories over {s.get('cold_start_problems', '?')} problems "
-            f"({s['cold_start_seconds']:.0f} s). RL on {s.get('rl_problems', 'all')} problems: {s['num_generations']} "
-            f"generations x {s['batch_size'] // s['num_generations']} prompts per step, μ={s['num_iterations']}, "
-            f"lr {s['learning_rate']}, ≤{s['max_completion_length']} completion tokens, ≤{s['max_turns']} turns; "
-            f"train set {s['train_rows']} rows, held-out {s['eval_rows']} rows (greedy, code tool). Rollouts: eager "
-            "attention with exact sinks."
+            f"Model: `{s['model_size']}` GPT-OSS, {s['parameters'] / 1e6:.1f} M parameters, real harmony vocabulary; "
+            f"initial sinks ~ N({s['sink_init'][0]}, {s['sink_init'][1]}²); cold start ≤{s['cold_start_steps']} steps "
+            f"(until nll/token < {s.get('cold_start_target_nll') or 0}) x {s.get('cold_start_batch', 4)} trajectories "
+            f"over {s.get('cold_start_problems', '?')} problems ({s['cold_start_seconds']:.0f} s). RL on "
+            f"{s.get('rl_problems', 'all')} problems: {s['num_generations']} generations x "
+            f"{s['batch_size'] // s['num_generations']} prompts per step, μ={s['num_iterations']}, lr "
+            f"{s['learning_rate']}, ≤{s['max_completion_length']} completion tokens, ≤{s['max_turns']} turns; trainer "
+            f"precision: {precision}. Seeds {', '.join(map(str, s['seeds']))} (prompt order"
+            f"{' and sampling' if s.get('rollout_backend', 'embedded') == 'embedded' else ''}). Rollouts: {engine}."
         ),
         "",
-        (
-            "| variant | training attention | steps | RL s (+ compile warm-up) | held-out acc. before → after | practised acc. before → "
-            "after | tool-call rate before → after | reward first/last 10 | grad-norm median / max | clip frac. mean | "
-            "k3 KL mean | max |Δp| mean |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, run in result["variants"].items():
-        st = run["steps"]
-        grad = sorted(x["grad_norm"] for x in st if x.get("grad_norm") is not None)
-        b, a = run["held_out_before"], run["held_out_after"]
+    control = result.get("sink_control")
+    if control:
+        lines += [
+            (
+                f"Sink control (before the arms): sinks shifted by {control['sink_shift']:+g}, {control['tokens']} "
+                f"sampled tokens; engine vs trainer with sinks {fmt(control['mean_abs_logp_diff_with_sinks'])}, "
+                f"without sinks {fmt(control['mean_abs_logp_diff_without_sinks'])} mean |Δ log p| (margin "
+                f"{control['margin']:g}x): **{'passed' if control['passed'] else 'FAILED'}**."
+            ),
+            "",
+        ]
+    before = result.get("before")
+    if before:
+        lines += [
+            (
+                f"Warm policy: sampled accuracy {fmt(before['sampled_slice']['accuracy'], '.2f')} and tool-call rate "
+                f"{fmt(before['sampled_slice']['tool_call_rate'], '.2f')} on the practised slice "
+                f"({before['sampled_slice']['n']} problems, temperature 1); greedy "
+                f"{before['practised']['correct']}/{before['practised']['n']} practised, "
+                f"{before['held_out']['correct']}/{before['held_out']['n']} held out."
+            ),
+            "",
+        ]
+    lines += [
+        "Mean ± standard deviation over seeds (no ± with one seed). Reward: mean of the first / last 10 logged "
+        "steps. Sampled accuracy: temperature 1, practised slice, at step 0 and at the last measurement. Greedy "
+        "accuracy after RL: practised and held-out problems.",
+        "",
+        "| arm | trainer attention | seeds | steps | reward first → last 10 | sampled acc. start → last | greedy "
+        "practised / held-out after | tool-call rate (last 10) | peak grad norm | k3 KL | mean / max |Δp| | "
+        "IS weight std | steps with reward variance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, arm in result["arms"].items():
+        m = summaries[name]
+        runs = list(arm["runs"].values())
+        steps = sorted({r["steps_done"] for r in runs})
         lines.append(
-            f"| {name} | `{run['attention']}` | {run['steps_done']}{' (time limit)' if run['stopped_by_time_limit'] else ''}"
-            f" | {run['train_seconds']:.0f} (+{run.get('warm_up_seconds', 0.0):.0f}) | {b['correct']}/{b['n']} → {a['correct']}/{a['n']} | "
-            f"{_acc(run.get('practised_before'))} → {_acc(run.get('practised_after'))} | "
-            f"{fmt(b['tool_call_rate'], '.2f')} → {fmt(a['tool_call_rate'], '.2f')} | "
-            f"{fmt(_window(st, 'reward', True))} / {fmt(_window(st, 'reward', False))} | "
-            f"{fmt(grad[len(grad) // 2] if grad else None)} / {fmt(grad[-1] if grad else None)} | "
-            f"{fmt(_mean(x.get('clip_fraction') for x in st))} | {fmt(_mean(x.get('mismatch_k3_kl') for x in st))} | "
-            f"{fmt(_mean(x.get('mismatch_prob_diff_max') for x in st))} |"
+            f"| {name} | {arm['description']} (`{runs[0]['attention'] if runs else '–'}`) | {len(runs)} | "
+            f"{'/'.join(map(str, steps))} | {_pm(m.get('reward_first'))} → {_pm(m.get('reward_last'))} | "
+            f"{_pm(m.get('sampled_accuracy_start'), '.2f')} → {_pm(m.get('sampled_accuracy_last'), '.2f')} | "
+            f"{_pm(m.get('practised_after'), '.2f')} / {_pm(m.get('held_out_after'), '.2f')} | "
+            f"{_pm(m.get('tool_call_rate_last'), '.2f')} | {_pm(m.get('grad_norm_peak'))} | {_pm(m.get('k3_mean'))} | "
+            f"{_pm(m.get('prob_diff_mean'))} / {_pm(m.get('prob_diff_max_mean'))} | {_pm(m.get('is_weight_std_mean'))} | "
+            f"{_pm(m.get('frac_steps_with_reward_variance'), '.2f')} |"
+        )
+    verdicts = {key: separation(summaries, key) for key in ("reward_last", "sampled_accuracy_last", "k3_mean")}
+    if any(verdicts.values()):
+        lines += ["", "Against `sink_kernel`, by the range of each arm's seeds (disjoint = separated):", ""]
+        labels = {"reward_last": "reward (last 10)", "sampled_accuracy_last": "sampled accuracy", "k3_mean": "k3 KL"}
+        for key, verdict in verdicts.items():
+            if verdict:
+                lines.append(f"- {labels[key]}: " + ", ".join(f"{arm} {v}" for arm, v in verdict.items()))
+    lines += [
+        "",
+        "Time per optimizer step, median over steps then mean over seeds (s): rollout (generation steps only), whole "
+        "step before the sync (rollout, log-probs, forward, backward, update), weight sync (export, load, checks).",
+        "",
+        "| arm | rollout | step | weight sync |",
+        "|---|---|---|---|",
+    ]
+    for name in result["arms"]:
+        m = summaries[name]
+        lines.append(
+            f"| {name} | {_pm(m.get('rollout_s_median'))} | {_pm(m.get('step_s_median'))} | "
+            f"{_pm(m.get('weight_sync_s_median'))} |"
         )
     lines += [
         "",
-        "![learning run](learning_run.png)",
+        f"![learning run]({png_name})",
         "",
         "Environment: " + ", ".join(f"{k} {v}" for k, v in result["environment"].items() if v is not None),
     ]
-    (out / "learning_run.md").write_text("\n".join(lines) + "\n")
+    (out / md_name).write_text("\n".join(lines) + "\n")
 
 
 # %% Main ---------------------------------------------------------------------------------------------------------------
+def run_failures(result: dict, *, require_reward_signal: bool = True) -> list[str]:
+    """What fails a learning run: a failed check before the arms, no run, a run that finished no optimizer step,
+    a non-finite loss, stale trajectories, frozen sinks that moved, weights that did not move, and (unless
+    disabled) a run in which no group ever had reward variance."""
+    failures = list(result.get("check_failures", []))
+    arms = upgrade_result(dict(result))["arms"]
+    if not failures and not any(arm["runs"] for arm in arms.values()):
+        return ["no run finished"]
+    for name, arm in arms.items():
+        for seed, run in arm["runs"].items():
+            label = f"{name} seed {seed}"
+            if not run["steps_done"]:
+                failures.append(f"{label}: no optimizer step finished")
+            bad = [s.get("step", i) for i, s in enumerate(run["steps"], 1) if not math.isfinite(s.get("loss") or 0.0)]
+            if bad:
+                failures.append(f"{label}: non-finite loss at step {bad[0]}")
+            stale = sum(s.get("stale_trajectories") or 0 for s in run["steps"])
+            if stale:
+                failures.append(f"{label}: {stale:g} trajectories served on a stale weight version")
+            if name == "frozen_sinks" and run.get("sink_change_max"):
+                failures.append(f"{label}: the frozen sinks moved by {run['sink_change_max']:.3g}")
+            if run["steps_done"] and run.get("weight_change_rel") == 0.0:
+                failures.append(f"{label}: no weight moved in {run['steps_done']} optimizer steps")
+            stds = [s.get("reward_std") for s in run["steps"] if s.get("reward_std") is not None]
+            if require_reward_signal and run["steps_done"] and not any(v > 0 for v in stds):
+                failures.append(
+                    f"{label}: no group had reward variance at any step: every advantage was zero, nothing was learnt"
+                )
+    return failures
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    names = report_names(args.rollout_backend)
+    args.out = output_dir(args.out, *names)
     if args.from_json:
-        result = json.loads(Path(args.from_json).read_text())
-        write_report(result, Path(args.out))
+        result = upgrade_result(json.loads(Path(args.from_json).read_text()))
+        write_report(result, args.out)
         return result
     wants_cpu = args.device == "cpu"
     if wants_cpu:  # the kernel's Triton code runs on CPU tensors only if this is set before triton.jit runs
@@ -641,12 +1104,15 @@ def main(argv=None) -> dict:
         if args.device == "auto" and torch.cuda.is_available()
         else ("cpu" if args.device == "auto" else args.device)
     )
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and "sink_kernel" in args.variants:
+    kernel_arms = {"sink_kernel", "frozen_sinks"} & set(args.arms)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and kernel_arms:
         raise RuntimeError("the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)")
+    if device.type == "cpu" and args.precision == "bf16" and args.rollout_backend == "embedded":
+        raise SystemExit("--precision bf16 with the embedded engine needs a GPU (bf16 rollouts on CPU crawl)")
     from transformers import GptOssForCausalLM
     from trl import SFTConfig
 
-    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer, render_prompt
     from hf_gptoss_rl.testing import environment, tiny_gptoss_config
     from trl_ext.cold_start import StopAtLoss, cold_start
     from trl_ext.recipes import load_math_dataset
@@ -657,11 +1123,11 @@ def main(argv=None) -> dict:
     eval_rows = list(load_math_dataset(args.eval_file, limit=args.eval_limit))
     tool = CodeInterpreterTool()
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.init_seed)
     model_config = tiny_gptoss_config(**MODEL_SIZES[args.model_size])
     model_config._attn_implementation = "eager"
     model = GptOssForCausalLM(model_config).to(device)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.init_seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
@@ -678,7 +1144,7 @@ def main(argv=None) -> dict:
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        seed=args.seed,
+        seed=args.init_seed,
         use_cpu=device.type == "cpu",
         bf16=False,
         gradient_checkpointing=False,
@@ -696,12 +1162,14 @@ def main(argv=None) -> dict:
     full_train_rows = len(train_dataset)
     # "practised": training problems the warm-up saw, scored like the held-out set (memorisation vs generalisation);
     # without a warm-up, the first training problems
-    practised_rows = [train_dataset[i] for i in (practised or range(full_train_rows))[: args.eval_limit]]
+    practised_ids = list(practised or range(full_train_rows))
+    practised_rows = [train_dataset[i] for i in practised_ids[: args.eval_limit]]
+    slice_rows = [train_dataset[i] for i in practised_ids[: args.eval_slice]]
     if args.rl_problems == "practised" and practised:
         train_dataset = train_dataset.select(practised)
+    model.config.use_cache = True
     warm_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     parameters = sum(p.numel() for p in model.parameters())
-    del model
 
     result = {
         "command": "python benchmarks/learning_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -709,6 +1177,11 @@ def main(argv=None) -> dict:
         "setup": {
             "model_size": args.model_size,
             "parameters": parameters,
+            "precision": args.precision,
+            "rollout_backend": args.rollout_backend,
+            "arms": args.arms,
+            "seeds": args.seeds,
+            "init_seed": args.init_seed,
             "cold_start_steps": args.cold_start_steps,
             "cold_start_target_nll": args.cold_start_target_nll,
             "cold_start_batch": args.cold_start_batch,
@@ -725,34 +1198,77 @@ def main(argv=None) -> dict:
             "max_turns": args.max_turns,
             "train_rows": len(train_dataset),
             "eval_rows": len(eval_rows),
+            "eval_every": args.eval_every,
+            "eval_slice": len(slice_rows),
             "steps_requested": args.steps,
             "max_seconds": args.max_seconds,
-            "seed": args.seed,
             "sink_init": [args.sink_mean, args.sink_std],
         },
-        "variants": {},
+        "arms": {},
+        "check_failures": [],
     }
-    for name in args.variants:
-        result["variants"][name] = run_variant(
-            name,
-            warm_state,
-            model_config,
-            tokenizer,
-            train_dataset,
-            eval_rows,
-            practised_rows,
-            tool,
-            device,
-            args,
-        )
-    write_report(result, Path(args.out))
-    for name, run in result["variants"].items():
-        b, a = run["held_out_before"], run["held_out_after"]
+    rollouts = Rollouts(args, device, Path(tempfile.mkdtemp(prefix="learning_run_rollouts_")))
+    rollouts.pad_token_id = tokenizer.pad_token_id
+    try:
+        rollouts.start(model)
+        result["setup"]["rollouts"] = rollouts.info
+        prompts = [
+            render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low")
+            for r in slice_rows[: args.control_prompts]
+        ]
+        control = sink_control(rollouts, model, prompts, args)
+        result["sink_control"] = control
+        print(f"sink control: {control}", flush=True)
+        if not control["passed"]:
+            result["check_failures"].append(
+                f"sink control failed: the engine's log-probs are {control['mean_abs_logp_diff_with_sinks']:.3g} "
+                f"from the trainer with sinks and {control['mean_abs_logp_diff_without_sinks']:.3g} from the trainer "
+                f"without them (needs a {args.control_margin:g}x gap): the engine ignores the sinks or the sync"
+            )
+        else:
+            engine = rollouts.engine_with(model, args.init_seed)
+            result["before"] = {
+                "sampled_slice": agent_accuracy(engine, tool, slice_rows, args, temperature=1.0),
+                "practised": agent_accuracy(engine, tool, practised_rows, args),
+                "held_out": agent_accuracy(engine, tool, eval_rows, args),
+            }
+            if rollouts.engine is None:
+                engine.shutdown()
+            print(f"warm policy: {result['before']}", flush=True)
+            problems = policy_window(result["before"]["sampled_slice"], args)
+            if problems and args.policy_check:
+                result["check_failures"].append(
+                    "the warm policy gives GRPO no reward signal to compare arms on: "
+                    + "; ".join(problems)
+                    + " (train the warm-up longer or shorter, or pass --no-policy-check)"
+                )
+        del model
+        if not result["check_failures"]:
+            kernel_attention = None
+            if kernel_arms:
+                kernel_attention, how = project_kernel_attention(args.kernel_route)
+                result["setup"]["kernel_route"] = how
+            ctx = {
+                "args": args, "device": device, "rollouts": rollouts, "tool": tool, "tokenizer": tokenizer,
+                "model_config": model_config, "warm_state": warm_state, "kernel_attention": kernel_attention,
+                "train_dataset": train_dataset, "eval_rows": eval_rows, "practised_rows": practised_rows,
+                "slice_rows": slice_rows,
+            }  # fmt: skip
+            for seed in args.seeds:  # seed-major: an interrupted run still has every arm for the first seeds
+                for arm in args.arms:
+                    entry = result["arms"].setdefault(arm, {"description": ARMS[arm], "runs": {}})
+                    entry["runs"][str(seed)] = run_arm(arm, seed, ctx)
+    finally:
+        rollouts.stop()
+    write_report(result, args.out)
+    for name, arm in result["arms"].items():
+        summary = arm_summary(arm)
         print(
-            f"{name:14s} steps {run['steps_done']:4d}  held-out {b['correct']}/{b['n']} -> {a['correct']}/{a['n']}  "
-            f"practised {_acc(run['practised_before'])} -> {_acc(run['practised_after'])}  "
-            f"k3 KL mean {_mean(s['mismatch_k3_kl'] for s in run['steps'])}"
+            f"{name:14s} reward last 10 {_pm(summary['reward_last'])}  sampled acc. {_pm(summary['sampled_accuracy_last'])}"
+            f"  k3 {_pm(summary['k3_mean'])}  peak grad norm {_pm(summary['grad_norm_peak'])}"
         )
+    failures = run_failures(result, require_reward_signal=args.require_reward_signal)
+    exit_if_failed("benchmarks/learning_run.py", failures, args.out)
     return result
 
 

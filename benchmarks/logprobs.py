@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, output_dir
 
 VOCAB, HIDDEN = 201_088, 2880
 VARIANTS = {
@@ -208,8 +210,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     args = parser.parse_args()
+    out_dir = output_dir(args.out, "logprobs.json", "logprobs.md", "logprobs.png")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/logprobs.py needs a CUDA GPU")
     import triton
@@ -246,7 +249,6 @@ def main():
         "command": "python benchmarks/logprobs.py " + " ".join(sys.argv[1:]),
         "commit": git_commit(),
     }
-    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logprobs.json").write_text(
         json.dumps({"results": results, "correctness": corr, "meta": meta}, indent=1)

@@ -29,10 +29,12 @@ gpt-oss-20b-shaped one (`gptoss_20b_config`, `--layers` to keep fewer of its 24 
 completions are gibberish; that is fine for a mismatch study, which compares two computations of the same
 distribution on the same tokens.
 
-    python benchmarks/mismatch_study.py                      # GPU: tiny + 20b-shaped, writes docs/benchmarks/
+    python benchmarks/mismatch_study.py --out docs/benchmarks   # GPU: tiny + 20b-shaped, replaces the report
     python -m benchmarks.mismatch_study --model tiny --device cpu --num-prompts 2 --max-new-tokens 8 --out /tmp/x
 
-Writes `mismatch_study.md`, `mismatch_study.png`, `mismatch_study.json` into `--out`.
+Writes `mismatch_study.md`, `mismatch_study.png`, `mismatch_study.json` into `--out` (default `docs/benchmarks/`, only
+while no report is there: name the folder to replace one). The exit status is non-zero when a model, a row or the
+exact reference failed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from pathlib import Path
 
 import torch
 
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
 from hf_gptoss_rl.testing import (
     SINK_DROPPING_ATTENTION,
     build_random_gptoss,
@@ -386,11 +391,26 @@ def parse_args(argv=None):
         action="store_false",
         help="skip the fp32 exact reference (one more scoring pass, the weights upcast to fp32 in place)",
     )
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--write-prompts", type=Path, default=None, help="render the prompts, save their ids, exit")
     args = p.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     return args
+
+
+def run_failures(results: list[dict], failed: list[dict]) -> list[str]:
+    """What fails the study: a model that did not finish, a row whose scoring raised, an exact reference that failed
+    (a row skipped on purpose, e.g. flex_attention on CPU, is not a failure)."""
+    failures = [f"{f['model']}: {f['error']}" for f in failed]
+    for res in results:
+        failures += [
+            f"{res['model']}, {row['attention']}: {row['note']}"
+            for row in res["rows"]
+            if str(row.get("note", "")).startswith("error")
+        ]
+        if str((res.get("exact") or {}).get("note", "")).startswith("error"):
+            failures.append(f"{res['model']}, exact reference: {res['exact']['note']}")
+    return failures
 
 
 def main(argv=None) -> list[dict]:
@@ -402,6 +422,7 @@ def main(argv=None) -> list[dict]:
         )
         print(f"wrote {len(prompts)} prompts to {args.write_prompts}")
         return []
+    args.out = output_dir(args.out, "mismatch_study.json", "mismatch_study.md", "mismatch_study.png")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models = {"both": ["tiny", "20b"], None: ["tiny", "20b"] if device.type == "cuda" else ["tiny"]}.get(
         args.model, [args.model]
@@ -447,8 +468,7 @@ def main(argv=None) -> list[dict]:
     }
     write_report(args.out, results, meta)
     print((args.out / "mismatch_study.md").read_text())
-    if failed:
-        raise SystemExit(f"[mismatch] failed: {failed}")
+    exit_if_failed("benchmarks/mismatch_study.py", run_failures(results, failed), args.out)
     return results
 
 

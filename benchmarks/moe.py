@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, output_dir
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -296,7 +298,7 @@ def write_report(out_dir: Path, results, corr, meta):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 65536])
     parser.add_argument(
         "--chunk-sweep", type=int, nargs="*", default=[4096, 16384, 32768], help="extra chunk sizes at 32k"
@@ -304,7 +306,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of memory_efficient train")
     parser.add_argument("--report-from", help="re-render moe.md / moe.png from a moe.json of an earlier run")
     args = parser.parse_args()
-    out_dir = Path(args.out)
+    out_dir = output_dir(args.out, "moe.json", "moe.md", "moe.png")
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_from:
         saved = json.loads(Path(args.report_from).read_text())
@@ -313,7 +315,8 @@ def main():
         (out_dir / "moe.json").write_text(json.dumps(saved, indent=1))
         print((out_dir / "moe.md").read_text())
         return
-    assert torch.cuda.is_available(), "benchmarks/moe.py needs a CUDA GPU"
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
     device = torch.device("cuda")
 
     import transformers

@@ -20,7 +20,9 @@ Results: median step time of ``--steps`` timed steps after one warm-up, tokens/s
     python -m benchmarks.sequence_parallel --device cpu --model tiny --gpus 1,2 --seq-lens 256,512 --out /tmp/sp
         # CPU/gloo dry run of the whole pipeline (no memory numbers)
 
-Writes OUT/sequence_parallel.md, .png and .json (OUT defaults to docs/benchmarks/).
+Writes OUT/sequence_parallel.md, .png and .json (``--out OUT``; by default docs/benchmarks/, only while no report is
+there: name the folder to replace one). The exit status is non-zero when a run failed otherwise than by an OOM or the
+timeout (which end the search for that P).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+
 RESULT_TAG = "SP_BENCH_RESULT "
 
 
@@ -273,7 +278,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--timeout", type=int, default=600, help="seconds per (P, S) run")
     p.add_argument("--no-stock", action="store_true", help="skip the stock single-GPU peer")
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--out", default=None, help=OUT_HELP)
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=("sp", "stock"), default="sp", help=argparse.SUPPRESS)
@@ -287,6 +292,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return worker(args)
+    args.out = output_dir(args.out, "sequence_parallel.json", "sequence_parallel.md", "sequence_parallel.png")
     if args.gpus is None:
         import torch
 
@@ -297,7 +303,12 @@ def main(argv=None):
     if not args.gpus:
         raise SystemExit("no GPU found (use --device cpu for a dry run)")
     print(f"GPU counts {args.gpus}, sequence lengths {args.seq_lens}", flush=True)
-    write_report(search(args), args)
+    results = search(args)
+    write_report(results, args)
+    failures = [
+        f"{r['mode']} P={r['gpus']} S={r['seq_len']}: worker failed" for r in results if r.get("reason") == "failed"
+    ]
+    exit_if_failed("benchmarks/sequence_parallel.py", failures, args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ what it measured.
 2. ``trainer``: `trl_ext.AgenticGRPOTrainer` with ``rollout_backend="sglang"`` on a few GSM8K rows, for weight
    sync ``disk``, ``tensor`` (CUDA IPC, same GPU) and LoRA (``weight_sync_lora=True``; the server is restarted
    with ``--enable-lora --max-lora-rank R --lora-target-modules ...``), with ``weight_sync_verify=["version",
-   "logprobs"]``: after every sync the server's log-probs of a probe sentence must match the trainer's. Every sync
+   "checksum", "logprobs"]``: the default checks (names before sending, every server parameter fed by a changed
+   tensor changed), and the server's log-probs of a probe sentence must match the trainer's. Every sync
    is timed apart from the steps (one before training, then one per step), with the probe's mean/max |Δ logprob|.
 3. ``mismatch``: completions sampled by the server at temperature 1 (its log-probs are the rollout distribution),
    scored by the trainer's log-prob path (`benchmarks.mismatch_study`) with eager attention (sinks), eager without
@@ -36,20 +37,28 @@ wall time, the problems practised and the sinks (mean and std over heads, per la
 loop then runs on the practised problems, rendered as the demonstrations were, and every other phase is unchanged
 (the mismatch phase measures the trained policy). The cold start counts against ``--budget-s``::
 
-    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang-env/bin/python -m sglang.launch_server" \
+    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang/bin/python -m sglang.launch_server" \
         --cold-start-steps 40 --budget-s 900
 
 SGLang pins its own dependencies, so install it in an environment of its own and point ``--server-cmd`` at it; the
 script launches one server per server configuration (``setsid``; the whole process group is killed afterwards)::
 
-    python -m venv /opt/sglang-env && /opt/sglang-env/bin/pip install "sglang==0.5.17"
-    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang-env/bin/python -m sglang.launch_server"
+    python -m venv /opt/sglang && /opt/sglang/bin/pip install "sglang==0.5.17"   # or, without internet:
+    # scripts/sglang_offline.sh install WHEELDIR   (into /opt/sglang as well, with an /opt/sglang/bin/python)
+    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang/bin/python -m sglang.launch_server"
     python -m benchmarks.sglang_e2e --url http://127.0.0.1:30000   # a server you started (flags not changed)
-    python -m benchmarks.sglang_e2e --merge run1/sglang_e2e.json run2/sglang_e2e.json   # one report of two runs
+    python -m benchmarks.sglang_e2e --merge run1/sglang_e2e.json run2/sglang_e2e.json --out DIR   # one report
 
 Every launch gets ``--model-path DIR --port P --skip-tokenizer-init --attention-backend triton --sampling-backend
-pytorch --grammar-backend none --mem-fraction-static F``, then ``--server-args`` and the phase's own flags. Writes
-``sglang_e2e.md``, ``sglang_e2e.json`` and ``sglang_e2e.png`` into ``--out`` (server logs under ``--out/logs``).
+pytorch --grammar-backend none --mem-fraction-static F``, then ``--server-args`` and the phase's own flags. CUDA
+graphs stay on, as a server is run for users; ``--disable-cuda-graph`` passes SGLang's flag of that name (faster
+server starts, slower decoding), and the report's ``meta.disable_cuda_graph`` records which it was. Writes
+``sglang_e2e.md``, ``sglang_e2e.json`` and ``sglang_e2e.png`` into ``--out`` (server logs under ``--out/logs``; by
+default ``docs/benchmarks/``, only while no report is there: name the folder to replace one).
+
+The exit status is non-zero when the model could not be built or a phase failed or was skipped (a phase some of
+whose weight sync modes or server configurations failed is "partial": the report has each failure, and the run
+still exits 0).
 """
 
 from __future__ import annotations
@@ -75,6 +84,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+
+if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
+    import _bootstrap  # noqa: F401
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -133,12 +146,23 @@ def _new_session_dying_with_parent() -> None:  # runs in the child before exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# The flags every server of this script gets: the portable Triton attention backend (SGLang's own default for GPT-OSS
+# is fa3 on Hopper and trtllm_mha on Blackwell: `_gpt_oss_overrides` in sglang/srt/arg_groups/overrides.py),
+# PyTorch sampling, no grammar backend.
+E2E_LAUNCH_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+
+
 class ServerManager:
     """Launches SGLang with a given set of flags (reusing a healthy server launched with the same flags), or
-    hands out ``--url``. The server runs in its own session; `stop` kills the whole process group."""
+    hands out ``--url``. The server runs in its own session; `stop` kills the whole process group.
 
-    def __init__(self, args, model_dir: Path, logs_dir: Path) -> None:
+    Reads ``args.server_cmd``, ``server_args``, ``url``, ``port``, ``mem_fraction_static`` and
+    ``disable_cuda_graph``. ``launch_flags`` go to every launch (default `E2E_LAUNCH_FLAGS`; ``[]`` leaves the
+    attention backend and sampling to SGLang)."""
+
+    def __init__(self, args, model_dir: Path, logs_dir: Path, launch_flags: list[str] | None = None) -> None:
         self.args = args
+        self.launch_flags = list(E2E_LAUNCH_FLAGS if launch_flags is None else launch_flags)
         self.model_dir = model_dir
         self.logs_dir = logs_dir
         self.proc: subprocess.Popen | None = None
@@ -157,10 +181,12 @@ class ServerManager:
         a = self.args
         base = shlex.split(a.server_cmd) + [
             "--model-path", str(self.model_dir), "--port", str(port), "--host", "127.0.0.1",
-            "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-            "--grammar-backend", "none", "--mem-fraction-static", str(a.mem_fraction_static),
+            "--skip-tokenizer-init", *self.launch_flags, "--mem-fraction-static", str(a.mem_fraction_static),
         ]  # fmt: skip
-        return base + shlex.split(a.server_args) + list(flags)
+        extra = shlex.split(a.server_args)
+        if getattr(a, "disable_cuda_graph", False) and "--disable-cuda-graph" not in extra:
+            extra.append("--disable-cuda-graph")
+        return base + extra + list(flags)
 
     def ensure(
         self, name: str, flags: list[str], timeout_s: float, *, flags_required: bool = True, any_weights: bool = False
@@ -183,7 +209,7 @@ class ServerManager:
             return self.url
         self.stop()
         self.dirty = False
-        from trl_ext.weight_sync import free_port
+        from trl_ext.weight_sync.transport import free_port
 
         port = self.args.port or free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -225,7 +251,7 @@ class ServerManager:
         def wait() -> None:
             try:
                 engine.check_servers()
-                box["version"] = engine.run(engine._sync.server_states(), timeout_s=30)[0].version
+                box["version"] = engine.run(engine.weight_sync.server_states(), timeout_s=30)[0].version
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 box["error"] = exc
 
@@ -719,7 +745,7 @@ def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
         sglang_retry_deadline_s=20.0,
         weight_sync_mode=args.lora_sync_mode if lora else mode,
         weight_sync_lora=lora,
-        weight_sync_verify=["version", "logprobs"],
+        weight_sync_verify=["version", "checksum", "logprobs"],
         weight_sync_probe_atol=args.probe_atol,
         weight_sync_probe_rtol=args.probe_rtol,
         weight_sync_dir=str(ctx.work_dir / f"weights_{mode}"),
@@ -862,7 +888,11 @@ def phase_mismatch(ctx, result: dict) -> None:
                 # the server start has its own deadline (--ready-timeout-s); the configuration's starts once it is up
                 url = ctx.server.ensure(f"mismatch_{name}", flags, args.ready_timeout_s)
                 with deadline(min(args.mismatch_timeout_s, ctx.left()), f"mismatch {name}"):
-                    engine = sglang_engine(url, args, sync_mode="disk", model_config=model.config)
+                    from trl_ext.weight_sync import WeightSyncConfig
+
+                    engine = sglang_engine(
+                        url, args, weight_sync=WeightSyncConfig(mode="disk", model_config=model.config)
+                    )
                     try:
                         if ctx.server.dirty:  # --url server a trainer synced into: back to --model-dir's weights
                             state = list(model.state_dict().items())
@@ -1080,7 +1110,8 @@ def render_markdown(r: dict) -> str:
         "# GPT-OSS RL against a real SGLang server (`benchmarks/sglang_e2e.py`)",
         "",
         f"{how} Device: {meta.get('env', {}).get('device')}; "
-        f"sglang {meta.get('sglang_version', '?')} (`{meta.get('server_cmd')}`, extra `{meta.get('server_args')}`).",
+        f"sglang {meta.get('sglang_version', '?')} (`{meta.get('server_cmd')}`, extra `{meta.get('server_args')}`; "
+        f"{_cuda_graph_text(_reported_cuda_graph_disabled(meta))}).",
         f"Model: {'cold-started' if m.get('cold_start') else 'random'} GPT-OSS, {m.get('num_hidden_layers')} layers, "
         f"hidden {m.get('hidden_size')}, {m.get('heads')}, {m.get('num_local_experts')} experts, window "
         f"{m.get('sliding_window')}, {fmt(m.get('params'), ',')} parameters, bf16; random init (sinks and logits as "
@@ -1357,9 +1388,12 @@ def merge_runs(paths: list[Path]) -> dict:
             "json": str(p),
             "command": (r.get("meta") or {}).get("command"),
             "started": (r.get("meta") or {}).get("started"),
+            "disable_cuda_graph": _reported_cuda_graph_disabled(r.get("meta") or {}),
         }
         for p, r in zip(paths, runs)
     ]
+    disabled = {m["disable_cuda_graph"] for m in merged["meta"]["merged_from"]}
+    merged["meta"]["disable_cuda_graph"] = disabled.pop() if len(disabled) == 1 else "mixed"
     merged["meta"]["command"] = "; ".join(str(m["command"]) for m in merged["meta"]["merged_from"])
     for run in runs:
         for name, phase in (run.get("phases") or {}).items():
@@ -1387,7 +1421,7 @@ def merge_runs(paths: list[Path]) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
     p.add_argument("--layers", type=int, default=2, help="layers of the model (of gpt-oss-20b's 24)")
     p.add_argument(
@@ -1400,7 +1434,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--server-cmd", default="python3 -m sglang.launch_server")
-    p.add_argument("--server-args", default="", help='extra server flags, e.g. "--disable-cuda-graph"')
+    p.add_argument("--server-args", default="", help='extra server flags, e.g. "--chunked-prefill-size 8192"')
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="launch the servers with SGLang's --disable-cuda-graph (faster starts, slower decoding); default: CUDA "
+        "graphs on, as served",
+    )
     p.add_argument("--url", default=None, help="use this running server instead of launching one")
     p.add_argument(
         "--merge",
@@ -1480,15 +1520,51 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
-    from hf_gptoss_rl.testing import environment
+def cuda_graph_disabled(args) -> bool | None:
+    """Whether the servers this run launches get ``--disable-cuda-graph`` (the flag, or in ``--server-args``); None
+    with ``--url``: that server was started elsewhere, with its own flags."""
+    if args.url is not None:
+        return None
+    return bool(args.disable_cuda_graph) or "--disable-cuda-graph" in shlex.split(args.server_args)
 
+
+def _reported_cuda_graph_disabled(meta: dict) -> bool | str | None:
+    """``meta.disable_cuda_graph``, or for a report written before that field, what its server flags say."""
+    if "disable_cuda_graph" in meta:
+        return meta["disable_cuda_graph"]
+    if str(meta.get("server_cmd", "")).startswith("--url"):
+        return None
+    return "--disable-cuda-graph" in shlex.split(meta.get("server_args") or "")
+
+
+def _cuda_graph_text(disabled: bool | str | None) -> str:
+    return {
+        True: "CUDA graphs off (`--disable-cuda-graph`)",
+        False: "CUDA graphs on",
+        None: "CUDA graphs as the `--url` server was started",
+    }.get(disabled, "CUDA graphs on in some of the merged runs, off in others")
+
+
+def run_failures(results: dict) -> list[str]:
+    """What fails a run (a non-zero exit status): the model build, a phase that failed or was skipped (for time, or
+    because the model build failed). A partial phase is in the report and does not fail the run."""
+    failures = [f"model build: {results['model_error']}"] if results.get("model_error") else []
+    for name, ph in (results.get("phases") or {}).items():
+        if ph.get("status") in ("failed", "skipped"):
+            failures.append(f"{name}: {ph['status']} ({ph.get('error', '')})")
+    return failures
+
+
+def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.out = output_dir(args.out, "sglang_e2e.json", "sglang_e2e.md", "sglang_e2e.png")
     if args.merge:
         results = merge_runs(args.merge)
         write_outputs(args.out, results)
         log(f"merged {len(args.merge)} runs into {args.out / 'sglang_e2e.md'}, .json, .png")
         return results
+    from hf_gptoss_rl.testing import environment
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))
     if args.model_dir is None:
@@ -1503,6 +1579,7 @@ def main(argv=None) -> dict:
         "env": environment(),
         "server_cmd": args.server_cmd if args.url is None else f"--url {args.url}",
         "server_args": args.server_args,
+        "disable_cuda_graph": cuda_graph_disabled(args),
         "budget_s": args.budget_s,
         "device": str(device),
         "model_kind": args.model,
@@ -1586,6 +1663,10 @@ def main(argv=None) -> dict:
             results["meta"]["work_dir"] = str(work)
         ctx.checkpoint()
         log(f"wrote {args.out / 'sglang_e2e.md'}, .json, .png")
+    partial = [name for name, ph in results["phases"].items() if ph.get("status") == "partial"]
+    if partial:
+        log(f"partial phases (the failed parts are in the report): {', '.join(partial)}")
+    exit_if_failed("benchmarks/sglang_e2e.py", run_failures(results), args.out)
     return results
 
 

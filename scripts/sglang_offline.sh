@@ -4,20 +4,26 @@
 # scientific/HTTP stack (numpy, scipy, aiohttp, requests, huggingface-hub,
 # safetensors, uvloop, psutil, pyyaml, regex, einops, setuptools, ...).
 #
-# SGLang goes into its own directory (PYTHONPATH=TARGET) so that its pins
-# (transformers==5.12.1, tokenizers<=0.23.0, ...) shadow the system versions
-# only for the server process.  Only the packages that the server process
-# imports for a GPT-OSS bf16 checkpoint with the triton attention backend,
-# pytorch sampling, no grammar backend and --skip-tokenizer-init are fetched;
+# SGLang goes into its own directory (PYTHONPATH=TARGET, /opt/sglang unless
+# given) so that its pins (transformers==5.12.1, tokenizers<=0.23.0, ...)
+# shadow the system versions only for the server process.  Only the packages
+# that the server process imports for a GPT-OSS bf16 checkpoint with SGLang's
+# default attention backend (fa3 on Hopper) or the triton one, pytorch or
+# default sampling, no grammar backend and --skip-tokenizer-init are fetched;
 # sglang's full Requires-Dist closure is not.
 #
 #   sglang_offline.sh download WHEELDIR          (on a machine with a package index)
-#   sglang_offline.sh install WHEELDIR TARGET    (offline; no index needed)
-#   sglang_offline.sh check TARGET               (offline, needs the GPU)
+#   sglang_offline.sh install WHEELDIR [TARGET]  (offline; no index needed)
+#   sglang_offline.sh check [TARGET]             (offline, needs the GPU)
 #   sglang_offline.sh serve TARGET MODEL_DIR PORT [extra sglang args...]
+#
+# `install` also writes TARGET/bin/python (this machine's python with
+# PYTHONPATH=TARGET), so the server command is the same as for a virtual
+# environment in that directory: /opt/sglang/bin/python -m sglang.launch_server
 set -euo pipefail
 
 PY=${PYTHON:-python3}
+DEFAULT_TARGET=/opt/sglang  # the SGLang install location the docs and benchmarks/sglang_e2e.py name
 
 # name==version  # why the server needs it (import found on the launch path)
 PACKAGES=(
@@ -66,7 +72,6 @@ PACKAGES=(
 # Files that this launch never loads (removed by `install`).  Each must exist
 # in the wheels above; a missing one means the wheel layout changed: stop.
 PRUNE=(
-  "sgl_kernel/flash_ops.abi3.so"      # FA3 kernels, only for --attention-backend fa3 (sgl_kernel/flash_attn.py)
   "sgl_kernel/sm100"                  # common_ops for sm100+; load_utils picks sm90/ on compute capability 9.0
   "sgl_kernel/flashmla_ops.abi3.so"   # FlashMLA (MLA models); sgl_kernel/flash_mla.py tolerates its absence
   "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so"  # InfLLM-V2 attention, loaded lazily by infllm_v2/_loader.py
@@ -85,6 +90,11 @@ PRUNE=(
   "share"                             # IPython man page
   "bin"                               # console scripts with the build machine's interpreter path
 )
+
+# FA3 kernels (1.1 GB): SGLang's default attention backend for GPT-OSS on Hopper (`_gpt_oss_overrides` in
+# sglang/srt/arg_groups/overrides.py picks fa3 on sm90, trtllm_mha on sm100, triton elsewhere). `install` keeps
+# them; PRUNE_FA3=1 removes them for a server that is always started with --attention-backend triton.
+FA3_LIBRARY="sgl_kernel/flash_ops.abi3.so"
 
 # Modules the server process imports (checked by `check`).
 MODULES=(
@@ -116,7 +126,7 @@ cmd_download() {
 }
 
 cmd_install() {
-  local dir=${1:?usage: install WHEELDIR TARGET} target=${2:?usage: install WHEELDIR TARGET}
+  local dir=${1:?usage: install WHEELDIR [TARGET]} target=${2:-$DEFAULT_TARGET}
   [[ -d $dir ]] || die "no wheel directory: $dir"
   local wheels=("$dir"/*.whl)
   [[ -e ${wheels[0]} ]] || die "no .whl files in $dir"
@@ -126,17 +136,33 @@ cmd_install() {
   "$PY" -m pip install -q --no-index --no-deps --no-compile "${TAGS[@]}" --target "$target" "${wheels[@]}" \
     || die "pip install into $target failed"
   local f
-  for f in "${PRUNE[@]}"; do
+  local prune=("${PRUNE[@]}")
+  [[ ${PRUNE_FA3:-0} == 1 ]] && prune+=("$FA3_LIBRARY")
+  for f in "${prune[@]}"; do
     [[ -e $target/$f ]] || die "expected $target/$f (wheel layout changed?)"
     rm -rf "${target:?}/$f"
   done
   find "$target" -name __pycache__ -type d -prune -exec rm -rf {} +
+  write_python_wrapper "$target"
   du -sh "$target"
   echo "export PYTHONPATH=$(cd "$target" && pwd)"
+  echo "server: $(cd "$target" && pwd)/bin/python -m sglang.launch_server ..."
+}
+
+# TARGET/bin/python: the python that runs the server, with PYTHONPATH=TARGET.
+write_python_wrapper() {
+  local target python
+  target=$(cd "$1" && pwd)
+  python=$(command -v "$PY") || die "$PY not found"
+  mkdir -p "$target/bin"
+  printf '#!/bin/sh\n# written by sglang_offline.sh install: %s with the SGLang install in %s\n' "$python" "$target" \
+    >"$target/bin/python"
+  printf 'PYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec "%s" "$@"\n' "$target" "$python" >>"$target/bin/python"
+  chmod +x "$target/bin/python"
 }
 
 cmd_check() {
-  local target=${1:?usage: check TARGET}
+  local target=${1:-$DEFAULT_TARGET}
   [[ -d $target/sglang ]] || die "no sglang under $target"
   PYTHONPATH=$target "$PY" - "${MODULES[@]}" <<'EOF'
 import importlib, importlib.metadata as md, sys, torch
@@ -194,5 +220,5 @@ case $sub in
   install) cmd_install "$@" ;;
   check) cmd_check "$@" ;;
   serve) cmd_serve "$@" ;;
-  *) die "usage: $0 {download WHEELDIR|install WHEELDIR TARGET|check TARGET|serve TARGET MODEL_DIR PORT [args...]}" ;;
+  *) die "usage: $0 {download WHEELDIR|install WHEELDIR [TARGET]|check [TARGET]|serve TARGET MODEL_DIR PORT [args...]} (TARGET: $DEFAULT_TARGET)" ;;
 esac

@@ -11,7 +11,11 @@ the semantics of SGLang's own server where the client depends on them, read from
   outside a session (the distributed one *without joining the broadcast*);
 - ``serialized_named_tensors`` holds one payload per TP rank; rank ``r`` deserializes ``payloads[r]`` only;
 - tensor names the model does not know are skipped and the update still succeeds (``load_weights`` of
-  SGLang's models); ``skipped_names`` records them;
+  SGLang's models); ``skipped_names`` records them; with ``stale_weights=True`` every update answers success and
+  takes the requested ``weight_version`` but keeps the weights it had (a stale server); with a callable, the names
+  for which it returns True are accepted and not loaded (a half-loading server);
+- ``/weights_checker`` ``checksum`` hashes the parameters under SGLang's own names for GPT-OSS (``qkv_proj`` fused
+  from q/k/v, ``experts.w13_weight`` / ``experts.w2_weight``), as ``WeightChecker`` lists a real server's;
 - ``/pause_generation``: ``abort`` aborts the running batch, every mode holds new requests until
   ``/continue_generation``; an update with ``flush_cache=True`` while a request is in the running batch under
   ``in_place`` loads the weights and answers 400 "Weights were updated, but the cache was not flushed" with the
@@ -41,6 +45,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -77,7 +82,11 @@ class Fault:
     byte every ``delay_s``: each read is quick, the whole body is not),
     ``"abort"`` (generate, then report ``finish_reason`` abort with the partial output), ``"drop_logprob"``
     (one log-prob fewer than output ids), ``"disconnect"`` (close the connection without answering),
-    ``"refuse"`` (a weight-update route answers ``success: false``).
+    ``"refuse"`` (a weight-update route answers ``success: false``), ``"cut"`` (handle the request, then send only
+    half of the answer's body and close: the work is done, the client never sees the answer);
+    contract breakers of ``/generate``: ``"extra_output_ids"`` (twice ``max_new_tokens`` output ids),
+    ``"foreign_rid"`` (``meta_info.id`` of another request), ``"wrong_prompt_tokens"`` (one prompt token more than
+    sent).
     """
 
     kind: str
@@ -114,6 +123,7 @@ class FakeSGLangServer:
         enable_lora: bool = False,
         validator=None,
         die_on: tuple[str, int] | None = None,
+        stale_weights: bool | Callable[[str], bool] = False,
     ) -> None:
         if version not in ("0.5.17", "0.5.23"):
             raise ValueError(f"version must be '0.5.17' or '0.5.23', got {version!r}")
@@ -127,6 +137,7 @@ class FakeSGLangServer:
         self.enable_lora = enable_lora
         self.validator = validator
         self.die_on = die_on  # (path, n): SIGKILL this process when the n-th request to path arrives
+        self.stale_weights = stale_weights
         self.faults: deque[Fault] = deque()
         self.request_counts: dict[str, int] = {}
         self.requests: list[tuple[str, str, object]] = []
@@ -269,6 +280,7 @@ class FakeSGLangServer:
             "version": self.version,
             "enable_lora": self.enable_lora,
             "weight_version": self.served_version,
+            "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
         }
 
     def _health_generate(self, body) -> str:
@@ -323,11 +335,16 @@ class FakeSGLangServer:
                 finish = {"type": "abort", "message": "request aborted"}
             if fault is not None and fault.kind == "drop_logprob" and logprobs:
                 logprobs = logprobs[:-1]
+            if fault is not None and fault.kind == "extra_output_ids":
+                extra = 2 * sampling.max_new_tokens - len(ids)
+                ids, logprobs = ids + [ids[-1]] * extra, logprobs + [logprobs[-1]] * extra
             cached = self._cached_prefix(prompt)
             self._radix.append(list(prompt) + ids)
             meta = {
-                "id": rid or uuid.uuid4().hex,
-                "prompt_tokens": len(prompt),
+                "id": uuid.uuid4().hex
+                if fault is not None and fault.kind == "foreign_rid"
+                else rid or uuid.uuid4().hex,
+                "prompt_tokens": len(prompt) + (fault is not None and fault.kind == "wrong_prompt_tokens"),
                 "completion_tokens": len(ids),
                 "cached_tokens": cached,
                 "finish_reason": finish,
@@ -428,8 +445,11 @@ class FakeSGLangServer:
         state = self.engine.model.state_dict()
         known = [(n, t) for n, t in named if n in state]
         self.skipped_names += [n for n, _ in named if n not in state]  # SGLang's load_weights skips them
+        if callable(self.stale_weights):  # a half-loading server: these names are accepted, and not loaded
+            known = [(n, t) for n, t in known if not self.stale_weights(n)]
         try:
-            self.engine.load_weights(known, version=self.engine.weight_version)
+            if self.stale_weights is not True:
+                self.engine.load_weights(known, version=self.engine.weight_version)
         except (KeyError, ValueError) as exc:
             raise _HTTPError(400, str(exc)) from exc
         if self._base_state is not None:  # new base weights: the adapter is merged on top of them
@@ -462,7 +482,7 @@ class FakeSGLangServer:
         return out
 
     def _init_group(self, body: dict) -> dict:
-        from trl_ext.weight_sync import init_weight_update_group
+        from trl_ext.weight_sync.transport import init_weight_update_group
 
         if self.tp_size != 1:
             raise _HTTPError(400, "the fake server joins weight-update groups with tp_size=1 only")
@@ -483,7 +503,7 @@ class FakeSGLangServer:
     def _update_from_distributed(self, body: dict) -> dict:
         import torch.distributed as dist
 
-        from trl_ext.weight_sync import BucketMetadata, unflatten_bucket
+        from trl_ext.weight_sync.transport import BucketMetadata, unflatten_bucket
 
         self._require_session("update_weights_from_distributed")  # before joining: the sender would hang
         name = body.get("group_name", "weight_update_group")
@@ -513,7 +533,7 @@ class FakeSGLangServer:
         return self._load(named, body)
 
     def _destroy_group(self, body: dict) -> dict:
-        from trl_ext.weight_sync import destroy_weight_update_group
+        from trl_ext.weight_sync.transport import destroy_weight_update_group
 
         pg = self._groups.pop(body.get("group_name", "weight_update_group"), None)
         if pg is None:
@@ -562,8 +582,10 @@ class FakeSGLangServer:
         if body.get("action", "checksum") != "checksum":
             raise _HTTPError(400, f"the fake server implements action='checksum' only, got {body.get('action')!r}")
         checksums = {
-            name: hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
-            for name, t in self.engine.model.state_dict().items()
+            name: hashlib.sha256(
+                b"".join(t.detach().float().contiguous().numpy().tobytes() for t in parts)
+            ).hexdigest()[:16]
+            for name, parts in _sglang_parameters(self.engine.model.state_dict()).items()
         }
         overall = hashlib.sha256("".join(f"{k}{checksums[k]}" for k in sorted(checksums)).encode()).hexdigest()
         info = {
@@ -648,6 +670,23 @@ class FakeSGLangServer:
         return self._lora_result(True)
 
 
+def _sglang_parameters(state: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """A GPT-OSS state dict grouped as SGLang's model holds it: ``self_attn.qkv_proj`` = q, k, v (weight and bias)
+    concatenated, ``mlp.experts.w13_weight`` / ``w2_weight`` (+ ``_bias``) for the experts' ``gate_up_proj`` /
+    ``down_proj`` (``GptOssForCausalLM.load_weights``, sglang 0.5.23); other names as they are."""
+    params: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in state.items():
+        target = name
+        for shard in ("q_proj", "k_proj", "v_proj"):
+            if f"self_attn.{shard}." in name:
+                target = name.replace(shard, "qkv_proj")
+        for ckpt, param in (("experts.gate_up_proj", "experts.w13_weight"), ("experts.down_proj", "experts.w2_weight")):
+            if ckpt in name:
+                target = name.replace(ckpt, param)
+        params.setdefault(target, []).append(tensor)
+    return params
+
+
 class _Handler(BaseHTTPRequestHandler):
     owner: FakeSGLangServer
     protocol_version = "HTTP/1.0"  # one request per connection: `stop()` leaves no live keep-alive socket
@@ -697,16 +736,24 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(exc.status, {"error": {"message": exc.message}, "success": False, "message": exc.message})
         except Exception as exc:  # noqa: BLE001 - a server bug is a 500, like SGLang's
             return self._send(500, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
-        self._send(400 if isinstance(result, dict) and result.get("success") is False else 200, result)
+        status = 400 if isinstance(result, dict) and result.get("success") is False else 200
+        if fault is not None and fault.kind == "cut":
+            return self._send(status, result, cut=True)
+        self._send(status, result)
 
-    def _send(self, status: int, payload: object, trickle_s: float = 0.0) -> None:
+    def _send(self, status: int, payload: object, trickle_s: float = 0.0, cut: bool = False) -> None:
         data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "text/plain" if isinstance(payload, str) else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            if trickle_s:
+            if cut:  # half the body, then close: the client's read fails mid-answer
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+            elif trickle_s:
                 for i in range(len(data)):
                     self.wfile.write(data[i : i + 1])
                     self.wfile.flush()
@@ -733,6 +780,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=None)
+    # sglang.launch_server flags a client sends; the others are refused by argparse, as SGLang refuses unknown ones
+    parser.add_argument("--skip-tokenizer-init", action="store_true", help="accepted: this server takes ids only")
+    parser.add_argument("--mem-fraction-static", type=float, default=None, help="accepted: no GPU memory here")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="served dtype")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument(
+        "--drop-sinks",
+        action="store_true",
+        help="fault: serve GPT-OSS attention without the sink column (a server that ignores the sinks)",
+    )
+    parser.add_argument(
+        "--stale-weights",
+        action="store_true",
+        help="fault: answer every weight update with success and keep the weights it has",
+    )
     parser.add_argument(
         "--die-on",
         metavar="PATH:N",
@@ -749,9 +811,22 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+    if args.drop_sinks:
+        from hf_gptoss_rl.testing import register_sink_dropping_attention
+
+        model.set_attn_implementation(register_sink_dropping_attention())
     engine = EmbeddedEngine(model, max_batch_size=args.max_batch_size, seed=args.seed, initial_version=None)
-    server = FakeSGLangServer(engine, host=args.host, port=args.port, model_path=args.model_path, die_on=die_on)
+    server = FakeSGLangServer(
+        engine,
+        host=args.host,
+        port=args.port,
+        model_path=args.model_path,
+        die_on=die_on,
+        enable_lora=args.enable_lora,
+        stale_weights=args.stale_weights,
+    )
     server.start()
     print(f"serving {args.model_path} at {server.url}", flush=True)
     try:

@@ -153,6 +153,7 @@ def test_tool_call_then_final(call_text):
     assert engine.contexts == [PROMPT, PROMPT + tok(call_text) + inject]
     assert inject[-2:] == [START, *encode_text("assistant")] and tok(call_text)[-1] == CALL
     assert traj.weight_version == 1  # the oldest turn's version
+    assert traj.weight_versions == [1, 2] and traj.mixed_weight_versions  # the version each turn was served on
 
 
 @pytest.mark.parametrize(
@@ -263,6 +264,22 @@ def test_engine_abort_and_failure():
     assert traj.finish_reason == "abort" and traj.num_turns == 2 and len(traj.tool_calls) == 1
     traj = run(ScriptedEngine([RuntimeError("server gone")]))
     assert traj.finish_reason == "abort" and traj.completion_ids == [] and "server gone" in traj.errors[0]
+
+
+def test_weight_versions_are_the_served_ones_per_turn():
+    class FirstTurnUnversioned(ScriptedEngine):  # e.g. a server answering on its launch weights, then synced
+        async def generate(self, input_ids, sampling):
+            out = await super().generate(input_ids, sampling)
+            out.weight_version = None if len(self.contexts) == 1 else 4
+            return out
+
+    traj = run(FirstTurnUnversioned([CALL_MODEL_FORM, FINAL]))
+    assert traj.weight_versions == [None, 4] and traj.mixed_weight_versions
+    assert traj.weight_version is None  # the first (oldest) turn's, not the first version that is not None
+    traj = run(ScriptedEngine([FINAL]))
+    assert traj.weight_versions == [1] and traj.weight_version == 1 and not traj.mixed_weight_versions
+    traj = run(ScriptedEngine([RuntimeError("server gone")]))  # nothing was served
+    assert traj.weight_versions == [] and traj.weight_version is None and not traj.mixed_weight_versions
 
 
 def test_run_batch_is_concurrent_and_ordered():

@@ -324,12 +324,6 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
     assert "| 32768 | chunked_fused |" in text and "d hidden" in text
 
 
-@pytest.mark.parametrize("module", ["benchmarks.mismatch_study", "benchmarks.full_step", "benchmarks.moe"])
-def test_benchmarks_run_as_modules(module):
-    """`python -m benchmarks.<area>` works as well as `python benchmarks/<area>.py` (the other tests' form)."""
-    assert "usage" in _run(["-m", module, "--help"], timeout=120).stdout
-
-
 def test_attention_benchmark_cpu_smoke(tmp_path):
     """`benchmarks/attention.py` end to end on tiny CPU shapes: every section runs, and its chunked fp64 reference
     agrees with the kernel's PyTorch path (fp32 inputs, so the errors sit near 1e-7: a wrong reference would show)."""

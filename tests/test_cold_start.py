@@ -39,8 +39,8 @@ def test_load_math_dataset_keeps_solution_but_not_for_the_reward():
     dataset = recipes.load_math_dataset(DATASET)
     row = dataset[0]
     assert row["answer"] == "72" and row["solution"].endswith("#### 72") and "<<48/2=24>>" in row["solution"]
-    assert recipes.retool_reward_func(["c"], ["\\boxed{72}"], [4], [row["answer"]], solution=[row["solution"]]) == [
-        recipes.retool_reward("\\boxed{72}", "72", 4)
+    assert recipes.retool_reward_func(["c"], ["\\boxed{72}"], [1], [row["answer"]], solution=[row["solution"]]) == [
+        recipes.retool_reward("\\boxed{72}", "72", num_tool_calls=1)
     ]
 
 

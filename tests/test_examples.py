@@ -142,7 +142,8 @@ def test_grpo_retool_under_accelerate_launch(tmp_path):
         for key in ("reward", "rollout/tool_calls_mean", "mismatch/k3_kl", "mismatch/prob_diff_max", "loss"):
             assert key in m and m[key] == m[key]  # logged and not NaN
         assert m["clip_ratio/region_mean"] == 0.0  # on-policy: ratio exactly 1
-        assert m["rollout/weight_version"] == m["step"]  # the engine follows every optimizer step
+        # the engine follows every optimizer step: step N's rollouts were served on the weights synced after N - 1
+        assert m["rollout/weight_version"] == m["step"] - 1 and m["rollout/stale_trajectories"] == 0
     assert (out / "model.safetensors").is_file()
     assert not (out / "metrics.jsonl").exists()
 
@@ -213,4 +214,4 @@ def test_grpo_retool_ddp_two_cpu_processes(tmp_path):
     assert "world size 2" in result.stdout
     metrics = _log_history(out)
     assert [m["step"] for m in metrics] == [1, 2]
-    assert all(m["rollout/weight_version"] == m["step"] for m in metrics)
+    assert all(m["rollout/weight_version"] == m["step"] - 1 for m in metrics)  # served, one sync before the step

@@ -1,11 +1,14 @@
-"""CPU smoke test of `benchmarks/learning_run.py`: both variants run end to end on the tiniest
-settings and the report files hold what the trainer logged. Its numbers are not results."""
+"""CPU tests of `benchmarks/learning_run.py`: every arm and seed runs end to end on the tiniest settings, against
+the embedded engine and the SGLang test double; the checks before the arms fail on a policy without reward signal,
+a server without sinks and a stale server. Their numbers are not results."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,77 +17,149 @@ pytest.importorskip("openai_harmony")
 
 from benchmarks import learning_run
 
-
-@pytest.mark.timeout(300)  # ~10 s on 2 cores (conftest routes the kernel to its PyTorch path on CPU)
-@pytest.mark.skipif(
+SMOKE = [
+    "--device", "cpu", "--model-size", "tiny", "--steps", "2", "--cold-start-steps", "2", "--cold-start-batch", "2",
+    "--warmup-steps", "2", "--num-generations", "2", "--batch-size", "2", "--max-completion-length", "8",
+    "--max-turns", "2", "--eval-limit", "1", "--eval-slice", "1", "--eval-every", "1", "--control-prompts", "2",
+    "--num-iterations", "1",  # every step generates: each step's served version is logged
+]  # fmt: skip
+needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the kernel on CPU tensors needs TRITON_INTERPRET=1 from the start",
 )
+
+
+@pytest.mark.timeout(600)
+@needs_interpreter
 def test_learning_run_cpu_smoke(tmp_path):
+    """Three arms x two seeds on the embedded engine: every per-step series is logged, only the kernel arm's sinks
+    move, and the kernel arms reproduce the exact-sink rollouts where dropping does not."""
     result = learning_run.main(
-        [
-            "--device",
-            "cpu",
-            "--model-size",
-            "tiny",
-            "--steps",
-            "2",
-            "--cold-start-steps",
-            "2",
-            "--cold-start-batch",
-            "2",
-            "--warmup-steps",
-            "2",
-            "--num-generations",
-            "2",
-            "--batch-size",
-            "2",
-            "--max-completion-length",
-            "8",
-            "--max-turns",
-            "2",
-            "--eval-limit",
-            "1",
-            "--out",
-            str(tmp_path),
-        ]
+        SMOKE + ["--seeds", "0,1", "--no-policy-check", "--no-require-reward-signal", "--out", str(tmp_path)]
     )
-    assert set(result["variants"]) == {"sink_dropping", "sink_kernel"}
-    for name, run in result["variants"].items():
-        assert run["steps_done"] == 2, name
-        assert [s["step"] for s in run["steps"]] == [1, 2]
-        first = run["steps"][0]  # a generation step: every per-step series is present and finite
-        for key in (
-            "reward",
-            "tool_call_rate",
-            "grad_norm",
-            "clip_fraction",
-            "mismatch_k3_kl",
-            "mismatch_prob_diff_max",
-        ):
-            assert first[key] is not None and math.isfinite(first[key]), (name, key)
-        assert 0.0 <= run["held_out_before"]["accuracy"] <= 1.0 and run["held_out_after"]["n"] == 1
-        assert run["practised_after"]["n"] == 1
-        # --warmup-steps 2: the first step runs at half the learning rate
-        assert run["steps"][0]["learning_rate"] < run["steps"][1]["learning_rate"]
-    # RL draws its prompts from the problems the warm-up practised (a subset of the training file)
-    setup = result["setup"]
-    assert setup["rl_problems"] == "practised"
-    assert 0 < setup["cold_start_problems"] == setup["train_rows"] <= setup["train_file_rows"]
-    # rollouts use exact sinks: the kernel reproduces them to fp32 rounding, dropping the sinks does not
-    kernel_kl = result["variants"]["sink_kernel"]["steps"][0]["mismatch_k3_kl"]
-    dropping_kl = result["variants"]["sink_dropping"]["steps"][0]["mismatch_k3_kl"]
-    assert result["variants"]["sink_kernel"]["attention"] == learning_run.SPAN_KERNEL_ATTENTION
-    assert kernel_kl < 1e-8 < dropping_kl, (kernel_kl, dropping_kl)
+    assert set(result["arms"]) == {"sink_kernel", "frozen_sinks", "sink_dropping"}
+    control = result["sink_control"]  # the embedded engine runs the trainer's exact-sink eager attention
+    assert control["passed"] and control["mean_abs_logp_diff_with_sinks"] < 1e-4
+    assert control["mean_abs_logp_diff_without_sinks"] > 1e-2
+    for name, arm in result["arms"].items():
+        assert set(arm["runs"]) == {"0", "1"}
+        for run in arm["runs"].values():
+            assert run["steps_done"] == 2, name
+            assert [s["step"] for s in run["steps"]] == [1, 2]
+            first = run["steps"][0]  # a generation step: every per-step series is present and finite
+            for key in ("reward", "reward_std", "tool_call_rate", "grad_norm", "clip_fraction", "mismatch_k3_kl",
+                        "mismatch_prob_diff_max", "is_weight_std", "rollout_s", "step_s", "weight_sync_s",
+                        "sampled_accuracy", "weight_version"):  # fmt: skip
+                assert first[key] is not None and math.isfinite(first[key]), (name, key)
+            assert first["weight_version"] == 0 and run["steps"][1]["weight_version"] == 1  # served = step - 1
+            assert run["steps"][0]["learning_rate"] < run["steps"][1]["learning_rate"]  # --warmup-steps 2
+            assert run["weight_change_rel"] > 0
+            # only the kernel arm's sinks get a gradient: frozen sinks stay, dropped sinks never enter the loss
+            assert (run["sink_change_max"] > 0.0) == (name == "sink_kernel"), (name, run["sink_change_max"])
+    # same prompts per seed across arms; the kernel reproduces the exact-sink engine, dropping the sinks does not
+    k3 = {name: arm["runs"]["0"]["steps"][0]["mismatch_k3_kl"] for name, arm in result["arms"].items()}
+    assert k3["sink_kernel"] < 1e-8 < k3["sink_dropping"] and k3["frozen_sinks"] < 1e-8, k3
+    assert result["arms"]["sink_kernel"]["runs"]["0"]["attention"] == learning_run.SPAN_KERNEL_ATTENTION
     saved = json.loads((tmp_path / "learning_run.json").read_text())
-    assert saved["variants"]["sink_kernel"]["steps"] == result["variants"]["sink_kernel"]["steps"]
+    assert saved["arms"]["sink_kernel"]["runs"]["1"]["steps"] == result["arms"]["sink_kernel"]["runs"]["1"]["steps"]
     assert (tmp_path / "learning_run.png").stat().st_size > 0
     table = (tmp_path / "learning_run.md").read_text()
-    assert "| sink_dropping |" in table and "| sink_kernel |" in table
+    assert all(f"| {arm} |" in table for arm in result["arms"]) and "Sink control" in table and " ± " in table
+
+
+@pytest.mark.timeout(600)
+@needs_interpreter
+def test_learning_run_refuses_a_policy_without_reward_signal(tmp_path):
+    """The policy window is a check that fails: the tiny warm-up solves nothing, so the arms never start."""
+    with pytest.raises(SystemExit, match="no reward signal to compare arms on"):
+        learning_run.main(SMOKE + ["--seeds", "0", "--arms", "sink_dropping", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "learning_run.json").read_text())
+    assert saved["arms"] == {} and "sampled accuracy 0.00" in saved["check_failures"][0]
+
+
+def _fake_server_cmd(*faults: str) -> list[str]:
+    server = Path(__file__).resolve().parent / "fake_sglang_server.py"
+    return ["--rollout-backend", "sglang", "--precision", "fp32", "--server-cmd", f"{sys.executable} {server}",
+            f"--server-args={' '.join(faults)}", "--ready-timeout-s", "120"]  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_learning_run_against_a_server_that_honours_sinks_and_sync(tmp_path):
+    """SGLang backend against the test double: control passed, every step served by the version synced after the
+    previous one (verified by checksums), the next run starting from the warm weights again."""
+    result = learning_run.main(
+        SMOKE
+        + _fake_server_cmd()
+        + [
+            "--arms",
+            "sink_dropping",
+            "--seeds",
+            "0,1",
+            "--no-policy-check",
+            "--no-require-reward-signal",
+            "--out",
+            str(tmp_path),
+        ]  # fmt: skip
+    )
+    assert result["sink_control"]["passed"]
+    rollouts = result["setup"]["rollouts"]
+    assert rollouts["weight_sync"] == {"mode": "disk", "verify": ["version", "checksum"]}
+    assert "--dtype float32" in rollouts["server_command"] and "--attention-backend" not in rollouts["server_command"]
+    for run in result["arms"]["sink_dropping"]["runs"].values():
+        assert [s["weight_version"] for s in run["steps"]] == [0, 1]
+        assert all(s["stale_trajectories"] == 0 for s in run["steps"])
+    assert (tmp_path / "learning_run_sglang.md").exists() and not (tmp_path / "learning_run.md").exists()
+
+
+@pytest.mark.timeout(600)
+def test_learning_run_sink_control_catches_a_server_without_sinks(tmp_path):
+    """Positive control of the control: a server that serves attention without the sinks fails it, no arm runs."""
+    with pytest.raises(SystemExit, match="sink control failed"):
+        learning_run.main(
+            SMOKE
+            + _fake_server_cmd("--drop-sinks")
+            + ["--arms", "sink_dropping", "--seeds", "0", "--out", str(tmp_path)]
+        )
+    saved = json.loads((tmp_path / "learning_run_sglang.json").read_text())
+    control = saved["sink_control"]
+    assert not control["passed"] and saved["arms"] == {}
+    assert control["mean_abs_logp_diff_with_sinks"] > control["mean_abs_logp_diff_without_sinks"] / 3
+
+
+@pytest.mark.timeout(600)
+def test_learning_run_refuses_a_stale_server(tmp_path):
+    """A server that answers weight updates with success and keeps its weights: the verified push fails."""
+    from trl_ext.weight_sync import WeightSyncError
+
+    with pytest.raises(WeightSyncError, match="unchanged"):
+        learning_run.main(
+            SMOKE
+            + _fake_server_cmd("--stale-weights")
+            + ["--arms", "sink_dropping", "--seeds", "0", "--out", str(tmp_path)]
+        )
+
+
+def test_run_failures_name_what_makes_a_run_worthless():
+    step = {"step": 1, "loss": 0.1, "reward_std": 0.0, "stale_trajectories": 0}
+    run = {"steps_done": 1, "steps": [step], "sink_change_max": 0.0, "weight_change_rel": 1e-3}
+    result = {"arms": {"sink_kernel": {"runs": {"0": run}}}}
+    assert learning_run.run_failures(result, require_reward_signal=False) == []
+    assert "no group had reward variance" in learning_run.run_failures(result)[0]
+    frozen = {"steps_done": 1, "steps": [dict(step, reward_std=0.5)], "sink_change_max": 0.1, "weight_change_rel": 0.0}
+    failures = learning_run.run_failures({"arms": {"frozen_sinks": {"runs": {"0": frozen}}}})
+    assert any("frozen sinks moved" in f for f in failures) and any("no weight moved" in f for f in failures)
+    stale = {"steps_done": 1, "steps": [dict(step, reward_std=0.5, stale_trajectories=2)], "weight_change_rel": 1.0}
+    assert "stale weight version" in learning_run.run_failures({"arms": {"sink_kernel": {"runs": {"0": stale}}}})[0]
 
 
 def test_learning_run_rejects_bad_arguments():
     with pytest.raises(SystemExit):
-        learning_run.parse_args(["--variants", "flash"])
+        learning_run.parse_args(["--arms", "flash"])
     with pytest.raises(SystemExit):
         learning_run.parse_args(["--batch-size", "6", "--num-generations", "4"])
+    with pytest.raises(SystemExit):
+        learning_run.parse_args(["--seeds", "0,0"])
+    with pytest.raises(SystemExit):
+        learning_run.parse_args(["--accuracy-window", "0.8,0.2"])
+    assert learning_run.parse_args(["--rollout-backend", "sglang"]).precision == "bf16"
+    assert learning_run.parse_args([]).precision == "fp32"

@@ -30,13 +30,16 @@ def test_metrics_match_hand_computation():
     assert m["k3_kl"].item() == pytest.approx(sum(k3) / 5, rel=1e-6)
     assert m["log_ppl_diff"].item() == pytest.approx(sum(log_ppl) / 2, rel=1e-6)
     assert m["frac_tokens_over_threshold"].item() == pytest.approx(sum(d > 0.1 for d in diffs) / 5)
+    weights = [math.exp(t - r) for t, r in pairs]
+    mean_w = sum(weights) / 5
+    assert m["is_weight_std"].item() == pytest.approx(math.sqrt(sum((w - mean_w) ** 2 for w in weights) / 5), rel=1e-6)
     assert m["num_tokens"].item() == 5
 
 
 def test_identical_distributions_give_zero():
     train = torch.randn(3, 7).clamp(max=0)
     m = mismatch_metrics(train, train.clone(), torch.ones(3, 7))
-    for key in ("prob_diff_mean", "prob_diff_max", "logp_diff_mean", "k3_kl", "log_ppl_diff"):
+    for key in ("prob_diff_mean", "prob_diff_max", "logp_diff_mean", "k3_kl", "log_ppl_diff", "is_weight_std"):
         assert m[key].item() == 0.0
 
 

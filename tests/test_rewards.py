@@ -79,13 +79,17 @@ def test_final_channel_only():
 
 def test_retool_reward_formula():
     right, wrong = r"\boxed{4}", r"\boxed{5}"
-    assert retool_reward(right, "4", num_turns=2) == 1.0
-    assert retool_reward(right, "4", num_turns=8) == 1.0
-    assert retool_reward(wrong, "4", num_turns=2) == pytest.approx(-1.0)
-    assert retool_reward(wrong, "4", num_turns=4) == pytest.approx(-0.9)  # one tool round trip
-    assert retool_reward(wrong, "4", num_turns=6) == pytest.approx(-0.8)
-    assert retool_reward(wrong, "4", num_turns=20) == pytest.approx(-0.6)  # capped
-    assert retool_reward(None, "4", num_turns=6, tool_bonus=False) == -1.0
+    # verl scores a wrong answer min(-0.6, -1 + (messages - 2) / 2 * 0.1), counting the user prompt, the assistant
+    # turns and the tool results: k tool round trips then an answer are 1 + (k + 1) + k = 2 + 2k messages
+    assert retool_reward(right, "4", num_tool_calls=0) == 1.0
+    assert retool_reward(right, "4", num_tool_calls=3) == 1.0
+    assert retool_reward(wrong, "4", num_tool_calls=0) == -1.0  # 2 messages: -1 + (2 - 2) / 2 * 0.1
+    assert retool_reward(wrong, "4", num_tool_calls=1) == pytest.approx(-0.9)  # 4 messages: -1 + (4 - 2) / 2 * 0.1
+    assert retool_reward(wrong, "4", num_tool_calls=2) == pytest.approx(-0.8)  # 6 messages
+    assert retool_reward(wrong, "4", num_tool_calls=9) == pytest.approx(-0.6)  # 20 messages: -0.1, capped at -0.6
+    assert retool_reward(None, "4", num_tool_calls=2, tool_bonus=False) == -1.0
+    with pytest.raises(ValueError, match="num_tool_calls"):
+        retool_reward(wrong, "4", num_tool_calls=-1)
 
 
 def test_rewards_in_worker_threads():

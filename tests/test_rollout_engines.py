@@ -286,16 +286,19 @@ def _stub_sglang(monkeypatch):
 
 
 @pytest.mark.parametrize("refuse", [False, True])
-def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse):
+def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse, tmp_path):
     from types import SimpleNamespace
+
+    from safetensors.torch import save_file
 
     from trl_ext.weight_sync import WeightSyncError
 
     _stub_sglang(monkeypatch)
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))  # the checkpoint the engine serves
     tm = _StubTokenizerManager(refuse=refuse)
     stub = SimpleNamespace(
         tokenizer_manager=tm,
-        server_args=SimpleNamespace(tp_size=2),
+        server_args=SimpleNamespace(tp_size=2, model_path=str(tmp_path)),
         shutdown=lambda: None,
         async_generate=lambda **kw: tm.generate_item(**kw),
     )
@@ -304,6 +307,9 @@ def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse):
     first = asyncio.run(engine.generate([1, 2], sampling))  # one asyncio.run per batch, as the trainer does
     second = asyncio.run(engine.generate([1, 2], sampling))
     assert first.output_ids == second.output_ids == [5, 6]
+    with pytest.raises(WeightSyncError, match="1 tensor name\\(s\\) the server does not load: 'base_model.model.w'"):
+        asyncio.run(engine.update_weights([("base_model.model.w", torch.zeros(2))], version=1))
+    assert tm.calls[2:] == []  # refused before any update call: sglang.Engine would have skipped it
     named = [("w", torch.zeros(2))]
     if refuse:
         with pytest.raises(WeightSyncError, match="shape mismatch"):

@@ -358,6 +358,35 @@ def test_unix_sockets_fail(sandbox, open_tmp):
         abstract.close()
 
 
+def test_unneeded_socket_families_are_refused(sandbox):
+    """seccomp refuses socket() and socketpair() for vsock (reaches the host or hypervisor), netlink (kernel
+    configuration interfaces) and packet sockets with EACCES, its own answer: a family the kernel lacks would
+    answer EAFNOSUPPORT and a missing CAP_NET_RAW EPERM. IP sockets and unix pairs still work."""
+    code = (
+        "import errno, socket\nout = {}\n"
+        "def attempt(name, make):\n"
+        "    try:\n        make().close(); out[name] = 'CREATED'\n"
+        "    except OSError as e:\n        out[name] = errno.errorcode.get(e.errno, e.errno)\n"
+        "attempt('vsock', lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM))\n"
+        "attempt('netlink', lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0))\n"
+        "attempt('packet', lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW))\n"
+        "for name, family in [('vsock', 40), ('netlink', 16), ('packet', 17)]:\n"
+        "    attempt(name + '_pair', lambda: socket.socketpair(family, socket.SOCK_DGRAM)[0])\n"
+        "attempt('inet_tcp', lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))\n"
+        "attempt('inet_udp', lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))\n"
+        "a, b = socket.socketpair(); a.sendall(b'ok'); out['unix_pair'] = b.recv(2).decode()\n"
+        "print(out)"
+    )
+    r = run(sandbox, code)
+    if r.isolation.get("seccomp") is None:
+        pytest.skip(f"no seccomp filter here: {r.isolation.get('seccomp_error', 'unknown architecture')}")
+    assert r.exit_code == 0, r
+    out = ast.literal_eval(r.stdout)
+    refused = ["vsock", "netlink", "packet", "vsock_pair", "netlink_pair", "packet_pair"]
+    assert {name: out.pop(name) for name in refused} == dict.fromkeys(refused, "EACCES"), r.stdout
+    assert out == {"inet_tcp": "CREATED", "inet_udp": "CREATED", "unix_pair": "ok"}, r.stdout
+
+
 def test_reading_and_writing_outside_its_directory_fail(sandbox, open_tmp):
     secret = open_tmp / "secret.txt"
     secret.write_text("TOP SECRET")

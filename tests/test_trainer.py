@@ -158,9 +158,9 @@ class RecordingTrainer(AgenticGRPOTrainer):
         return loss
 
 
-def scripted_trainer(tmp_path, tokenizer, cls=RecordingTrainer, model=None, **overrides):
+def scripted_trainer(tmp_path, tokenizer, cls=RecordingTrainer, model=None, engine_cls=None, **overrides):
     model = model if model is not None else tiny_model()
-    engine = ScriptedEngine(model, tokenizer)
+    engine = (engine_cls or ScriptedEngine)(model, tokenizer)
     trainer = cls(
         model=model,
         reward_funcs=reward_correct,
@@ -215,10 +215,178 @@ def test_on_policy_steps_with_tool_calls(tmp_path, tokenizer):
     assert k3 == pytest.approx(expected_k3, rel=0.2)
     # weights were synced to the engine after each optimizer step
     assert engine.updates == [1, 2] and engine.weight_version == trainer.state.global_step == 2
+    # the versions the engine served: step 1's rollouts on the initial weights (0), step 2's on the first sync's
+    assert _logged(trainer, "rollout/weight_version") == [0.0, 1.0]
+    assert _logged(trainer, "rollout/stale_trajectories") == [0.0, 0.0]
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     for name, tensor in engine.model.state_dict().items():
         torch.testing.assert_close(tensor, after[name])
+
+
+class LaggingEngine(ScriptedEngine):
+    """Loads every sync (and reports its version as `weight_version`) but its answers say they were served on the
+    weights before it, as a server that fell behind would: the trainer must go by the served version."""
+
+    def __init__(self, model, tokenizer):
+        super().__init__(model, tokenizer)
+        self.served = 0
+
+    async def update_weights(self, named_tensors, *, version):
+        self.served = self._version
+        await super().update_weights(named_tensors, version=version)
+
+    async def generate(self, input_ids, sampling):
+        out = await super().generate(input_ids, sampling)
+        out.weight_version = self.served
+        return out
+
+
+def test_stale_rollouts_fail_by_default(tmp_path, tokenizer):
+    trainer, engine = scripted_trainer(tmp_path, tokenizer, engine_cls=LaggingEngine, max_steps=2)
+    assert trainer.args.allow_stale_rollouts is False
+    # step 1 samples the initial weights (version 0, the trainer's too); step 2's batch was served on version 0
+    # although the trainer synced version 1: all 8 trajectories (2 prompts x 4 generations) are stale
+    with pytest.raises(RuntimeError, match=r"8 of 8 trajectories .*served on weight version\(s\) \[0\].*expected 1.*"
+                       r"allow_stale_rollouts=True"):  # fmt: skip
+        trainer.train()
+    assert engine.updates == [1] and engine.weight_version == 1  # the engine's own claim is not what is checked
+    assert _logged(trainer, "rollout/stale_trajectories") == [0.0]  # step 1 was logged, clean
+
+
+def test_stale_rollouts_are_counted_when_allowed(tmp_path, tokenizer):
+    trainer, engine = scripted_trainer(
+        tmp_path, tokenizer, engine_cls=LaggingEngine, max_steps=3, allow_stale_rollouts=True
+    )
+    trainer.train()
+    assert engine.updates == [1, 2, 3]
+    assert _logged(trainer, "rollout/stale_trajectories") == [0.0, 8.0, 8.0]
+    assert _logged(trainer, "rollout/weight_version") == [0.0, 0.0, 1.0]  # served, one sync behind the trainer
+    assert all(math.isfinite(x) for x in _logged(trainer, "loss"))
+
+
+class _TurnVersionsEngine(RolloutEngine):
+    """Two turns per trajectory (an `add` call, then `\\boxed{5}`), each answer tagged with the next version of
+    `versions`; `weight_version` (the engine's own record) is never consulted by the trainer's check."""
+
+    def __init__(self, tokenizer, versions):
+        self.tok = tokenizer
+        self.versions = list(versions)
+
+    @property
+    def weight_version(self):
+        return 0
+
+    async def health(self):
+        return True
+
+    async def update_weights(self, named_tensors, *, version):
+        pass
+
+    async def generate(self, input_ids, sampling):
+        if CALL in input_ids:
+            text = "<|channel|>final<|message|>\\boxed{5}<|return|>"
+        else:
+            text = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 3}<|call|>'
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return GenerationOutput(ids, [-0.5] * len(ids), "stop", self.versions.pop(0))
+
+
+@pytest.mark.parametrize(
+    "synced, versions, stale, served_min",
+    [
+        (None, [None, None], 0, 0.0),  # no sync yet: an unversioned engine (SGLang's "default") serves the initial
+        (None, [0, 0], 0, 0.0),  # ... and so does one that calls them version 0
+        (None, [7, 7], 1, 7.0),  # an engine left on another run's version 7 is not the initial policy
+        (3, [3, 3], 0, 3.0),
+        (3, [2, 3], 1, 2.0),  # the turns disagree: the trajectory is stale, and the oldest version is logged
+        (3, [None, None], 1, 0.0),  # no version after a sync: e.g. a server restarted on its launch weights
+        (3, ["3", "3"], 0, 3.0),  # a version reported as text is the same version
+    ],
+)
+def test_served_versions_checked_per_turn(tmp_path, tokenizer, synced, versions, stale, served_min):
+    def make(**overrides):
+        return AgenticGRPOTrainer(
+            model=tiny_model(),
+            reward_funcs=reward_correct,
+            args=make_config(tmp_path, **overrides),
+            train_dataset=dataset(),
+            processing_class=tokenizer,
+            tools=[FunctionTool(add)],
+            rollout_engine=_TurnVersionsEngine(tokenizer, versions),
+        )
+
+    trainer = make(allow_stale_rollouts=True)
+    trainer.synced_weight_version = synced
+    trainer.model.train()
+    out = trainer._rollout(["What is 2 + 3?"])
+    assert out["num_turns"] == [2] and out["final_text"] == ["\\boxed{5}"]
+    metrics = trainer._metrics["train"]
+    assert metrics["rollout/stale_trajectories"] == [float(stale)]
+    assert metrics["rollout/weight_version"] == [served_min]
+    if stale:
+        trainer = make()
+        trainer.synced_weight_version = synced
+        with pytest.raises(RuntimeError, match="1 of 1 trajectories"):
+            trainer._rollout(["What is 2 + 3?"])
+
+
+def test_allow_stale_rollouts_is_a_bool(tmp_path):
+    with pytest.raises(ValueError, match="allow_stale_rollouts"):
+        make_config(tmp_path, allow_stale_rollouts="yes")
+
+
+class _ByPromptEngine(RolloutEngine):
+    """`variant 0`: answers 7 at once; `variant 1`: calls `add` once, then answers 7; `variant 2`: answers 5."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    @property
+    def weight_version(self):
+        return 0
+
+    async def health(self):
+        return True
+
+    async def update_weights(self, named_tensors, *, version):
+        pass
+
+    async def generate(self, input_ids, sampling):
+        prompt = self.tok.decode(input_ids)
+        if "variant 1" in prompt and CALL not in input_ids:
+            text = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 3}<|call|>'
+        else:
+            answer = "5" if "variant 2" in prompt else "7"
+            text = f"<|channel|>final<|message|>\\boxed{{{answer}}}<|return|>"
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return GenerationOutput(ids, [-0.5] * len(ids), "stop", 0)
+
+
+def test_retool_reward_of_trainer_rollouts(tmp_path, tokenizer):
+    """The ReTool recipe's reward on the trainer's own rollout columns, against verl's formula by hand."""
+    pytest.importorskip("math_verify")
+    from trl_ext.recipes import retool_reward_func
+
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model(),
+        reward_funcs=retool_reward_func,
+        args=make_config(tmp_path),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        tools=[FunctionTool(add)],
+        rollout_engine=_ByPromptEngine(tokenizer),
+    )
+    rows = dataset(3)
+    out = trainer._rollout(list(rows["prompt"]))
+    assert out["num_turns"] == [1, 2, 1] and out["num_tool_calls"] == [0, 1, 0]
+    rewards = retool_reward_func(completions=[""] * 3, answer=list(rows["answer"]), **out)
+    # verl counts messages: user prompt + assistant turns + tool results, and scores a wrong answer
+    # min(-0.6, -1 + (messages - 2) / 2 * 0.1)
+    # variant 0, wrong, no tool call: 1 + 1 + 0 = 2 messages -> -1 + (2 - 2) / 2 * 0.1 = -1.0
+    # variant 1, wrong, 1 round trip: 1 + 2 + 1 = 4 messages -> -1 + (4 - 2) / 2 * 0.1 = -0.9
+    # variant 2, right: 1.0
+    assert rewards == [-1.0, pytest.approx(-0.9, abs=1e-12), 1.0]
 
 
 def test_token_truncate_weights_match_hand_computation(tmp_path, tokenizer):

@@ -65,7 +65,7 @@ def test_save_config_for_sglang_writes_swiglu_limit(tmp_path):
 
     from transformers import GptOssConfig, LlamaConfig
 
-    from trl_ext.weight_sync import GPTOSS_DEFAULT_SWIGLU_LIMIT, save_config_for_sglang
+    from trl_ext.weight_sync.transport import GPTOSS_DEFAULT_SWIGLU_LIMIT, save_config_for_sglang
 
     config = GptOssConfig(num_hidden_layers=2)
     if hasattr(config, "swiglu_limit"):

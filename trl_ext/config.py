@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .weight_sync.settings import DEFAULT_SGLANG_VERIFY, SYNC_MODES, VERIFY_MODES
+
 ROLLOUT_BACKENDS = ("embedded", "sglang")
-WEIGHT_SYNC_MODES = ("disk", "distributed", "tensor")
-WEIGHT_SYNC_VERIFY = ("version", "checksum", "logprobs")
 WEIGHT_SYNC_PAUSE_MODES = ("retract", "abort", "in_place", "none")
 REASONING_EFFORTS = ("low", "medium", "high")
 LOGPROBS_IMPLEMENTATIONS = ("auto", "chunked", "trl")
@@ -44,19 +44,28 @@ class AgenticGRPOConfig(GRPOConfig):
             `/load_lora_adapter_from_tensors` with `"tensor"`; requests then name it in `lora_path`) instead of the
             merged weights. The servers must run with `--enable-lora` and a `--max-lora-rank` /
             `--lora-target-modules` covering the adapter. `False`: merged weights (full fine-tuning, or any server).
-        weight_sync_verify (`list[str]`, defaults to `["version"]`):
-            Checks after every sync; a failure stops training with an error naming the server: `"version"` (every
-            server reports the new `weight_version`; always on), `"checksum"` (SGLang's `/weights_checker`: the
-            weights changed, and servers with the same parallelism agree), `"logprobs"` (the servers' log-probs of a
-            short probe sequence match the trainer's within `weight_sync_probe_atol` and `weight_sync_probe_rtol`).
+        weight_sync_verify (`list[str]`, *optional*):
+            Checks after every sync; a failure stops training with an error naming the server. Defaults to
+            `["version", "checksum"]` with SGLang. `"version"` (every server reports the new `weight_version`; always
+            on), `"checksum"` (SGLang's `/weights_checker`: every served parameter fed by a tensor that changed since
+            the previous sync changed, and servers with the same parallelism agree), `"logprobs"` (the servers'
+            log-probs of a short probe sequence match the trainer's; see `weight_sync_probe_margin`). Whatever this
+            holds, every tensor name is checked against the names the servers load before anything is sent. See
+            docs/rollouts.md for what each check proves and costs.
+        weight_sync_checkpoint (`str`, *optional*):
+            Where to read the tensor names the SGLang servers load (a local copy of the served checkpoint). Default:
+            the `--model-path` of each server when readable from the trainer, else the servers' own parameter names.
         weight_sync_probe_atol (`float`, defaults to `0.05`), weight_sync_probe_rtol (`float`, defaults to `0.01`):
-            The `"logprobs"` check accepts a mean absolute log-prob difference up to
-            `atol + rtol * mean(|trainer log-prob|)` over the probe. bf16 logits carry a relative rounding error, so
-            unlikely probe tokens (log-prob near -30) differ by tenths of a nat between two correct bf16 engines.
+            The `"logprobs"` check never accepts a mean absolute log-prob difference above
+            `atol + rtol * mean(|trainer log-prob|)` over the probe.
+        weight_sync_probe_margin (`float`, defaults to `3.0`):
+            The `"logprobs"` check's tolerance: this many times the difference measured at the first sync (two
+            engines holding the same weights), within the bound above. A stale server is caught when one step moves
+            the trainer's log-probs by more than that; with bf16 serving it usually does not (logged per sync).
         weight_sync_pause_mode (`str`, defaults to `"retract"`):
             `/pause_generation` mode around a sync: `"retract"` (running requests are recomputed with the new
-            weights), `"abort"`, `"in_place"` (running requests finish on their old KV cache; the radix cache is not
-            flushed) or `"none"`.
+            weights), `"abort"`, `"in_place"` (running requests finish on their old KV cache; the radix cache is
+            flushed once they are done, and new requests wait for it) or `"none"`.
         weight_sync_master_address (`str`, defaults to `"127.0.0.1"`):
             `"distributed"` sync: the address of the trainer's main process that the SGLang servers connect to for
             the NCCL rendezvous. The default only works when the servers run on the same machine.
@@ -90,6 +99,14 @@ class AgenticGRPOConfig(GRPOConfig):
             Tool output longer than this is truncated before it is rendered back to the model.
         rollout_concurrency (`int`, defaults to `64`):
             Most trajectories generating at once per process.
+        allow_stale_rollouts (`bool`, defaults to `False`):
+            Every answer of the rollout engine says which weight version served it (SGLang's
+            `meta_info.weight_version`, the embedded engine's own version); the trainer's version is the global step
+            of its last weight sync (before the first one: the initial policy, which engines report as version 0 or
+            without a version). A trajectory with a turn served on another version is stale: it was not sampled by
+            the policy being trained (a server restarted or fell behind, a sync did not reach it). `False`: a batch
+            with stale trajectories stops training with an error naming how many, the versions served and the one
+            expected. `True`: they are trained on, counted in `rollout/stale_trajectories` and logged as a warning.
         reasoning_effort (`str`, defaults to `"medium"`):
             GPT-OSS reasoning effort written into the harmony system message (`"low"`, `"medium"`, `"high"`).
         developer_instructions (`str`, *optional*):
@@ -193,8 +210,12 @@ class AgenticGRPOConfig(GRPOConfig):
     weight_sync_lora: bool = field(
         default=False, metadata={"help": "Push only the PEFT adapter to SGLang (servers need --enable-lora)."}
     )
-    weight_sync_verify: list[str] = field(
-        default_factory=lambda: ["version"], metadata={"help": "Checks after each sync: version, checksum, logprobs."}
+    weight_sync_verify: list[str] | None = field(
+        default=None,
+        metadata={"help": "Checks after each sync: version, checksum, logprobs (SGLang default: version,checksum)."},
+    )
+    weight_sync_checkpoint: str | None = field(
+        default=None, metadata={"help": "Local copy of the served checkpoint: the tensor names the servers load."}
     )
     weight_sync_probe_atol: float = field(
         default=0.05, metadata={"help": "'logprobs' check: absolute part of the mean |log-prob difference| allowed."}
@@ -202,6 +223,9 @@ class AgenticGRPOConfig(GRPOConfig):
     weight_sync_probe_rtol: float = field(
         default=0.01,
         metadata={"help": "'logprobs' check: relative part (times the mean |trainer log-prob| of the probe)."},
+    )
+    weight_sync_probe_margin: float = field(
+        default=3.0, metadata={"help": "'logprobs' check: tolerance = margin x the difference at the first sync."}
     )
     weight_sync_pause_mode: str = field(
         default="retract", metadata={"help": "Pause mode around syncs: retract, abort, in_place or none."}
@@ -233,6 +257,13 @@ class AgenticGRPOConfig(GRPOConfig):
     tool_timeout_s: float = field(default=30.0, metadata={"help": "Wall-clock limit of one tool call (seconds)."})
     max_tool_output_chars: int = field(default=4096, metadata={"help": "Tool output truncation length."})
     rollout_concurrency: int = field(default=64, metadata={"help": "Concurrent trajectories per process."})
+    allow_stale_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Train on trajectories served on a weight version other than the last sync's (counted in "
+            "rollout/stale_trajectories) instead of stopping with an error."
+        },
+    )
     reasoning_effort: str = field(default="medium", metadata={"help": "Harmony reasoning effort: low|medium|high."})
     developer_instructions: str | None = field(default=None, metadata={"help": "Harmony developer instructions."})
     mismatch_token_threshold: float = field(
@@ -284,12 +315,14 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError("rollout_backend='sglang' needs sglang_urls (e.g. ['http://localhost:30000']).")
         if self.rollout_backend == "embedded" and self.sglang_urls:
             raise ValueError("sglang_urls is set but rollout_backend='embedded'; set rollout_backend='sglang'.")
-        if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
-            raise ValueError(f"weight_sync_mode must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync_mode!r}.")
+        if self.weight_sync_mode not in SYNC_MODES:
+            raise ValueError(f"weight_sync_mode must be one of {SYNC_MODES}, got {self.weight_sync_mode!r}.")
+        if self.weight_sync_verify is None:
+            self.weight_sync_verify = list(DEFAULT_SGLANG_VERIFY if self.rollout_backend == "sglang" else ("version",))
         self.weight_sync_verify = _comma_list(self.weight_sync_verify)
-        unknown = set(self.weight_sync_verify) - set(WEIGHT_SYNC_VERIFY)
+        unknown = set(self.weight_sync_verify) - set(VERIFY_MODES)
         if unknown:
-            raise ValueError(f"weight_sync_verify: unknown checks {sorted(unknown)}; choose from {WEIGHT_SYNC_VERIFY}.")
+            raise ValueError(f"weight_sync_verify: unknown checks {sorted(unknown)}; choose from {VERIFY_MODES}.")
         if "version" not in self.weight_sync_verify:
             self.weight_sync_verify = ["version", *self.weight_sync_verify]  # documented as always on
         if self.weight_sync_pause_mode not in WEIGHT_SYNC_PAUSE_MODES:
@@ -310,6 +343,7 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(f"weight_sync_probe_rtol must be >= 0, got {self.weight_sync_probe_rtol}.")
         for name in (
             "weight_sync_probe_atol",
+            "weight_sync_probe_margin",
             "weight_sync_bucket_mb",
             "sglang_timeout_s",
             "sglang_ready_timeout_s",
@@ -326,6 +360,8 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(f"max_tool_output_chars must be >= 1, got {self.max_tool_output_chars}.")
         if self.rollout_concurrency < 1:
             raise ValueError(f"rollout_concurrency must be >= 1, got {self.rollout_concurrency}.")
+        if not isinstance(self.allow_stale_rollouts, bool):
+            raise ValueError(f"allow_stale_rollouts must be True or False, got {self.allow_stale_rollouts!r}.")
         if self.reasoning_effort not in REASONING_EFFORTS:
             raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {self.reasoning_effort!r}.")
         self._check_importance_sampling()

@@ -105,6 +105,8 @@ def mismatch_metrics(
       KL(rollout ‖ train) from samples of the rollout policy;
     - `log_ppl_diff`: mean over sequences of `log PPL_train - log PPL_rollout` (per-sequence mean negative log-prob);
     - `frac_tokens_over_threshold`: share of tokens with `|p_rollout - p_train| > threshold`;
+    - `is_weight_std`: standard deviation of the token-level importance weights `w = p_train / p_rollout` (0 when
+      the trainer reproduces the sampler; the spread an importance-sampling correction has to absorb);
     - `num_tokens`: how many tokens entered the statistics.
     """
     valid = _valid_mask(rollout_logps, mask)
@@ -123,6 +125,7 @@ def mismatch_metrics(
                 "k3_kl",
                 "log_ppl_diff",
                 "frac_tokens_over_threshold",
+                "is_weight_std",
                 "num_tokens",
             )
         }
@@ -142,5 +145,6 @@ def mismatch_metrics(
         "k3_kl": k3.mean(),
         "log_ppl_diff": log_ppl_diff,
         "frac_tokens_over_threshold": (prob_diff > threshold).float().mean(),
+        "is_weight_std": log_w.exp().std(correction=0),
         "num_tokens": n.float(),
     }

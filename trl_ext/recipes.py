@@ -4,8 +4,8 @@ evaluation and a one-line-per-step progress printer.
 
 * `load_math_dataset`: GSM8K, DAPO-Math-17k or AIME rows (a local `.jsonl` or a Hub dataset) as
   `{"prompt": [user message], "answer": str, "solution": str}`.
-* Reward functions with TRL's signature (keyword arguments; the agentic trainer adds `final_text`, `num_turns`, ...):
-  `retool_reward_func`, `correctness_reward_func`, `boxed_format_reward_func`.
+* Reward functions with TRL's signature (keyword arguments; the agentic trainer adds `final_text`,
+  `num_tool_calls`, ...): `retool_reward_func`, `correctness_reward_func`, `boxed_format_reward_func`.
 * `evaluate_tool_use`: greedy agent rollouts on a rollout engine, scored by math-verify, with the tool-call
   rate and the share of tool calls that ran without error.
 * `StepSummaryCallback`: prints `step N | reward ... | tool_calls ... | ...` from the trainer's logs.
@@ -82,10 +82,10 @@ def load_math_dataset(name: str, config: str | None = None, split: str = "train"
 
 
 # %% Rewards (TRL's reward-function signature) ------------------------------------------------------------------------------
-def retool_reward_func(completions, final_text, num_turns, answer, **kwargs) -> list[float]:
-    """ReTool's reward on the final channel (`trl_ext.rewards.retool_reward`: 1 correct, -1 otherwise, with a small
-    bonus for using the tool)."""
-    return [retool_reward(f, a, n) for f, a, n in zip(final_text, answer, num_turns)]
+def retool_reward_func(completions, final_text, num_tool_calls, answer, **kwargs) -> list[float]:
+    """ReTool's reward on the final channel (`trl_ext.rewards.retool_reward`: 1 correct, -1 otherwise, with a bonus
+    of 0.1 per tool call on a wrong answer, up to -0.6), from the trainer's `num_tool_calls` column."""
+    return [retool_reward(f, a, n) for f, a, n in zip(final_text, answer, num_tool_calls)]
 
 
 def correctness_reward_func(completions, final_text, answer, **kwargs) -> list[float]:

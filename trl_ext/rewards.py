@@ -93,14 +93,21 @@ def math_reward(final_text: str | None, ground_truth: str) -> float:
     return 1.0 if is_equivalent(answer, str(ground_truth)) else 0.0
 
 
-def retool_reward(final_text: str | None, ground_truth: str, num_turns: int, *, tool_bonus: bool = True) -> float:
+def retool_reward(final_text: str | None, ground_truth: str, num_tool_calls: int, *, tool_bonus: bool = True) -> float:
     """ReTool's reward, as the ReTool recipe of verl-project/verl-recipe (``retool/``) scores it: +1 for a correct
-    boxed answer, -1 otherwise; with ``tool_bonus`` a wrong answer gets ``min(-0.6, -1 + (num_turns - 2) / 2 * 0.1)``.
+    boxed answer, -1 otherwise; with ``tool_bonus`` a wrong answer earns 0.1 per tool call, up to -0.6.
 
-    ``num_turns`` counts messages as verl does: the user prompt, each assistant turn and each tool result, so an
-    answer without tool calls has ``num_turns == 2`` and every tool round trip adds 2.
+    ``num_tool_calls`` is the number of tool calls the model made (`Trajectory.num_tool_calls`, the trainer's
+    ``num_tool_calls`` column). verl scores from a message count instead, ``min(-0.6, -1 + (messages - 2) / 2 * 0.1)``
+    with ``messages`` = the user prompt + the assistant turns + the tool results; a trajectory that answers after
+    ``k`` tool round trips has ``1 + (k + 1) + k = 2 + 2k`` of them, which is the count used here. (A call the model
+    makes on its last allowed turn, which the agent loop records but does not run, counts here; verl does not
+    count a call it stops before running. Past 4 calls the cap makes them agree.)
     """
+    if num_tool_calls < 0:
+        raise ValueError(f"num_tool_calls must be >= 0, got {num_tool_calls}")
     score = 1.0 if math_reward(final_text, ground_truth) == 1.0 else -1.0
     if score < 0 and tool_bonus:
-        score = min(-0.6, score + (num_turns - 2) / 2 * 0.1)
+        messages = 2 + 2 * num_tool_calls  # verl's count: prompt, the answer, and a call + its result per round trip
+        score = min(-0.6, score + (messages - 2) / 2 * 0.1)
     return score

@@ -19,7 +19,9 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
   "per-token loss × IS ratio"; VESPO gets it as TRL passes it (`importance_sampling_ratio`).
 - Rendering: harmony for GPT-OSS; other causal LMs get TRL's rendering (chat template) and single-turn rollouts.
 - Weight sync: after every optimizer step (and on resume) the policy's weights — LoRA merged, names as in the base
-  model's `state_dict` — go to the engine (`RolloutEngine.update_weights`) with the global step as version.
+  model's `state_dict` — go to the engine (`RolloutEngine.update_weights`) with the global step as version. Each
+  answer carries the version that served it; a trajectory served on another version than the last sync's is stale:
+  an error by default, counted in `rollout/stale_trajectories` with `allow_stale_rollouts=True`.
 - Log-probs: `hf_gptoss_rl.logprobs` replaces TRL's fused head where TRL has no Triton (same call contract), and
   sequence parallelism (`sequence_parallel_size`) pools the micro-batches of an SP group for the loss forward.
 """
@@ -28,9 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +47,11 @@ from .mismatch import SEQUENCE_LEVEL_MODES, importance_sampling_ratio, mismatch_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgenticGRPOTrainer"]
+__all__ = ["AgenticGRPOTrainer", "StaleRolloutError"]
+
+
+class StaleRolloutError(RuntimeError):
+    """Trajectories were served on a weight version other than the trainer's (see `allow_stale_rollouts`)."""
 
 
 class _EpochSeededRepeatSampler(RepeatSampler):
@@ -72,10 +79,19 @@ class _RolloutWeightSync(TrainerCallback):
         # checkpoint).
         if state.global_step > 0 and self.trainer.rollout_engine.weight_version != state.global_step:
             self.trainer.sync_rollout_weights()
+        if state.global_step > 0:  # synced now, or the engine already holds the checkpoint's step
+            self.trainer.synced_weight_version = state.global_step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step_start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        metrics = self.trainer._metrics["train"]
+        if getattr(self, "step_start", None) is not None:  # generation (if any), log-probs, forward/backward, update
+            metrics["timing/step_s"].append(time.perf_counter() - self.step_start)
+            self.step_start = None
         self.trainer.sync_rollout_weights()
-        self.trainer._metrics["train"]["rollout/weight_version"].append(float(state.global_step))
+        self.trainer.synced_weight_version = state.global_step
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -91,7 +107,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         reward_funcs: TRL reward functions / reward models. Optional in the signature as in TRL, but needed: TRL's
             other reward source (an environment's `get_reward`) is not supported, so TRL's `ValueError` is raised
             without them. Besides TRL's `prompts`, `completions`, `completion_ids` and the dataset columns, each receives the per-trajectory lists `final_text` (the final-channel answer,
-            `""` when none), `num_turns`, `num_tool_calls`, `tool_errors` (failed calls), `format_errors` (unparseable
+            `""` when none), `num_turns` (assistant turns, i.e. generate calls: not a message count),
+            `num_tool_calls` (the calls the model made), `tool_errors` (failed calls), `format_errors` (unparseable
             turns, engine errors) and `finish_reason`.
         args: an [`AgenticGRPOConfig`]; a plain `trl.GRPOConfig` is upgraded to one (its values, and the agentic
             fields at their defaults).
@@ -245,6 +262,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._setup_sequence_parallel()
         self._loss_inputs: dict[str, Any] | None = None  # inputs of the `_compute_loss` call in flight
         self.last_importance_weights: torch.Tensor | None = None  # the latest correction weights (for inspection)
+        # the trainer's weight version: the global step of the last sync it pushed; None before the first, when the
+        # engine serves the initial policy (rollouts are checked against it: `_check_served_versions`)
+        self.synced_weight_version: int | None = None
         self.add_callback(_RolloutWeightSync(self))
 
     # ------------------------------------------------------------------ setup
@@ -583,6 +603,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 seed=args.seed + self.accelerator.process_index,
             )
         from .rollout import SGLangEngine
+        from .weight_sync import WeightSyncConfig
 
         policy = self.accelerator.unwrap_model(self.model)
         if args.weight_sync_lora and not is_peft_model(policy):
@@ -592,24 +613,29 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "weight_sync_verify 'logprobs' scores the probe with the unwrapped policy on the main process, which "
                 "FSDP shards; use 'version' and 'checksum' with FSDP"
             )
+        sync = WeightSyncConfig(
+            mode=args.weight_sync_mode,
+            verify=tuple(args.weight_sync_verify),
+            checkpoint_path=args.weight_sync_checkpoint,
+            pause_mode=None if args.weight_sync_pause_mode == "none" else args.weight_sync_pause_mode,
+            weight_dir=args.weight_sync_dir or os.path.join(args.output_dir, "rollout_weights"),
+            model_config=policy.get_base_model().config if is_peft_model(policy) else policy.config,
+            bucket_bytes=args.weight_sync_bucket_mb << 20,
+            dist_master_address=args.weight_sync_master_address,
+            dist_master_port=args.weight_sync_master_port,
+            probe_atol=args.weight_sync_probe_atol,
+            probe_rtol=args.weight_sync_probe_rtol,
+            probe_margin=args.weight_sync_probe_margin,
+        )
         engine = SGLangEngine(
             args.sglang_urls,
-            sync_mode=args.weight_sync_mode,
+            weight_sync=sync,
             max_concurrency=args.rollout_concurrency,
             timeout_s=args.sglang_timeout_s,
             retry_deadline_s=args.sglang_retry_deadline_s,
             ready_timeout_s=args.sglang_ready_timeout_s,
             log_every_s=args.sglang_log_every_s,
             api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None,
-            weight_dir=args.weight_sync_dir or os.path.join(args.output_dir, "rollout_weights"),
-            model_config=policy.get_base_model().config if is_peft_model(policy) else policy.config,
-            dist_master_address=args.weight_sync_master_address,
-            dist_master_port=args.weight_sync_master_port,
-            bucket_bytes=args.weight_sync_bucket_mb << 20,
-            pause_mode=None if args.weight_sync_pause_mode == "none" else args.weight_sync_pause_mode,
-            verify=args.weight_sync_verify,
-            logprob_probe_atol=args.weight_sync_probe_atol,
-            logprob_probe_rtol=args.weight_sync_probe_rtol,
         )
         # Fail here, with each unreachable URL and its last error, rather than abort every trajectory of step 1.
         engine.check_servers()
@@ -646,7 +672,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         prompt_ids = [self._render_prompt(p) for p in prompts]
         from .rollout import run_sync
 
+        start = time.perf_counter()
         trajectories = run_sync(self.agent_loop.run_batch(prompt_ids))
+        self._metrics["train" if self.model.training else "eval"]["timing/rollout_s"].append(
+            time.perf_counter() - start
+        )
         pad_id = self._tokenizer.pad_token_id
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
         for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "format_errors", "finish_reason"):
@@ -669,7 +699,57 @@ class AgenticGRPOTrainer(GRPOTrainer):
             out["format_errors"].append(len(traj.errors))
             out["finish_reason"].append(traj.finish_reason)
         self._log_rollout_metrics(out)
+        self._check_served_versions(trajectories)
         return out
+
+    def _check_served_versions(self, trajectories: list) -> None:
+        """Log the versions that served this batch and fail on trajectories served on another version.
+
+        A trajectory is stale when one of its turns was served (the engine's answer says so) on a version other than
+        `synced_weight_version`, the global step of the trainer's last sync; before the first sync the engine must
+        serve the initial policy, which engines report as version 0 or without a version (SGLang's `"default"`).
+        `rollout/weight_version` is the oldest version served in the batch (an answer without a version counts as 0:
+        the weights its server was launched with), `rollout/stale_trajectories` the number of stale trajectories; both
+        over all processes, which all raise together (`StaleRolloutError`) unless `allow_stale_rollouts`.
+        """
+        expected = self.synced_weight_version
+        stale = [t for t in trajectories if not all(_is_current_version(v, expected) for v in t.weight_versions)]
+        numbers = [n for t in trajectories for n in map(_version_number, t.weight_versions) if n is not None]
+        local = torch.tensor(
+            [len(stale), len(trajectories), min(numbers, default=math.inf)],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
+        gathered = self.accelerator.gather(local).reshape(-1, 3)
+        num_stale, total, oldest = gathered[:, 0].sum().item(), gathered[:, 1].sum().item(), gathered[:, 2].min().item()
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["rollout/stale_trajectories"].append(num_stale)
+        if math.isfinite(oldest):  # every process skips it alike: no engine gave a numeric version
+            metrics["rollout/weight_version"].append(oldest)
+        if num_stale == 0:
+            return
+        from accelerate.utils import gather_object
+
+        wrong = {v for t in stale for v in t.weight_versions if not _is_current_version(v, expected)}
+        served = sorted(set(gather_object(sorted(wrong, key=repr))), key=repr)
+        if expected is None:
+            want = "0, the initial policy (no weight sync yet)"
+            why = "a server still holds weights loaded before this run (another run's sync)"
+        else:
+            want = f"{expected} (the global step of the trainer's last weight sync)"
+            why = "a server restarted or was reloaded since the last sync, or a sync did not reach it"
+        if None in served:
+            why += " (None: an answer without a version, SGLang's 'default', i.e. a server on its launch weights)"
+        message = (
+            f"{num_stale:.0f} of {total:.0f} trajectories of this batch had turns served on weight version(s) "
+            f"{served}, expected {want}: the rollout engine did not serve the policy being trained; {why}."
+        )
+        if not self.args.allow_stale_rollouts:
+            raise StaleRolloutError(
+                f"{message} Set allow_stale_rollouts=True to train on such trajectories anyway (counted in "
+                "rollout/stale_trajectories)."
+            )
+        logger.warning("%s Training on them (allow_stale_rollouts=True).", message)
 
     def _log_rollout_metrics(self, out: dict[str, list]) -> None:
         mode = "train" if self.model.training else "eval"
@@ -796,7 +876,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         gather = self.accelerator.gather
         metrics = self._metrics[mode]
         metrics["mismatch/prob_diff_max"].append(gather(stats["prob_diff_max"]).max().item())
-        for key in ("prob_diff_mean", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold"):
+        for key in ("prob_diff_mean", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold", "is_weight_std"):
             metrics[f"mismatch/{key}"].append(gather(stats[key]).mean().item())
         # TRL's names (its vLLM path logs them with the correction on; here they are always logged)
         metrics["sampling/sampling_logp_difference/mean"].append(gather(stats["logp_diff_mean"]).mean().item())
@@ -841,15 +921,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ weight sync
 
-    @contextmanager
-    def _merged_weights(self) -> Iterator[Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-        """Yield a function listing `(name, tensor)` of the policy as the base model names them (LoRA merged)."""
-        from .weight_sync import export_policy_weights
-
-        model = self.model if self.is_fsdp_enabled else self.accelerator.unwrap_model(self.model)
-        with export_policy_weights(model, accelerator=self.accelerator, is_fsdp=self.is_fsdp_enabled) as named:
-            yield named
-
     def _push_weights(self, engine, version: int) -> None:
         from .weight_sync import push_policy_weights
 
@@ -875,10 +946,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         (instead of the other ranks waiting at a barrier until the collective timeout).
         """
         error = None
+        start = time.perf_counter()
         try:
             self._push_weights(self.rollout_engine, version=self.state.global_step)
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
             error = exc
+        self._metrics["train"]["timing/weight_sync_s"].append(time.perf_counter() - start)
         if self.args.rollout_backend == "sglang" and self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
@@ -901,6 +974,25 @@ _WEIGHT_SYNC_PROBE_TEXT = (
 
 # `_get_per_token_logps_and_entropies` keyword arguments the packed path takes (the others are multimodal inputs)
 _PACKED_KWARGS = frozenset({"batch_size", "compute_entropy", "compute_aux_loss"})
+
+
+def _is_current_version(served, expected) -> bool:
+    """Whether a turn served on version `served` was sampled by the trainer's weights, version `expected` (the
+    global step of the last sync; None before the first: the initial policy, reported as 0 or without a version)."""
+    if expected is None:
+        return served is None or str(served) == "0"
+    return served is not None and str(served) == str(expected)
+
+
+def _version_number(version) -> float | None:
+    """A served version as a number for `rollout/weight_version`: None (the server's launch weights) is 0, a
+    version that is not a number (a label) is left out."""
+    if version is None:
+        return 0.0
+    try:
+        return float(version)
+    except (TypeError, ValueError):
+        return None
 
 
 _WARNED: set[str] = set()

@@ -40,28 +40,17 @@ Decisions (documented in docs/rollouts.md):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from dataclasses import replace
 
 from hf_gptoss_rl.harmony import CALL, END, RETURN, START, encode_text, parse_assistant_turn, render_tool_result
 
+from .._async import run_sync
 from ..tools import Tool, ToolError
 from .engine import RolloutEngine
 from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory
 
 logger = logging.getLogger(__name__)
-
-
-def run_sync(coro):
-    """Run a coroutine to completion from synchronous code: a plain script, or inside a running event loop (a
-    notebook), where it runs on a fresh loop in a worker thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 class AgentLoop:
@@ -227,8 +216,9 @@ class AgentLoop:
         traj.completion_mask.extend([1] * len(out.output_ids))
         traj.rollout_logprobs.extend(float(x) for x in out.logprobs)
         traj.num_turns += 1
-        if traj.weight_version is None:
-            traj.weight_version = out.weight_version
+        # the version the engine says served this turn (never the engine's own record of its last sync)
+        traj.weight_versions.append(out.weight_version)
+        traj.weight_version = traj.weight_versions[0]
 
     def _append_injected(self, traj: Trajectory, ids: list[int]) -> bool:
         """Append mask-0 tokens if at least one sampled token still fits after them; else finish "length"."""

@@ -18,10 +18,14 @@ request bodies follow ``sglang/srt/managers/io_struct.py`` of both):
   least-loaded server; a failing server is left for another one on retry;
 - a progress line every ``log_every_s`` while requests are in flight (done, in flight, retries, cached
   prefix tokens);
-- weight sync (`trl_ext.weight_sync.SGLangHTTPWeightSync`): ``"disk"``, ``"distributed"`` (NCCL, flattened
-  buckets), ``"tensor"`` (CUDA IPC, one payload per TP rank), or LoRA adapters (`update_lora_adapter`), each
-  checked and verified; a failed sync makes the engine refuse to generate until a sync succeeds;
-- ``meta_info.weight_version`` recorded on every output; ``finish_reason`` ``abort`` surfaced, not hidden.
+- the ``/generate`` contract checked on every answer: at most ``max_new_tokens`` output ids, one log-prob per
+  output id, ``meta_info.id`` equal to the request's ``rid``, ``meta_info.prompt_tokens`` equal to the number of ids
+  sent (`SGLangContractError`, never retried: the trajectory is aborted);
+- weight sync (`trl_ext.weight_sync`, configured by one `WeightSyncConfig`): ``"disk"``, ``"distributed"`` (NCCL,
+  flattened buckets), ``"tensor"`` (CUDA IPC, one payload per TP rank), or LoRA adapters (`update_lora_adapter`),
+  each checked and verified; a failed sync makes the engine refuse to generate until a sync succeeds;
+- ``meta_info.weight_version`` (the version the server says it served) recorded on every output; ``finish_reason``
+  ``abort`` surfaced, not hidden.
 
 `SGLangOfflineEngine` wraps ``sglang.Engine`` (imported lazily; a clear `ImportError` without sglang).
 """
@@ -33,25 +37,16 @@ import contextvars
 import itertools
 import logging
 import random
-import shutil
 import threading
 import uuid
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
-from ..weight_sync import (
-    _NOT_FOUND,
-    SYNC_MODES,
-    VERIFY_MODES,
-    LoRAAdapter,
-    SGLangHTTPWeightSync,
-    WeightSyncError,
-    default_weight_dir,
-    destroy_weight_update_group,
-    serialize_per_rank,
-)
+from ..weight_sync import LoRAAdapter, WeightSyncConfig, WeightSyncError
+from ..weight_sync import verify as sync_checks
+from ..weight_sync.sglang import SGLangHTTPWeightSync
+from ..weight_sync.transport import serialize_per_rank
 from .engine import RolloutEngine, validate_input_ids
 from .types import GenerationOutput, SamplingParams
 
@@ -60,6 +55,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SGLangEngine",
     "SGLangError",
+    "SGLangContractError",
     "SGLangOfflineEngine",
     "SGLangResponseError",
     "SGLangUnavailableError",
@@ -74,6 +70,11 @@ class SGLangError(RuntimeError):
 
 class SGLangResponseError(SGLangError):
     """The server answered something that breaks the contract (missing keys, ids/log-probs mismatch)."""
+
+
+class SGLangContractError(SGLangError):
+    """A ``/generate`` answer that is not the answer to the request sent (too many tokens, another request's id, a
+    different prompt); never retried: the trajectory is aborted."""
 
 
 class SGLangUnavailableError(SGLangError, TimeoutError):
@@ -162,12 +163,33 @@ def parse_generate_item(item: dict) -> GenerationOutput:
     return GenerationOutput(ids, logprobs, reason, _parse_version(meta.get("weight_version")))
 
 
+def _check_contract(url: str, payload: dict, item: dict, out: GenerationOutput) -> None:
+    """The ``/generate`` answer must be the answer to ``payload``: at most ``max_new_tokens`` output ids, the rid
+    sent (``meta_info.id``), as many prompt tokens as ids sent. One log-prob per output id is checked by
+    `parse_generate_item`. Raises `SGLangContractError` naming the request and what differs."""
+    meta = item.get("meta_info") or {}
+    rid, problems = payload.get("rid"), []
+    limit = (payload.get("sampling_params") or {}).get("max_new_tokens")
+    if limit is not None and len(out.output_ids) > limit:
+        problems.append(f"{len(out.output_ids)} output ids for max_new_tokens={limit}")
+    if rid is not None and meta.get("id") != rid:
+        problems.append(f"meta_info.id is {meta.get('id')!r}, not the rid sent")
+    sent = len(payload.get("input_ids") or ())
+    if meta.get("prompt_tokens") != sent:
+        problems.append(f"meta_info.prompt_tokens is {meta.get('prompt_tokens')!r} for {sent} input ids sent")
+    if problems:
+        raise SGLangContractError(
+            f"{url}/generate request {rid}: the answer breaks the contract: " + "; ".join(problems)
+        )
+
+
 class SGLangEngine(RolloutEngine):
     """Client of one or more SGLang servers (native API), for token-in/token-out agentic rollouts.
 
     Args:
         base_urls: ``"http://host:30000"`` or a list of them.
-        sync_mode: how `update_weights` ships weights: ``"disk"``, ``"distributed"`` or ``"tensor"``.
+        weight_sync: how `update_weights` / `update_lora_adapter` reach the servers and how each sync is checked
+            (`WeightSyncConfig`; default: disk sync, ``verify=("version", "checksum")``).
         max_concurrency: most ``/generate`` requests in flight (all servers together).
         timeout_s: overall deadline of one HTTP request (connect + wait + whole body); a long generation must
             fit in it. ``connect_timeout_s`` bounds connecting alone.
@@ -178,35 +200,13 @@ class SGLangEngine(RolloutEngine):
         ready_timeout_s: how long the readiness wait (``GET /health`` on every server) may take.
         log_every_s: period of the log lines while waiting for servers and while requests are in flight.
         api_key: sent as ``Authorization: Bearer`` (servers launched with ``--api-key`` / ``--admin-api-key``).
-        weight_dir: disk mode: directory shared with the servers (a temporary one by default: only valid when
-            the servers run on this machine). ``model_config``: a config (``save_pretrained``-able) written
-            next to the weights, since SGLang reads ``config.json`` from that directory.
-        max_shard_size: disk mode shard size (``huggingface_hub.save_torch_state_dict``).
-        dist_backend: distributed mode backend (``"nccl"`` with CUDA, ``"gloo"`` otherwise).
-        dist_master_address: address of this process that the servers connect to for the NCCL rendezvous
-            (``127.0.0.1`` only works when they run on this machine); ``dist_master_port`` (free port by
-            default); ``group_name``; ``bucket_bytes`` bounds one broadcast (one flattened bucket);
-            ``dist_timeout_s`` bounds the rendezvous and each collective.
-        pause_mode: ``/pause_generation`` mode around syncs: ``"retract"`` (running requests are recomputed
-            with the new weights), ``"abort"`` (they return ``abort``), ``"in_place"`` (they continue on their
-            old KV cache; the update is then sent with ``flush_cache=False``, since SGLang refuses to flush while
-            requests are in the running batch, and the radix cache keeps prefixes computed with old weights
-            until evicted), or None (no pause).
-        verify: checks after every sync: ``"version"`` (always: every server reports the new
-            ``weight_version``), ``"checksum"`` (``/weights_checker``: the weights changed and servers of the
-            same layout agree), ``"logprobs"`` (`verify_logprobs` against the trainer's log-probs).
-        logprob_probe_atol, logprob_probe_rtol: `verify_logprobs` accepts a mean absolute log-prob difference up to
-            ``atol + rtol * mean(|reference log-prob|)`` (as `torch.allclose`, on the means). The relative term is
-            there because bf16 logits carry a relative rounding error: unlikely probe tokens (log-prob near -30)
-            differ by tenths of a nat between two correct bf16 engines.
-        lora_name: name prefix of the adapters loaded by `update_lora_adapter` (``<prefix>-v<version>``).
     """
 
     def __init__(
         self,
         base_urls: str | list[str],
         *,
-        sync_mode: str = "disk",
+        weight_sync: WeightSyncConfig | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
@@ -217,20 +217,6 @@ class SGLangEngine(RolloutEngine):
         ready_timeout_s: float = 600.0,
         log_every_s: float = 30.0,
         api_key: str | None = None,
-        weight_dir: str | None = None,
-        model_config=None,
-        max_shard_size: str | int = "5GB",
-        dist_backend: str | None = None,
-        dist_master_address: str = "127.0.0.1",
-        dist_master_port: int | None = None,
-        group_name: str = "weight_update_group",
-        bucket_bytes: int = 1 << 30,
-        dist_timeout_s: float = 600.0,
-        pause_mode: str | None = "retract",
-        verify: str | Iterable[str] = ("version",),
-        logprob_probe_atol: float = 0.05,
-        logprob_probe_rtol: float = 0.01,
-        lora_name: str = "policy",
     ) -> None:
         try:
             import httpx  # noqa: F401
@@ -245,14 +231,8 @@ class SGLangEngine(RolloutEngine):
         self.base_urls = [u.rstrip("/") for u in urls]
         if len(set(self.base_urls)) != len(self.base_urls):
             raise ValueError(f"SGLangEngine: duplicate base URLs {self.base_urls}")
-        if sync_mode not in SYNC_MODES:
-            raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {sync_mode!r}")
-        if pause_mode not in (None, "abort", "retract", "in_place"):
-            raise ValueError(f"pause_mode must be None, 'abort', 'retract' or 'in_place', got {pause_mode!r}")
-        verify = (verify,) if isinstance(verify, str) else tuple(verify)
-        unknown = set(verify) - set(VERIFY_MODES)
-        if unknown:
-            raise ValueError(f"verify: unknown checks {sorted(unknown)} (choose from {VERIFY_MODES})")
+        if weight_sync is not None and not isinstance(weight_sync, WeightSyncConfig):
+            raise TypeError(f"weight_sync must be a WeightSyncConfig, got {type(weight_sync).__name__}")
         if max_concurrency < 1 or (max_retries is not None and max_retries < 0):
             raise ValueError("max_concurrency must be >= 1 and max_retries >= 0")
         for name, value in (
@@ -260,13 +240,11 @@ class SGLangEngine(RolloutEngine):
             ("connect_timeout_s", connect_timeout_s),
             ("ready_timeout_s", ready_timeout_s),
             ("log_every_s", log_every_s),
-            ("dist_timeout_s", dist_timeout_s),
         ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if retry_deadline_s < 0:
             raise ValueError(f"retry_deadline_s must be >= 0, got {retry_deadline_s}")
-        self.sync_mode = sync_mode
         self.max_concurrency = int(max_concurrency)
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
@@ -277,38 +255,11 @@ class SGLangEngine(RolloutEngine):
         self.ready_timeout_s = float(ready_timeout_s)
         self.log_every_s = float(log_every_s)
         self.api_key = api_key
-        self.model_config = model_config
-        self.max_shard_size = max_shard_size
-        self.dist_backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.dist_master_address = dist_master_address
-        self.dist_master_port = dist_master_port
-        self.group_name = group_name
-        self.bucket_bytes = int(bucket_bytes)
-        self.dist_timeout_s = float(dist_timeout_s)
-        self.pause_mode = pause_mode
-        self.verify = verify
-        self.logprob_probe_atol = float(logprob_probe_atol)
-        self.logprob_probe_rtol = float(logprob_probe_rtol)
-        if not (self.logprob_probe_atol >= 0 and self.logprob_probe_rtol >= 0):
-            raise ValueError(
-                f"logprob_probe_atol and logprob_probe_rtol must be >= 0, got {logprob_probe_atol}, {logprob_probe_rtol}"
-            )
-        self.lora_name = lora_name
-        if pause_mode == "in_place":
-            logger.warning(
-                "pause_mode='in_place': requests in flight during a sync finish on their old KV cache and the radix "
-                "cache is not flushed (SGLang refuses to flush a running batch); prefer 'retract' for on-policy data"
-            )
-        self._own_weight_dir = weight_dir is None
-        self._weight_dir = Path(weight_dir) if weight_dir else None
-        self._version: int | str | None = None
-        self._lora_name: str | None = None
-        self._inconsistent: str | None = None
+        self.weight_sync = SGLangHTTPWeightSync(self, weight_sync or WeightSyncConfig())
         self._inflight = {u: 0 for u in self.base_urls}
         self._rr = itertools.count()
         self._ready = False
         self._ready_error: SGLangUnavailableError | None = None
-        self._sync = SGLangHTTPWeightSync(self)
         self._client = None
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -318,7 +269,6 @@ class SGLangEngine(RolloutEngine):
         self._ready_lock_obj: asyncio.Lock | None = None
         self._reporter: asyncio.Task | None = None
         self._warned_versions: set[tuple[str, object]] = set()
-        self.last_logprob_probe: dict[str, dict] = {}  # url -> what the last `verify_logprobs` measured there
         self.stats = {
             "requests": 0, "done": 0, "retries": 0, "aborts": 0, "syncs": 0,
             "prompt_tokens": 0, "cached_tokens": 0,
@@ -328,21 +278,13 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def weight_version(self) -> int | str | None:
-        return self._version
+        """The version of the last verified weight sync (None before the first)."""
+        return self.weight_sync.version
 
     @property
-    def _flush_in_update(self) -> bool:
-        return self.pause_mode != "in_place"
-
-    def _weights_dir(self) -> Path:
-        if self._weight_dir is None:
-            self._weight_dir = default_weight_dir()
-        self._weight_dir.mkdir(parents=True, exist_ok=True)
-        return self._weight_dir
-
-    def _mark_inconsistent(self, message: str) -> None:
-        self._inconsistent = message
-        logger.error("SGLang weight sync: %s", message)
+    def last_logprob_probe(self) -> dict[str, dict]:
+        """What the last log-prob probe measured on each server (`trl_ext.weight_sync.verify.probe_verdict`)."""
+        return self.weight_sync.last_logprob_probe
 
     def _state(self):
         """(httpx client, semaphore), created on the engine's own loop (runs there only)."""
@@ -416,6 +358,24 @@ class SGLangEngine(RolloutEngine):
         except asyncio.TimeoutError as exc:
             raise _RequestDeadline(f"no complete answer within timeout_s={self.timeout_s:g} s") from exc
 
+    async def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        payload: dict | None = None,
+        *,
+        retries: int | None = None,
+        ok_statuses: tuple[int, ...] = (),
+    ):
+        """One call of a server's native API (``url`` one of ``base_urls``, ``path`` e.g. ``"/server_info"``), with
+        the engine's retry policy: transport errors, timeouts and 5xx are retried within ``retry_deadline_s``
+        (``retries`` caps the count; 0 for calls that pair with a collective or are not idempotent), 4xx raise
+        `SGLangError`. Returns the parsed JSON (or text); None for a status in ``ok_statuses``."""
+        return await self._on_engine_loop(
+            self._request(method, url, path, payload, retries=retries, ok_statuses=ok_statuses)
+        )
+
     async def _request(
         self,
         method: str,
@@ -429,7 +389,7 @@ class SGLangEngine(RolloutEngine):
         """One HTTP call with retries on transport errors, timeouts and 5xx. Returns parsed JSON (or text).
 
         ``retries=0`` for calls that pair with a collective or are not idempotent. A status in ``ok_statuses``
-        returns ``_NOT_FOUND`` (404) instead of raising.
+        returns None instead of raising.
         """
         import httpx
 
@@ -440,7 +400,7 @@ class SGLangEngine(RolloutEngine):
             try:
                 resp = await self._send(method, url + path, payload)
                 if resp.status_code in ok_statuses:
-                    return _NOT_FOUND
+                    return None
                 if resp.status_code >= 500:
                     raise _RetryableStatus(f"HTTP {resp.status_code}: {resp.text[:300]}")
                 if resp.status_code >= 400:
@@ -479,7 +439,7 @@ class SGLangEngine(RolloutEngine):
         ``/health`` from ``--api-key``, not ``/server_info``: a wrong key fails here). For trainer start-up: fail
         before training, not during it."""
         self.run(self._ensure_ready(timeout_s))
-        states = self.run(self._sync.server_states())
+        states = self.run(self.weight_sync.server_states())
         logger.info("SGLang servers: %s", ", ".join(f"{s.url} (sglang {s.version}, tp {s.tp_size})" for s in states))
 
     async def wait_until_ready(self, timeout_s: float | None = None) -> None:
@@ -612,9 +572,10 @@ class SGLangEngine(RolloutEngine):
     async def _generate(self, ids: list[int], sampling: SamplingParams, affinity: dict) -> GenerationOutput:
         import httpx
 
-        if self._inconsistent is not None:
-            raise SGLangError(f"refusing to generate: {self._inconsistent}")
+        if self.weight_sync.failure is not None:
+            raise SGLangError(f"refusing to generate: {self.weight_sync.failure}")
         await self._ensure_ready()
+        await self.weight_sync.wait_until_cache_clean()
         _, semaphore = self._state()
         payload = {
             "input_ids": ids,
@@ -623,8 +584,8 @@ class SGLangEngine(RolloutEngine):
             "logprob_start_len": -1,
             "stream": False,
         }
-        if self._lora_name is not None:
-            payload["lora_path"] = self._lora_name
+        if self.weight_sync.served_adapter is not None:
+            payload["lora_path"] = self.weight_sync.served_adapter
         loop = asyncio.get_running_loop()
         started = loop.time()
         attempt = 0
@@ -648,6 +609,7 @@ class SGLangEngine(RolloutEngine):
                     except ValueError as exc:
                         raise SGLangResponseError(f"/generate answer is not JSON: {resp.text[:200]}") from exc
                     out = parse_generate_item(item)
+                    _check_contract(url, payload, item, out)
                 except (
                     httpx.TransportError,
                     httpx.TimeoutException,
@@ -687,7 +649,8 @@ class SGLangEngine(RolloutEngine):
         self.stats["done"] += 1
         if out.finish_reason == "abort":
             self.stats["aborts"] += 1
-        if self._version is not None and out.weight_version != self._version:
+        synced = self.weight_sync.version
+        if synced is not None and out.weight_version != synced:
             key = (url, out.weight_version)
             if key not in self._warned_versions:
                 self._warned_versions.add(key)
@@ -696,7 +659,7 @@ class SGLangEngine(RolloutEngine):
                     "trajectory records the served version and the next sync reloads the server",
                     url,
                     out.weight_version,
-                    self._version,
+                    synced,
                 )
         return out
 
@@ -725,7 +688,8 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ weight sync
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Ship new weights to every server (``sync_mode``), tagged ``weight_version=str(version)``, and verify.
+        """Ship new weights to every server (``weight_sync.config.mode``), tagged ``weight_version=str(version)``,
+        and verify (`trl_ext.weight_sync.sglang.SGLangHTTPWeightSync.update`).
 
         Raises `WeightSyncError` naming the server(s) and the problem; the servers are never left paused.
         """
@@ -744,64 +708,16 @@ class SGLangEngine(RolloutEngine):
 
     async def _update(self, named, adapter, version) -> None:
         await self._ensure_ready()
-        self._inconsistent = None  # a new sync may repair a previous failure; it sets it again if it fails
-        await self._sync.update(named, version, lora=adapter)
-        self._version = version
+        await self.weight_sync.update(named, version, lora=adapter)
         self.stats["syncs"] += 1
         logger.info("SGLang weight sync: %d server(s) on version %s", len(self.base_urls), version)
 
     async def verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
-        """Score ``probe_ids`` on every server (``input_token_logprobs``, temperature 1) and compare with
-        ``reference`` (the trainer's log-probs of ``probe_ids[1:]``); raise `WeightSyncError` naming the server
-        when the mean absolute difference exceeds ``logprob_probe_atol + logprob_probe_rtol * mean(|reference|)``.
-        Returns, and keeps in ``last_logprob_probe`` (also when it raises),
-        ``{url: {"tokens", "mean_abs", "max_abs", "mean_abs_reference", "tolerance"}}``."""
-        return await self._on_engine_loop(self._verify_logprobs(list(probe_ids), list(reference)))
-
-    async def _verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
-        self.last_logprob_probe = measured = {}
-        if len(reference) != len(probe_ids) - 1:
-            raise ValueError(
-                f"reference must have len(probe_ids) - 1 = {len(probe_ids) - 1} log-probs, got {len(reference)}"
-            )
-        payload = {
-            "input_ids": probe_ids,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        }
-        if self._lora_name is not None:
-            payload["lora_path"] = self._lora_name
-        answers = await asyncio.gather(*(self._request("POST", u, "/generate", payload) for u in self.base_urls))
-        problems = []
-        scale = sum(abs(v) for v in reference) / max(len(reference), 1)
-        tolerance = self.logprob_probe_atol + self.logprob_probe_rtol * scale
-        for url, item in zip(self.base_urls, answers):
-            entries = ((item or {}).get("meta_info") or {}).get("input_token_logprobs") or []
-            served = [e[0] if isinstance(e, (list, tuple)) else e for e in entries][1:]  # the first token has none
-            if len(served) != len(reference) or any(v is None for v in served):
-                problems.append(f"{url}: {len(served)} input log-probs for {len(reference)} probe tokens")
-                continue
-            diff = [abs(a - b) for a, b in zip(served, reference)]
-            mean = sum(diff) / len(diff)
-            measured[url] = {
-                "tokens": len(diff),
-                "mean_abs": mean,
-                "max_abs": max(diff),
-                "mean_abs_reference": scale,
-                "tolerance": tolerance,
-            }
-            if mean > tolerance:
-                worst = max(range(len(diff)), key=diff.__getitem__)
-                problems.append(
-                    f"{url}: mean |log-prob difference| {mean:.4f} > {tolerance:.4g} = atol {self.logprob_probe_atol:g}"
-                    f" + rtol {self.logprob_probe_rtol:g} * mean |trainer log-prob| {scale:.4g} (worst at probe "
-                    f"token {worst + 1}: server {served[worst]:.4f}, trainer {reference[worst]:.4f})"
-                )
-        if problems:
-            self._mark_inconsistent(f"log-prob probe after the sync to version {self._version}: " + "; ".join(problems))
-            raise WeightSyncError(self._inconsistent)
-        return measured
+        """Score ``probe_ids`` on every server and compare with ``reference``, the trainer's log-probs of
+        ``probe_ids[1:]`` (`trl_ext.weight_sync.verify.probe_verdict`); raise `WeightSyncError` naming the server
+        when they differ by more than the probe's tolerance. Returns, and keeps in ``last_logprob_probe``, what
+        was measured per server."""
+        return await self._on_engine_loop(self.weight_sync.verify_logprobs(list(probe_ids), list(reference)))
 
     # ------------------------------------------------------------------ teardown
 
@@ -821,26 +737,10 @@ class SGLangEngine(RolloutEngine):
         if self._reporter is not None:
             self._reporter.cancel()
             self._reporter = None
-        if self._sync.group is not None:
-            try:
-                await asyncio.gather(
-                    *(
-                        self._request(
-                            "POST", u, "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0
-                        )
-                        for u in self.base_urls
-                    )
-                )
-            except SGLangError as exc:
-                logger.warning("destroy_weights_update_group: %s", exc)
-            destroy_weight_update_group(self._sync.group)
-            self._sync.group = None
+        await self.weight_sync.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-        if self._own_weight_dir and self._weight_dir is not None:
-            shutil.rmtree(self._weight_dir, ignore_errors=True)
-            self._weight_dir = None
 
 
 class _RequestDeadline(SGLangError):
@@ -858,10 +758,12 @@ class SGLangOfflineEngine(RolloutEngine):
     existed at construction (``Engine.loop``). A trainer that calls ``asyncio.run`` per batch would strand the
     output loop on a closed loop after the first batch, so every call here runs on one private loop (a daemon
     thread) for the engine's life, and weight updates call the tokenizer manager's coroutines directly there.
-    Every weight update's ``(success, message)`` is checked: a refusal raises `WeightSyncError`.
+    Every weight update's ``(success, message)`` is checked: a refusal raises `WeightSyncError`. Before an update,
+    every tensor name must be one of the checkpoint the engine was built from (``checkpoint_path``, default its
+    ``model_path``): ``sglang.Engine`` skips unknown names and still reports success.
     """
 
-    def __init__(self, engine=None, **server_args) -> None:
+    def __init__(self, engine=None, *, checkpoint_path: str | None = None, **server_args) -> None:
         try:
             import sglang
         except ImportError as exc:
@@ -875,8 +777,27 @@ class SGLangOfflineEngine(RolloutEngine):
         self._engine = engine if engine is not None else sglang.Engine(**server_args)
         self._version: int | str | None = None
         self._lora_name: str | None = None
+        self._requested_adapters: set[str] = set()
         self.lora_name = "policy"
-        self.verify = ("version",)
+        path = checkpoint_path or getattr(getattr(self._engine, "server_args", None), "model_path", None)
+        self._checkpoint_path = path
+        self._checkpoint_names: set[str] | None = None
+
+    def _check_names(self, names: list[str]) -> None:
+        if self._checkpoint_names is None:
+            found = sync_checks.checkpoint_tensor_names(self._checkpoint_path) if self._checkpoint_path else None
+            if not found:
+                raise WeightSyncError(
+                    f"cannot read the tensor names of the served checkpoint {self._checkpoint_path!r}; pass "
+                    "checkpoint_path= a local copy of it (sglang.Engine skips names its model does not have)"
+                )
+            self._checkpoint_names = found
+        unknown = sync_checks.unknown_names(names, checkpoint=self._checkpoint_names, params=None)
+        if unknown:
+            raise WeightSyncError(
+                "sglang.Engine update refused: "
+                + sync_checks.describe_unknown(unknown, f"checkpoint {self._checkpoint_path}")
+            )
 
     @property
     def weight_version(self) -> int | str | None:
@@ -920,6 +841,7 @@ class SGLangOfflineEngine(RolloutEngine):
         named = [(n, t.detach()) for n, t in named_tensors]
         if not named:
             raise ValueError("update_weights: no tensors")
+        self._check_names([n for n, _ in named])
         if torch.cuda.is_available():  # CUDA IPC handles, as SGLang's own callers send (not host shared memory)
             device = torch.device("cuda", torch.cuda.current_device())
             named = [(n, t.to(device)) for n, t in named]
@@ -948,6 +870,18 @@ class SGLangOfflineEngine(RolloutEngine):
         tm = self._engine.tokenizer_manager
         tp_size = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
         name = f"{self.lora_name}-v{version}"
+        modules = sync_checks.unknown_lora_modules(
+            [n for n, _ in adapter.named_tensors], checkpoint=self._checkpoint_names_or_read(), params=None
+        )
+        if modules:
+            raise WeightSyncError(f"the adapter targets modules the served model does not have: {modules[:5]}")
+        for leftover in sorted(self._requested_adapters - {self._lora_name}):  # a failed load may have left it
+            result = await self._on_loop(
+                tm.unload_lora_adapter(io_struct.UnloadLoRAAdapterReqInput(lora_name=leftover), None)
+            )
+            logger.info("unloaded leftover adapter %s: %s", leftover, result)
+            self._requested_adapters.discard(leftover)
+        self._requested_adapters.add(name)  # before the request: a failed load may still leave it loaded
         req = io_struct.LoadLoRAAdapterFromTensorsReqInput(
             lora_name=name,
             config_dict=adapter.config_dict,
@@ -970,8 +904,14 @@ class SGLangOfflineEngine(RolloutEngine):
             await self._call(
                 "unload_lora_adapter", tm.unload_lora_adapter(io_struct.UnloadLoRAAdapterReqInput(lora_name=old), None)
             )
+            self._requested_adapters.discard(old)
         self._check_version(version)
         self._version = version
+
+    def _checkpoint_names_or_read(self) -> set[str]:
+        if self._checkpoint_names is None:
+            self._check_names([])
+        return self._checkpoint_names
 
     def _check_version(self, version) -> None:
         tm = self._engine.tokenizer_manager

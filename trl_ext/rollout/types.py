@@ -174,7 +174,11 @@ class Trajectory:
     budget), ``"abort"`` (engine abort), ``"no_final"`` (the model stopped without a final answer or a call).
     ``tool_calls[i].error`` holds each failed call's error (what the model was told); ``errors`` holds the
     trajectory-level problems (unparseable turns, no final answer, engine failures), never the tool errors again.
-    ``weight_version`` is the version of the first (oldest) turn.
+    ``weight_versions`` holds, per assistant turn, the weight version the engine says served it
+    (`GenerationOutput.weight_version`: SGLang's ``meta_info.weight_version``, the embedded engine's own version;
+    None when the engine gave none); ``weight_version`` is the first (oldest) turn's, and
+    ``mixed_weight_versions`` tells when the turns were served on different versions (a sync, or a server restart,
+    in the middle of the trajectory).
     """
 
     prompt_ids: list[int]
@@ -187,10 +191,16 @@ class Trajectory:
     finish_reason: str = "no_final"
     final_text: str | None = None
     weight_version: int | str | None = None
+    weight_versions: list[int | str | None] = field(default_factory=list)
 
     @property
     def num_tool_calls(self) -> int:
         return len(self.tool_calls)
+
+    @property
+    def mixed_weight_versions(self) -> bool:
+        """True when the turns were served on more than one weight version."""
+        return len(set(self.weight_versions)) > 1
 
     def check_alignment(self) -> None:
         """Raise if ids, mask and log-probs do not line up (a bug, never expected)."""

@@ -234,21 +234,29 @@ def apply_landlock(read_paths, write_paths, deny_tcp, scope):
 
 
 # seccomp: refuse socket(AF_UNIX, ...) (Landlock does not cover connect() on pathname unix sockets, e.g. a docker
-# socket) and io_uring (its socket/connect ops bypass syscall filters); refuse new namespaces (clone/unshare with
-# CLONE_NEW*, setns: an unprivileged user namespace would hand the program CAP_SYS_ADMIN over fresh namespaces, the
-# entry point of many kernel exploits), bpf, perf_event_open, userfaultfd and the kernel keyring (kernel attack
-# surface a Python program does not need; Docker's default profile refuses them too); clone3 answers ENOSYS (its flags
-# sit in memory a filter cannot read; glibc then falls back to clone, whose flags are checked); refuse every syscall
-# of a foreign ABI.
+# socket) and families a Python program does not need: AF_VSOCK (reaches the host or hypervisor, past the network
+# namespace), AF_NETLINK (kernel configuration interfaces), AF_PACKET (raw frames), all with EACCES, so a refusal is
+# told apart from the kernel's EAFNOSUPPORT / EPERM. socketpair() is refused for those three too (no pair exists, but
+# the call runs their socket-creation code first); unix pairs stay (nothing outside to reach; asyncio and
+# multiprocessing use them). Refuse io_uring (its socket/connect ops bypass syscall filters); refuse new namespaces
+# (clone/unshare with CLONE_NEW*, setns: an unprivileged user namespace would hand the program CAP_SYS_ADMIN over fresh
+# namespaces, the entry point of many kernel exploits), bpf, perf_event_open, userfaultfd and the kernel keyring (kernel
+# attack surface a Python program does not need; Docker's default profile refuses them too); clone3 answers ENOSYS (its
+# flags sit in memory a filter cannot read; glibc then falls back to clone, whose flags are checked); refuse every
+# syscall of a foreign ABI.
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
-AF_UNIX, EPERM, EACCES, ENOSYS = 1, 1, 13, 38
+AF_UNIX, AF_NETLINK, AF_PACKET, AF_VSOCK = 1, 16, 17, 40
+EPERM, EACCES, ENOSYS = 1, 13, 38
+_SOCKET_DENIED = (AF_UNIX, AF_NETLINK, AF_PACKET, AF_VSOCK)
+_SOCKETPAIR_DENIED = (AF_NETLINK, AF_PACKET, AF_VSOCK)
 CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 _SECCOMP_ARCH = {  # machine: AUDIT_ARCH_*, then syscall numbers
     "x86_64": dict(
         arch=0xC000003E,
         socket=41,
+        socketpair=53,
         clone=56,
         clone3=435,
         unshare=272,
@@ -266,6 +274,7 @@ _SECCOMP_ARCH = {  # machine: AUDIT_ARCH_*, then syscall numbers
     "aarch64": dict(
         arch=0xC00000B7,
         socket=198,
+        socketpair=199,
         clone=220,
         clone3=435,
         unshare=97,
@@ -318,12 +327,13 @@ def apply_seccomp():
     ]
     for name in _SECCOMP_DENIED:
         program += [ins(BPF_JEQ_K, 0, 1, nr[name]), ins(BPF_RET_K, 0, 0, deny)]
+    for name, families in (("socket", _SOCKET_DENIED), ("socketpair", _SOCKETPAIR_DENIED)):
+        checks = [ins(BPF_LD_W_ABS, 0, 0, 16)]  # A = low 32 bits of args[0] (domain)
+        for i, family in enumerate(families):
+            checks.append(ins(BPF_JEQ_K, len(families) - i, 0, family))  # listed family? to the refusal
+        checks += [ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW), ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES)]
+        program += [ins(BPF_JEQ_K, 0, len(checks), nr[name])] + checks  # this syscall? else past its checks
     program += [
-        ins(BPF_JEQ_K, 0, 4, nr["socket"]),  # socket? else to the clone check
-        ins(BPF_LD_W_ABS, 0, 0, 16),  #   A = low 32 bits of args[0] (domain)
-        ins(BPF_JEQ_K, 0, 1, AF_UNIX),  #   AF_UNIX?
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),  #     refuse
-        ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),  #     other families: allow
         ins(BPF_JEQ_K, 0, 4, nr["clone"]),  # clone? else allow
         ins(BPF_LD_W_ABS, 0, 0, 16),  #   A = low 32 bits of args[0] (flags)
         ins(BPF_JSET_K, 0, 1, CLONE_NEW_ANY),  #   any CLONE_NEW* flag?
@@ -337,7 +347,10 @@ def apply_seccomp():
         libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.create_string_buffer(fprog, 16), 0, 0),
         "prctl(PR_SET_SECCOMP)",
     )
-    return "no AF_UNIX sockets, io_uring, new namespaces, bpf, perf events, userfaultfd or keyrings; native ABI only"
+    return (
+        "no AF_UNIX, AF_VSOCK, AF_NETLINK or AF_PACKET sockets, io_uring, new namespaces, bpf, perf events,"
+        " userfaultfd or keyrings; native ABI only"
+    )
 
 
 def drop_capabilities():
@@ -441,7 +454,7 @@ def user_process(cfg, status_fd, report):
                 for name, ok in (
                     ("network", report["network"] != "python-guard"),
                     ("filesystem", report["landlock"] is not None),
-                    ("unix socket", report.get("seccomp") is not None),
+                    ("socket family", report.get("seccomp") is not None),
                     ("process limit", report["process_limit"] is not None),
                     ("disk quota", report.get("disk_quota") is not None),
                 )

@@ -25,7 +25,8 @@ applied on this machine is reported in ``SandboxResult.isolation``):
   without either (reported as ``python-guard``) a Python-level socket guard, which ctypes can bypass.
 * **privileges** - ``no_new_privs``, no capabilities (empty bounding set).
 * **kernel surface** - seccomp refuses ``socket(AF_UNIX)`` (pathname sockets such as a docker socket are outside
-  Landlock's reach), ``io_uring``, new namespaces, ``bpf``, ``perf_event_open``, ``userfaultfd`` and keyrings.
+  Landlock's reach), ``AF_VSOCK``, ``AF_NETLINK`` and ``AF_PACKET`` sockets, ``io_uring``, new namespaces, ``bpf``,
+  ``perf_event_open``, ``userfaultfd`` and keyrings.
 * **output** - stdout/stderr read incrementally; past ``max_output_bytes`` the program is killed and the result
   marked ``truncated`` (memory stays bounded whatever the program prints).
 """
@@ -518,7 +519,7 @@ class LocalSandbox(SandboxBackend):
             further calls wait for a slot, and that wait does not count against their ``timeout_s``.
         queue_timeout_s: longest wait for a slot; past it the call returns ``SandboxResult.error`` without running.
         isolate_filesystem: apply Landlock (default True).
-        require_isolation: refuse to run (``SandboxResult.error``) unless network, filesystem (Landlock), unix-socket
+        require_isolation: refuse to run (``SandboxResult.error``) unless network, filesystem (Landlock), socket-family
             (seccomp), process-count isolation and the disk quota are all in place; by default the program runs with what the
             platform allows, and ``SandboxResult.isolation`` says what that was. Host-file protection and a non-root
             uid are never optional: without them the constructor raises.
