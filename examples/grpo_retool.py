@@ -31,6 +31,7 @@ dequantized to bf16.) `python examples/grpo_retool.py --help` lists every flag.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from trl import SFTConfig, TrlParser
 
 from hf_gptoss_rl.harmony import load_gptoss_tokenizer
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_ext.checkpoints import resolve_resume_checkpoint
 from trl_ext.cold_start import StopAtLoss, cold_start
 from trl_ext.recipes import (
     StepSummaryCallback,
@@ -174,6 +176,22 @@ def build_model(script_args, training_args):
     return script_args.model_name_or_path, init_kwargs
 
 
+def load_practised_rows(path: Path, dataset_name: str, num_rows: int) -> list[int]:
+    """The rows the interrupted run's cold start practised (written when it finished), checked against the data."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"resuming after a cold start needs the rows it practised, in {path}; it is missing (was the run started "
+            "with another --output_dir, or without a cold start? then pass --cold_start_steps 0)"
+        )
+    saved = json.loads(path.read_text())
+    if (saved["dataset"], saved["num_rows"]) != (dataset_name, num_rows):
+        raise ValueError(
+            f"{path} was written for {saved['dataset']} ({saved['num_rows']} rows), not for --dataset_name "
+            f"{dataset_name} ({num_rows} rows): resume with the interrupted run's data"
+        )
+    return [int(i) for i in saved["rows"]]
+
+
 def _report(title, scores, what="practised problems"):
     success = scores["tool_call_success_rate"]
     print(
@@ -214,8 +232,14 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
     cold_start_steps = (
         script_args.cold_start_steps if script_args.cold_start_steps is not None else (120 if tiny else 0)
     )
+    # a resumed run skips the cold start (its weights are in the checkpoint) and trains on the rows it chose, saved
+    # next to the checkpoints
+    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    practised_file = Path(training_args.output_dir) / "cold_start" / "practised_rows.json"
     practised = []
-    if cold_start_steps and training_args.resume_from_checkpoint is None and script_args.eval_problems and tiny:
+    if cold_start_steps and resume is not None:
+        practised = load_practised_rows(practised_file, script_args.dataset_name, len(train_dataset))
+    if cold_start_steps and resume is None and script_args.eval_problems and tiny:
         # the randomly initialised policy, for comparison: it never writes a tool call
         from trl_ext.rollout import EmbeddedEngine
 
@@ -226,7 +250,7 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
             max_turns=training_args.max_turns, reasoning_effort=training_args.reasoning_effort,
         ), what="problems")  # fmt: skip
         engine.shutdown()
-    if cold_start_steps and training_args.resume_from_checkpoint is None:
+    if cold_start_steps and resume is None:
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
@@ -257,6 +281,11 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
             reasoning_effort=training_args.reasoning_effort, callbacks=[StopAtLoss(target, window=1)] if target else None,
         )  # fmt: skip
         print(f"[cold start] {len(practised)} problems practised in {time.perf_counter() - start:.0f} s", flush=True)
+        if training_args.process_index == 0:
+            practised_file.parent.mkdir(parents=True, exist_ok=True)
+            practised_file.write_text(json.dumps(
+                {"dataset": script_args.dataset_name, "num_rows": len(train_dataset), "rows": practised}
+            ))  # fmt: skip
     eval_rows = [train_dataset[i] for i in (practised or range(len(train_dataset)))[: script_args.eval_problems]]
     if practised and script_args.rl_problems == "practised":
         train_dataset = train_dataset.select(practised)
@@ -291,7 +320,7 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
             _report(title, scores)
 
     score("before GRPO")
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     score("after GRPO")  # the engine holds the trained weights (synced after every step)
 
     trainer.save_model(training_args.output_dir)

@@ -277,7 +277,8 @@ def shard_inputs(
     Then the sequence is padded at the end to a multiple of the group size (``input_ids`` with ``pad_token_id``,
     labels with -100, ``attention_mask`` with 1 -- the padding is at the end, so causality already hides it from
     real tokens and an all-ones mask stays all-ones --, ``position_ids`` counting on, other per-token tensors with
-    0) and every tensor whose first two dims are ``(B, S)`` is split along dim 1. Other entries pass unchanged.
+    0, ``routed_experts`` -- a routing-replay record, `hf_gptoss_rl.routing` -- with its no-record value) and every
+    tensor whose first two dims are ``(B, S)`` is split along dim 1. Other entries pass unchanged.
     """
     group = get_sequence_parallel_group(group)
     world, rank = _group_size(group), _group_rank(group)
@@ -312,7 +313,15 @@ def shard_inputs(
             tail = value[:, -1:] + torch.arange(1, pad + 1, device=value.device)
             value = torch.cat([value, tail.to(value.dtype)], dim=1) if pad else value
         else:
-            value = _pad_seq(value, pad, pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0))
+            if key == "input_ids":
+                fill = pad_token_id
+            elif key == "routed_experts":  # routing replay: the padding has no record and routes natively
+                from .routing import no_route
+
+                fill = no_route(value.dtype)
+            else:
+                fill = _PAD_VALUES.get(key, 0)
+            value = _pad_seq(value, pad, fill)
         out[key] = _shard(value, world, rank)
     return out
 

@@ -14,6 +14,8 @@
 #
 #   sglang_offline.sh download WHEELDIR          (on a machine with a package index)
 #   sglang_offline.sh install WHEELDIR [TARGET]  (offline; no index needed)
+#   sglang_offline.sh slim WHEELDIR OUTDIR       (wheels without the files install prunes and without FA3:
+#                                                 ~150 MB instead of ~480 MB, for a link with an upload limit)
 #   sglang_offline.sh check [TARGET]             (offline, needs the GPU)
 #   sglang_offline.sh serve TARGET MODEL_DIR PORT [extra sglang args...]
 #
@@ -139,6 +141,8 @@ cmd_install() {
   local prune=("${PRUNE[@]}")
   [[ ${PRUNE_FA3:-0} == 1 ]] && prune+=("$FA3_LIBRARY")
   for f in "${prune[@]}"; do
+    # `slim` took these out of the wheels already (without FA3, servers run --attention-backend triton)
+    [[ -e $dir/SLIM ]] && grep -qxF "$f" "$dir/SLIM" && continue
     [[ -e $target/$f ]] || die "expected $target/$f (wheel layout changed?)"
     rm -rf "${target:?}/$f"
   done
@@ -147,6 +151,32 @@ cmd_install() {
   du -sh "$target"
   echo "export PYTHONPATH=$(cd "$target" && pwd)"
   echo "server: $(cd "$target" && pwd)/bin/python -m sglang.launch_server ..."
+}
+
+# OUTDIR: the wheels of WHEELDIR without the PRUNE files and FA3 (members under those paths dropped; RECORD keeps
+# their lines, which pip does not check), plus a SLIM file listing them, which tells `install` they are gone already.
+cmd_slim() {
+  local dir=${1:?usage: slim WHEELDIR OUTDIR} out=${2:?usage: slim WHEELDIR OUTDIR}
+  mkdir -p "$out"
+  "$PY" - "$dir" "$out" "${PRUNE[@]}" "$FA3_LIBRARY" <<'EOF'
+import pathlib, sys, zipfile
+src, out, drop = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3:]
+found = set()
+for wheel in sorted(src.glob("*.whl")):
+    with zipfile.ZipFile(wheel) as zin, zipfile.ZipFile(out / wheel.name, "w", zipfile.ZIP_DEFLATED) as zout:
+        for item in zin.infolist():
+            hit = [d for d in drop if item.filename == d or item.filename.startswith(d.rstrip("/") + "/")]
+            if hit:
+                found.update(hit)
+                continue
+            zout.writestr(item, zin.read(item.filename))
+missing = sorted(set(drop) - found - {"bin", "share"})  # those two come from the wheels' .data folders at install
+if missing:
+    sys.exit(f"slim: not in any wheel: {missing} (wheel layout changed?)")
+(out / "SLIM").write_text("".join(f"{d}\n" for d in sorted(found)))
+size = sum(p.stat().st_size for p in out.glob("*.whl"))
+print(f"{len(list(out.glob('*.whl')))} wheels, {size / 2**20:.0f} MiB in {out}")
+EOF
 }
 
 # TARGET/bin/python: the python that runs the server, with PYTHONPATH=TARGET.
@@ -218,7 +248,8 @@ shift || true
 case $sub in
   download) cmd_download "$@" ;;
   install) cmd_install "$@" ;;
+  slim) cmd_slim "$@" ;;
   check) cmd_check "$@" ;;
   serve) cmd_serve "$@" ;;
-  *) die "usage: $0 {download WHEELDIR|install WHEELDIR [TARGET]|check [TARGET]|serve TARGET MODEL_DIR PORT [args...]} (TARGET: $DEFAULT_TARGET)" ;;
+  *) die "usage: $0 {download WHEELDIR|slim WHEELDIR OUTDIR|install WHEELDIR [TARGET]|check [TARGET]|serve TARGET MODEL_DIR PORT [args...]} (TARGET: $DEFAULT_TARGET)" ;;
 esac

@@ -68,7 +68,7 @@ SGLANG_SAMPLING_KEYS = frozenset(
 _UNSUPPORTED_DEFAULTS = {
     "n": 1, "ignore_eos": False, "json_schema": None, "regex": None, "ebnf": None,
     "structural_tag": None, "stop": None, "stop_regex": None, "logit_bias": None, "custom_params": None,
-    "min_new_tokens": 0, "sampling_seed": None,
+    "min_new_tokens": 0,
 }  # fmt: skip
 _PENALTIES = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -86,7 +86,7 @@ class Fault:
     half of the answer's body and close: the work is done, the client never sees the answer);
     contract breakers of ``/generate``: ``"extra_output_ids"`` (twice ``max_new_tokens`` output ids),
     ``"foreign_rid"`` (``meta_info.id`` of another request), ``"wrong_prompt_tokens"`` (one prompt token more than
-    sent).
+    sent); ``"zero_routing"`` (``meta_info.routed_experts`` all zeros).
     """
 
     kind: str
@@ -124,6 +124,9 @@ class FakeSGLangServer:
         validator=None,
         die_on: tuple[str, int] | None = None,
         stale_weights: bool | Callable[[str], bool] = False,
+        deterministic_inference: bool = True,
+        return_routed_experts: bool = False,
+        moe_runner_backend: str = "triton",
     ) -> None:
         if version not in ("0.5.17", "0.5.23"):
             raise ValueError(f"version must be '0.5.17' or '0.5.23', got {version!r}")
@@ -138,6 +141,14 @@ class FakeSGLangServer:
         self.validator = validator
         self.die_on = die_on  # (path, n): SIGKILL this process when the n-th request to path arrives
         self.stale_weights = stale_weights
+        # reported as `enable_deterministic_inference`; requests with a sampling_seed are reproducible either way
+        self.deterministic_inference = deterministic_inference
+        # --enable-return-routed-experts: the engine's own routing, in SGLang's encoding; the triton_kernel runner
+        # records nothing, so its answers hold zeros, as SGLang's do
+        if return_routed_experts and getattr(engine, "_recorder", None) is None:
+            raise ValueError("return_routed_experts needs an EmbeddedEngine(..., record_routing=True)")
+        self.return_routed_experts = return_routed_experts
+        self.moe_runner_backend = moe_runner_backend
         self.faults: deque[Fault] = deque()
         self.request_counts: dict[str, int] = {}
         self.requests: list[tuple[str, str, object]] = []
@@ -279,6 +290,9 @@ class FakeSGLangServer:
             "dp_size": 1,
             "version": self.version,
             "enable_lora": self.enable_lora,
+            "enable_deterministic_inference": self.deterministic_inference,
+            "enable_return_routed_experts": self.return_routed_experts,
+            "moe_runner_backend": self.moe_runner_backend,
             "weight_version": self.served_version,
             "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
         }
@@ -351,6 +365,11 @@ class FakeSGLangServer:
                 "weight_version": self.served_version,
                 "e2e_latency": time.perf_counter() - start,
             }
+            if body.get("return_routed_experts") and self.return_routed_experts and out.routed_experts is not None:
+                routing = out.routed_experts.to(torch.int32)[int(body.get("routed_experts_start_len") or 0) :]
+                if self.moe_runner_backend == "triton_kernel" or (fault is not None and fault.kind == "zero_routing"):
+                    routing = torch.zeros_like(routing)
+                meta["routed_experts"] = base64.b64encode(routing.numpy().tobytes()).decode()
             if return_logprob:
                 meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, ids)]
                 if start_len >= 0:
@@ -392,6 +411,7 @@ class FakeSGLangServer:
                 top_p=float(params.get("top_p", 1.0)),
                 top_k=int(params.get("top_k", -1)),
                 stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+                sampling_seed=params.get("sampling_seed"),
                 **{k: float(params[k]) for k in _PENALTIES if k in params},
             )
         except (TypeError, ValueError) as exc:
@@ -795,6 +815,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="fault: answer every weight update with success and keep the weights it has",
     )
+    parser.add_argument("--enable-return-routed-experts", action="store_true", help="answer with routed experts")
+    parser.add_argument("--moe-runner-backend", default="triton", help="triton_kernel: routed experts are zeros")
+    parser.add_argument("--attention-backend", default=None, help="accepted: eager attention here")
+    parser.add_argument("--sampling-backend", default=None, help="accepted: torch sampling here")
+    parser.add_argument("--grammar-backend", default=None, help="accepted: no grammar here")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="accepted: no CUDA graphs here")
     parser.add_argument(
         "--die-on",
         metavar="PATH:N",
@@ -817,7 +843,13 @@ def main(argv: list[str] | None = None) -> None:
         from hf_gptoss_rl.testing import register_sink_dropping_attention
 
         model.set_attn_implementation(register_sink_dropping_attention())
-    engine = EmbeddedEngine(model, max_batch_size=args.max_batch_size, seed=args.seed, initial_version=None)
+    engine = EmbeddedEngine(
+        model,
+        max_batch_size=args.max_batch_size,
+        seed=args.seed,
+        initial_version=None,
+        record_routing=args.enable_return_routed_experts,
+    )
     server = FakeSGLangServer(
         engine,
         host=args.host,
@@ -826,6 +858,8 @@ def main(argv: list[str] | None = None) -> None:
         die_on=die_on,
         enable_lora=args.enable_lora,
         stale_weights=args.stale_weights,
+        return_routed_experts=args.enable_return_routed_experts,
+        moe_runner_backend=args.moe_runner_backend,
     )
     server.start()
     print(f"serving {args.model_path} at {server.url}", flush=True)

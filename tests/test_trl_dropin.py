@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -136,8 +137,12 @@ def test_generation_kwargs_reach_the_sampling_params(tmp_path):
     assert {k: payload[k] for k in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")} == {
         "min_p": 0.2, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.25,
     }  # fmt: skip
-    sglang_only = sampling_params_from_config(config(tmp_path, generation_kwargs={"sampling_seed": 3}))
-    assert sampling_params_payload(sglang_only)["sampling_seed"] == 3
+    sglang_only = sampling_params_from_config(config(tmp_path, generation_kwargs={"min_new_tokens": 3}))
+    assert sampling_params_payload(sglang_only)["min_new_tokens"] == 3
+    # the trainer seeds each request itself: one seed for all would give a group's completions the same tokens
+    with pytest.raises(ValueError, match=r"'sampling_seed': the trainer seeds every request"):
+        config(tmp_path, generation_kwargs={"sampling_seed": 3})
+    assert sampling_params_payload(replace(sampling, sampling_seed=7))["sampling_seed"] == 7
     with pytest.raises(ValueError, match=r"generation_kwargs: 'num_beams': beam search does not sample"):
         config(tmp_path, generation_kwargs={"num_beams": 4})
     with pytest.raises(ValueError, match=r"'suppress_tokens': not implemented by the rollout engines"):
@@ -149,8 +154,8 @@ def test_generation_kwargs_reach_the_sampling_params(tmp_path):
 def test_sampling_fields_reach_the_embedded_engine(tmp_path, tokenizer):
     t = trainer(tmp_path, tokenizer, args=config(tmp_path, min_p=0.1, generation_kwargs={"repetition_penalty": 1.3}))
     assert (t.agent_loop.sampling.min_p, t.agent_loop.sampling.repetition_penalty) == (0.1, 1.3)
-    with pytest.raises(ValueError, match=r"\['sampling_seed'\] are SGLang-only; the embedded engine"):
-        trainer(tmp_path, tokenizer, args=config(tmp_path, generation_kwargs={"sampling_seed": 1}))
+    with pytest.raises(ValueError, match=r"\['min_new_tokens'\] are SGLang-only; the embedded engine"):
+        trainer(tmp_path, tokenizer, args=config(tmp_path, generation_kwargs={"min_new_tokens": 1}))
 
 
 # ---------------------------------------------------------------- constructor arguments and datasets

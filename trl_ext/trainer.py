@@ -235,7 +235,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.agent_tools = [t if isinstance(t, Tool) else FunctionTool(t) for t in (tools or [])]
         # harmony: <|return|> / <|call|>; other models: TRL's end-of-completion ids (tokenizer and generation config)
         sampling = sampling_params_from_config(args, stop_token_ids=None if self._harmony else self.eos_token_ids)
+        self._routing_shape = self._resolve_routing_shape(args)
         self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
+        # after the engine's copy of the policy: the hooks serve the trainer's routers only
+        self.routing_replay = None
+        self._pending_routing: dict[str, torch.Tensor] | None = None  # this generation's records, TRL's layout
+        if self._routing_shape is not None:
+            from hf_gptoss_rl.routing import RoutingReplay
+
+            self.routing_replay = RoutingReplay(self._policy_model())
         if sampling.sglang_extra and args.rollout_backend == "embedded" and rollout_engine is None:
             raise ValueError(
                 f"generation_kwargs {sorted(sampling.sglang_extra)} are SGLang-only; the embedded engine does not "
@@ -536,6 +544,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "old_per_token_logps": 0.0,
             "ref_per_token_logps": 0.0,
         }
+        if "prompt_routed_experts" in inputs:  # routing replay: padding has no record
+            from hf_gptoss_rl.routing import no_route
+
+            left_padded["prompt_routed_experts"] = no_route(inputs["prompt_routed_experts"].dtype)
+            right_padded["completion_routed_experts"] = no_route(inputs["completion_routed_experts"].dtype)
         for key, value in inputs.items():
             parts = [g[key] for g in gathered]
             if key == "num_items_in_batch":
@@ -545,7 +558,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 pad_value = left_padded.get(key, right_padded.get(key))
                 padded = []
                 for p in parts:
-                    filler = p.new_full((p.shape[0], width - p.shape[1]), pad_value)
+                    filler = p.new_full((p.shape[0], width - p.shape[1], *p.shape[2:]), pad_value)
                     padded.append(torch.cat([filler, p] if key in left_padded else [p, filler], dim=1))
                 out[key] = torch.cat(padded).to(device)
             elif isinstance(value, torch.Tensor) and value.dim() >= 1:
@@ -554,17 +567,20 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"cannot pool input {key!r} across the sequence-parallel group")
         return out
 
-    def _sp_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False):
+    def _sp_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False, routing=None
+    ):
         from hf_gptoss_rl.sequence_parallel import gather_outputs, shard_inputs
 
         seq_len = input_ids.shape[1]
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        shard = shard_inputs(
-            {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels},
-            self._sp_group,
-            pad_token_id=self._tokenizer.pad_token_id,
-        )
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if routing is not None:
+            batch["routed_experts"] = routing  # sharded with its tokens
+        shard = shard_inputs(batch, self._sp_group, pad_token_id=self._tokenizer.pad_token_id)
+        if routing is not None:
+            self._replay(shard["routed_experts"])
         extra = {"output_router_logits": True} if compute_aux_loss else {}
         with self.accelerator.autocast():
             out = model(
@@ -601,6 +617,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 self.accelerator.unwrap_model(self.model),
                 pad_token_id=self._tokenizer.pad_token_id,
                 seed=args.seed + self.accelerator.process_index,
+                record_routing=self._routing_shape is not None,
             )
         from .rollout import SGLangEngine
         from .weight_sync import WeightSyncConfig
@@ -636,10 +653,91 @@ class AgenticGRPOTrainer(GRPOTrainer):
             ready_timeout_s=args.sglang_ready_timeout_s,
             log_every_s=args.sglang_log_every_s,
             api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None,
+            record_routing=self._routing_shape if args.routing_replay else None,
         )
         # Fail here, with each unreachable URL and its last error, rather than abort every trajectory of step 1.
         engine.check_servers()
+        if self._routing_shape is not None and not args.routing_replay:
+            from hf_gptoss_rl.routing import RoutingError
+
+            from .rollout.sglang import check_routing_servers
+
+            try:  # servers that can return routing do: `routing/agreement` is logged, replay off
+                check_routing_servers(engine.run(engine.weight_sync.server_states()))
+                engine.record_routing = self._routing_shape
+            except RoutingError:
+                pass
         return engine
+
+    def _resolve_routing_shape(self, args) -> tuple[int, int, int] | None:
+        """(MoE layers, top_k, experts) when the rollouts can record GPT-OSS routing, else None."""
+        from hf_gptoss_rl.routing import RoutingError, routing_shape
+
+        shape = None
+        if self._harmony:
+            try:
+                shape = routing_shape(self._policy_model())
+            except RoutingError:
+                shape = None
+        if args.routing_replay and shape is None:
+            raise ValueError("routing_replay=True replays GPT-OSS MoE routing; this policy has no MoE routers")
+        return shape
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`Trainer.train`, where `resume_from_checkpoint` may also be ``"true"`` / ``"last"`` / ``"latest"`` (as a
+        command line passes them) and a half-written checkpoint is never resumed (`trl_ext.checkpoints`)."""
+        from .checkpoints import resolve_resume_checkpoint
+
+        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        return super().train(
+            resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
+
+    def _rollout_rng_file(self, folder: str) -> str:
+        from .checkpoints import ROLLOUT_RNG_FILE
+
+        suffix = f"_{self.args.process_index}" if self.args.world_size > 1 else ""
+        return os.path.join(folder, f"{ROLLOUT_RNG_FILE}{suffix}.pth")
+
+    def _rollout_rng_states(self) -> dict[str, Any]:
+        """The generators of the rollout side that this process owns: the engine's, and any tool's."""
+        states = {"engine": self.rollout_engine.rng_state()}
+        states.update({f"tool:{t.name}": t.rng_state() for t in self.agent_tools})
+        return {k: v for k, v in states.items() if v is not None}
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        # TRL's rng_state.pth holds Python's, numpy's and torch's generators; the rollout engine's sampling generator
+        # and the tools' are saved next to it, so that a resumed run continues their streams
+        super()._save_rng_state(output_dir)
+        states = self._rollout_rng_states()
+        if states:
+            torch.save(states, self._rollout_rng_file(output_dir))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = self._rollout_rng_file(checkpoint)
+        if not os.path.isfile(path):
+            if self._rollout_rng_states():
+                logger.warning(
+                    "%s has no %s: the rollout engine's and tools' generators restart from their seeds, so requests "
+                    "without a sampling_seed sample differently from the straight run",
+                    checkpoint,
+                    os.path.basename(path),
+                )
+            return
+        states = torch.load(path, weights_only=True)
+        tools = {f"tool:{t.name}": t for t in self.agent_tools}
+        for key, state in states.items():
+            if key == "engine":
+                self.rollout_engine.load_rng_state(state)
+            elif key in tools:
+                tools[key].load_rng_state(state)
+            else:
+                raise ValueError(f"{path} holds the generator state of {key!r}, which this trainer does not have")
 
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
@@ -670,10 +768,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _rollout(self, prompts: list) -> dict[str, list]:
         prompt_ids = [self._render_prompt(p) for p in prompts]
-        from .rollout import run_sync
+        from .rollout import rollout_seed, run_sync
 
+        # one sampling stream per trajectory, a function of (seed, mode, step, process, index): the same rollouts in
+        # a straight and a resumed run, whatever the engine's batching (`rollout_seed`)
+        mode = "train" if self.model.training else "eval"
+        rank, step = self.accelerator.process_index, self.state.global_step
+        seeds = [rollout_seed(self.args.seed, mode, step, rank, i) for i in range(len(prompt_ids))]
         start = time.perf_counter()
-        trajectories = run_sync(self.agent_loop.run_batch(prompt_ids))
+        trajectories = run_sync(self.agent_loop.run_batch(prompt_ids, seeds))
         self._metrics["train" if self.model.training else "eval"]["timing/rollout_s"].append(
             time.perf_counter() - start
         )
@@ -700,7 +803,54 @@ class AgenticGRPOTrainer(GRPOTrainer):
             out["finish_reason"].append(traj.finish_reason)
         self._log_rollout_metrics(out)
         self._check_served_versions(trajectories)
+        self._pending_routing = self._routing_layout(trajectories, out) if self._routing_shape is not None else None
         return out
+
+    def _routing_layout(self, trajectories: list, out: dict[str, list]) -> dict[str, torch.Tensor] | None:
+        """The trajectories' routing records in TRL's layout: `prompt_routed_experts` `[B, P, layers, top_k]` (left
+        padded, as `prompt_ids`) and `completion_routed_experts` `[B, C, layers, top_k]` (right padded); tokens without a
+        record hold `no_route`. None when no trajectory has one (an engine that does not record routing)."""
+        from hf_gptoss_rl.routing import check_routing, no_route, routing_dtype
+
+        records = [t.routed_experts for t in trajectories]
+        if all(r is None for r in records):
+            if self.args.routing_replay:
+                raise ValueError(
+                    "routing_replay=True but the rollout engine returned no routing: build it with "
+                    "record_routing (EmbeddedEngine(record_routing=True), SGLangEngine(record_routing=...))"
+                )
+            return None
+        layers, top_k, experts = self._routing_shape
+        dtype = routing_dtype(experts)
+        prompt_width = max(len(p) for p in out["prompt_ids"])
+        completion_width = max(len(c) for c in out["completion_ids"])
+        prompt = torch.full((len(records), prompt_width, layers, top_k), no_route(dtype), dtype=dtype)
+        completion = torch.full((len(records), completion_width, layers, top_k), no_route(dtype), dtype=dtype)
+        for i, (record, prompt_ids) in enumerate(zip(records, out["prompt_ids"])):
+            if record is None:
+                continue
+            n = len(prompt_ids)
+            check_routing(record, num_layers=layers, top_k=top_k, num_experts=experts, source=f"trajectory {i}")
+            if record.shape[0] > n + len(out["completion_ids"][i]):
+                raise ValueError(f"trajectory {i}: routing for {record.shape[0]} tokens, more than it has")
+            prompt[i, prompt_width - n :] = record[:n].to(dtype)
+            completion[i, : record.shape[0] - n] = record[n:].to(dtype)
+        device = self.accelerator.device
+        return {"prompt_routed_experts": prompt.to(device), "completion_routed_experts": completion.to(device)}
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self._pending_routing is not None:  # shuffled and split with the rest of the batch by TRL
+            output.update(self._pending_routing)
+        self._pending_routing = None
+        return output
+
+    def training_step(self, *args, **kwargs):
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:  # the plan served the forward and its recompute in the backward
+            if self.routing_replay is not None:
+                self.routing_replay.clear()
 
     def _check_served_versions(self, trajectories: list) -> None:
         """Log the versions that served this batch and fail on trajectories served on another version.
@@ -797,24 +947,82 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return loss * self._sp_loss_scale() if self._sp_group is not None else loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
+        routing = self._routing_for(input_ids)
         # SP: only the loss forward (inside `_compute_loss`, on the group's pooled batch) runs sequence-parallel
         if self._sp_group is not None and self._loss_inputs is not None:
             logps, entropies, aux_loss = self._sp_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=kw.get("compute_aux_loss", False)
-            )
+                model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=kw.get("compute_aux_loss", False),
+                routing=routing,
+            )  # fmt: skip
         elif self.padding_free and not a and all(kw.get(k) is None for k in kw if k not in _PACKED_KWARGS):
             logps, entropies, aux_loss = self._packed_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, **{k: kw[k] for k in _PACKED_KWARGS if k in kw}
+                model, input_ids, attention_mask, logits_to_keep, routing=routing,
+                **{k: kw[k] for k in _PACKED_KWARGS if k in kw},
+            )  # fmt: skip
+        elif routing is not None:
+            logps, entropies, aux_loss = self._replayed_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw
             )
         else:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *a, **kw
             )
+        if routing is not None and self._loss_inputs is not None:
+            self._log_routing_agreement()
         inputs = self._loss_inputs
         # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
         if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
             self._apply_rollout_correction(logps, inputs)
         return logps, entropies, aux_loss
+
+    # ------------------------------------------------------------------ routing replay
+
+    def _routing_for(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The routing record `[B, T, layers, top_k]` of this log-prob pass's rows: the loss inputs' or, in TRL's
+        generation-time passes, this generation's (None: no record, or another batch, e.g. TRL's reference pass)."""
+        if self.routing_replay is None:
+            return None
+        source = self._loss_inputs if self._loss_inputs is not None else self._pending_routing
+        if not source or "prompt_routed_experts" not in source:
+            return None
+        routing = torch.cat([source["prompt_routed_experts"], source["completion_routed_experts"]], dim=1)
+        return routing if tuple(routing.shape[:2]) == tuple(input_ids.shape) else None
+
+    def _replay(self, routing: torch.Tensor):
+        """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
+        self.routing_replay.set_plan(routing, replay=self.args.routing_replay, device=self.accelerator.device)
+
+    def _replayed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
+        """TRL's padded pass, chunk by chunk, each chunk's forward with its rows' routing."""
+        batch_size = kw.pop("batch_size", None) or input_ids.size(0)
+        if a:
+            raise ValueError("routing replay: unexpected positional arguments to the log-prob pass")
+        chunks = range(0, input_ids.size(0), batch_size)
+        if torch.is_grad_enabled() and len(chunks) > 1:
+            # the backward's checkpoint recompute replays the plan in place when it runs: one forward per backward
+            raise ValueError("routing replay: a differentiated log-prob pass must be one forward (batch_size=None)")
+        outs = []
+        for start in chunks:
+            end = start + batch_size
+            self._replay(routing[start:end])
+            outs.append(
+                super()._get_per_token_logps_and_entropies(
+                    model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kw
+                )
+            )
+        if not torch.is_grad_enabled():
+            self.routing_replay.clear()
+        logps = torch.cat([o[0] for o in outs])
+        entropies = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
+        aux = torch.stack([o[2] for o in outs]).mean() if outs[0][2] is not None else None
+        return logps, entropies, aux
+
+    def _log_routing_agreement(self) -> None:
+        measured = self.routing_replay.take_agreement()
+        if measured is not None:
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            metrics["routing/agreement"].append(measured[0])
+            metrics["routing/agreement_min_layer"].append(measured[1])
 
     def _packed_logps_and_entropies(
         self,
@@ -825,6 +1033,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         batch_size=None,
         compute_entropy=False,
         compute_aux_loss=False,
+        routing=None,
     ):
         """TRL's `_get_per_token_logps_and_entropies` with each chunk of rows packed into one row without padding.
 
@@ -838,6 +1047,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start : start + batch_size]
             mask = attention_mask[start : start + batch_size]
+            if routing is not None and rows_are_contiguous(mask):  # packed as `pack_rows` packs the ids
+                if torch.is_grad_enabled() and input_ids.size(0) > batch_size:
+                    raise ValueError("routing replay: a differentiated log-prob pass must be one forward")
+                self._replay(routing[start : start + batch_size][mask.bool()])
+            elif routing is not None:
+                self._replay(routing[start : start + batch_size])
             if rows_are_contiguous(mask):
                 logps, entropies, aux = packed_completion_logprobs(
                     model, ids, mask, logits_to_keep, compute_aux_loss=compute_aux_loss,
@@ -855,6 +1070,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             all_logps.append(logps)
             all_entropies.append(entropies)
             all_aux.append(aux)
+        if routing is not None and not torch.is_grad_enabled():
+            self.routing_replay.clear()
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None

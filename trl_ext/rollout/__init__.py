@@ -9,7 +9,7 @@ from .agent_loop import AgentLoop, run_sync
 from .embedded import EmbeddedEngine
 from .engine import RolloutEngine
 from .sglang import SGLangEngine, SGLangError, SGLangOfflineEngine, SGLangResponseError, SGLangUnavailableError
-from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory
+from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory, rollout_seed
 
 __all__ = [
     "AgentLoop",
@@ -24,5 +24,6 @@ __all__ = [
     "SamplingParams",
     "ToolCallRecord",
     "Trajectory",
+    "rollout_seed",
     "run_sync",
 ]

@@ -43,12 +43,15 @@ import asyncio
 import logging
 from dataclasses import replace
 
+import torch
+
 from hf_gptoss_rl.harmony import CALL, END, RETURN, START, encode_text, parse_assistant_turn, render_tool_result
+from hf_gptoss_rl.routing import RoutingError
 
 from .._async import run_sync
 from ..tools import Tool, ToolError
 from .engine import RolloutEngine
-from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory
+from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory, rollout_seed
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +112,11 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ public API
 
-    async def run(self, prompt_ids: list[int]) -> Trajectory:
-        """One trajectory from ``prompt_ids`` (rendered with ``render_prompt``: ends with ``<|start|>assistant``)."""
+    async def run(self, prompt_ids: list[int], seed: int | None = None) -> Trajectory:
+        """One trajectory from ``prompt_ids`` (rendered with ``render_prompt``: ends with ``<|start|>assistant``).
+
+        ``seed``: turn t samples with ``sampling_seed = rollout_seed(seed, t)``, so the trajectory is a function of the
+        seed, the prompt, the weights and the tools' outputs (None: the engine's own randomness)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
@@ -124,8 +130,12 @@ class AgentLoop:
                 traj.finish_reason = "max_turns"
                 break
             sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, left))
+            if seed is not None:
+                sampling = replace(sampling, sampling_seed=rollout_seed(seed, traj.num_turns))
             try:
                 out = await self.engine.generate(traj.prompt_ids + traj.completion_ids, sampling)
+            except RoutingError:  # a server set up without routing fails every request: stop, never train without it
+                raise
             except Exception as exc:  # noqa: BLE001 - one failing request must not sink the batch
                 logger.warning("rollout engine failed: %s: %s", type(exc).__name__, exc)
                 traj.errors.append(f"engine error: {type(exc).__name__}: {exc}")
@@ -169,15 +179,18 @@ class AgentLoop:
         traj.check_alignment()
         return traj
 
-    async def run_batch(self, prompts: list[list[int]]) -> list[Trajectory]:
-        """Run trajectories concurrently (at most ``max_concurrency`` at once); order preserved."""
+    async def run_batch(self, prompts: list[list[int]], seeds: list[int] | None = None) -> list[Trajectory]:
+        """Run trajectories concurrently (at most ``max_concurrency`` at once); order preserved. ``seeds``: one per
+        prompt (see `run`)."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"run_batch: {len(seeds)} seeds for {len(prompts)} prompts")
         semaphore = asyncio.Semaphore(self.max_concurrency)
         bar = self._progress_bar(len(prompts)) if self.progress else None
         totals = {"turns": 0, "tool_calls": 0, "done": 0}
 
-        async def one(prompt: list[int]) -> Trajectory:
+        async def one(prompt: list[int], seed: int | None) -> Trajectory:
             async with semaphore:
-                traj = await self.run(prompt)
+                traj = await self.run(prompt, seed)
             if bar is not None:
                 totals["done"] += 1
                 totals["turns"] += traj.num_turns
@@ -191,7 +204,7 @@ class AgentLoop:
             return traj
 
         try:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
+            return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds or [None] * len(prompts)))))
         finally:
             if bar is not None:
                 bar.refresh()  # the final counts, even when the batch finished within tqdm's refresh interval
@@ -203,15 +216,26 @@ class AgentLoop:
 
         return tqdm(total=total, desc="rollouts", unit="traj", leave=False, dynamic_ncols=True)
 
-    def run_batch_sync(self, prompts: list[list[int]]) -> list[Trajectory]:
+    def run_batch_sync(self, prompts: list[list[int]], seeds: list[int] | None = None) -> list[Trajectory]:
         """`run_batch` from synchronous code (see `run_sync`)."""
-        return run_sync(self.run_batch(prompts))
+        return run_sync(self.run_batch(prompts, seeds))
 
     # ------------------------------------------------------------------ helpers
 
     def _append_sampled(self, traj: Trajectory, out: GenerationOutput) -> None:
         if len(out.output_ids) != len(out.logprobs):
             raise AssertionError("engine returned misaligned output ids / log-probs")
+        if out.routed_experts is not None:
+            # this turn's record covers the context it read and its own tokens but the last; the tokens an earlier
+            # turn read keep that turn's routing (the routing their successors were sampled with)
+            expected = len(traj.prompt_ids) + len(traj.completion_ids) + len(out.output_ids) - 1
+            if out.routed_experts.shape[0] != expected:
+                raise AssertionError(
+                    f"engine returned routing for {out.routed_experts.shape[0]} tokens, expected {expected}"
+                )
+            done = 0 if traj.routed_experts is None else traj.routed_experts.shape[0]
+            new = out.routed_experts[done:]
+            traj.routed_experts = new if traj.routed_experts is None else torch.cat([traj.routed_experts, new])
         traj.completion_ids.extend(int(t) for t in out.output_ids)
         traj.completion_mask.extend([1] * len(out.output_ids))
         traj.rollout_logprobs.extend(float(x) for x in out.logprobs)

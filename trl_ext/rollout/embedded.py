@@ -87,8 +87,12 @@ class EmbeddedEngine(RolloutEngine):
         batch_wait_s: how long the worker waits for more requests after the first one arrives.
         pad_token_id: id for left padding (any valid id; padded positions are masked). Defaults to the
             config's ``pad_token_id`` or 0.
-        seed: seed of the sampling generator (None: nondeterministic).
+        seed: seed of the shared sampling generator, used by requests without a ``sampling_seed`` (None:
+            nondeterministic). A request with a ``sampling_seed`` samples from its own generator, so its tokens do
+            not depend on which requests it was batched with.
         initial_version: weight version reported before the first `update_weights`.
+        record_routing: return, with every output, the experts each MoE layer chose for every token the engine read
+            (`GenerationOutput.routed_experts`, SGLang's layout), for routing replay in the trainer. GPT-OSS only.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class EmbeddedEngine(RolloutEngine):
         pad_token_id: int | None = None,
         seed: int | None = None,
         initial_version: int | str | None = 0,
+        record_routing: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -118,6 +123,11 @@ class EmbeddedEngine(RolloutEngine):
         else:
             self._generator.manual_seed(int(seed))
         self._version = initial_version
+        self._recorder = None
+        if record_routing:
+            from hf_gptoss_rl.routing import RoutingRecorder
+
+            self._recorder = RoutingRecorder(model)
         self._requests: queue.Queue[_Request | None] = queue.Queue()
         self._model_lock = threading.Lock()  # held while decoding a batch and while loading weights
         self._abort = threading.Event()
@@ -156,6 +166,14 @@ class EmbeddedEngine(RolloutEngine):
     @property
     def weight_version(self) -> int | str | None:
         return self._version
+
+    def rng_state(self) -> dict:
+        """The shared sampling generator's state (requests without a ``sampling_seed`` draw from it)."""
+        return {"generator": self._generator.get_state()}
+
+    def load_rng_state(self, state: dict) -> None:
+        with self._model_lock:  # not while a batch draws from it
+            self._generator.set_state(state["generator"])
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         import asyncio
@@ -295,19 +313,33 @@ class EmbeddedEngine(RolloutEngine):
             penalised = bool((penalties != torch.tensor([1.0, 0.0, 0.0], device=device)).any())
             # per-row counts of the tokens generated so far (only allocated when a penalty is on)
             counts = torch.zeros(bsz, self.vocab_size, device=device) if penalised else None
+            # a seeded request draws from its own stream, an unseeded one from the shared generator
+            generators = [
+                self._generator
+                if r.sampling.sampling_seed is None
+                else torch.Generator(device=device).manual_seed(r.sampling.sampling_seed)
+                for r in batch
+            ]
+            seeded = any(r.sampling.sampling_seed is not None for r in batch)
             stop_sets = [frozenset(r.sampling.stop_token_ids) for r in batch]
             budgets = [r.sampling.max_new_tokens for r in batch]
 
             cache = DynamicCache(config=self.model.config)
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            with self._capture() as step:
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             next_position = position_ids[:, -1:] + 1
+            routing: list[list[torch.Tensor]] = [[] for _ in range(bsz)]  # per request: chunks of [tokens, L, k]
+            if step is not None:  # the prompt's real (left-padded) tokens
+                prefill = step.routing().reshape(bsz, max_len, *step.routing().shape[1:]).cpu()
+                for i in range(bsz):
+                    routing[i].append(prefill[i, max_len - lengths[i] :])
 
             tokens: list[list[int]] = [[] for _ in range(bsz)]
             logprobs: list[list[float]] = [[] for _ in range(bsz)]
@@ -320,7 +352,12 @@ class EmbeddedEngine(RolloutEngine):
                 scaled = logits / temperature
                 logp = torch.log_softmax(scaled, dim=-1)
                 probs = _filter_top_k_top_p(scaled, top_k, top_p, min_p).softmax(dim=-1)
-                sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+                if seeded:  # one draw per row from its own generator: independent of the batch's composition
+                    sampled = torch.cat(
+                        [torch.multinomial(probs[j], 1, generator=generators[i]) for j, i in enumerate(rows)]
+                    )
+                else:
+                    sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
                 token = torch.where(greedy, logits.argmax(dim=-1), sampled)
                 token_lp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
                 if counts is not None:
@@ -348,13 +385,28 @@ class EmbeddedEngine(RolloutEngine):
                     counts = counts[index] if counts is not None else None
                     rows = [rows[j] for j in keep]
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
-                out = self.model(
-                    input_ids=token.unsqueeze(-1),
-                    attention_mask=attention_mask,
-                    position_ids=next_position,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
+                with self._capture() as step:
+                    out = self.model(
+                        input_ids=token.unsqueeze(-1),
+                        attention_mask=attention_mask,
+                        position_ids=next_position,
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
+                if step is not None:  # the tokens just read: one per decoding row
+                    fed = step.routing().cpu()
+                    for j, i in enumerate(rows):
+                        routing[i].append(fed[j : j + 1])
                 next_position = next_position + 1
 
-            return [GenerationOutput(tokens[i], logprobs[i], reason[i], version) for i in range(bsz)]
+            return [
+                GenerationOutput(
+                    tokens[i], logprobs[i], reason[i], version, torch.cat(routing[i]) if self._recorder else None
+                )
+                for i in range(bsz)
+            ]
+
+    def _capture(self):
+        import contextlib
+
+        return self._recorder.capture() if self._recorder is not None else contextlib.nullcontext()

@@ -38,6 +38,15 @@ class RolloutEngine(ABC):
     async def close(self) -> None:
         """Release resources (threads, HTTP connections). Idempotent."""
 
+    def rng_state(self) -> dict | None:
+        """State of the random generators this process owns for sampling (None: none; a server samples with the
+        per-request ``sampling_seed``). The trainer saves it in every checkpoint and restores it on resume."""
+        return None
+
+    def load_rng_state(self, state: dict) -> None:
+        """Restore what `rng_state` returned."""
+        raise ValueError(f"{type(self).__name__} keeps no generator state, but a checkpoint holds one: {sorted(state)}")
+
     @property
     @abstractmethod
     def weight_version(self) -> int | str | None:

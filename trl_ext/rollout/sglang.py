@@ -110,8 +110,71 @@ def sampling_params_payload(sampling: SamplingParams) -> dict:
         value = getattr(sampling, key, off)
         if value != off:
             payload[key] = value
+    if (
+        getattr(sampling, "sampling_seed", None) is not None
+    ):  # honoured by servers run with --enable-deterministic-inference
+        payload["sampling_seed"] = sampling.sampling_seed
     payload.update(getattr(sampling, "sglang_extra", None) or {})
     return payload
+
+
+def decode_routed_experts(meta: dict, tokens: int, shape: tuple[int, int, int], url: str):
+    """``meta_info.routed_experts`` (base64 of an int32 ``[tokens, layers, top_k]`` array, SGLang's
+    ``DetokenizerManager._b64_encode_per_request``) as a compact tensor, checked; `RoutingError` when it is missing
+    or is not a top-k."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    from hf_gptoss_rl.routing import RoutingError, check_routing, routing_dtype
+
+    layers, top_k, experts = shape
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise RoutingError(
+            f"{url}/generate answered without meta_info.routed_experts although the request asked for them: launch "
+            "the server with --enable-return-routed-experts (SGLang >= 0.5.7), or set routing_replay=False"
+        )
+    try:
+        flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    except (ValueError, TypeError) as exc:
+        raise RoutingError(f"{url}: meta_info.routed_experts is not base64 of int32 ids: {exc}") from exc
+    if flat.size != tokens * layers * top_k:
+        raise RoutingError(
+            f"{url}: meta_info.routed_experts holds {flat.size} ids, expected {tokens} tokens x {layers} layers x "
+            f"{top_k} (prompt + output - 1 tokens)"
+        )
+    routing = torch.from_numpy(flat.reshape(tokens, layers, top_k).copy())
+    try:
+        check_routing(routing, num_layers=layers, top_k=top_k, num_experts=experts, source=f"{url} routed_experts")
+    except RoutingError as exc:
+        raise RoutingError(
+            f"{exc}. SGLang's triton_kernel MoE runner (its default for GPT-OSS on Hopper) and flashinfer_mxfp4 record "
+            "no routing: launch with --moe-runner-backend triton (bf16) or marlin (MXFP4)"
+        ) from None
+    return routing.to(routing_dtype(experts))
+
+
+# MoE runners that do not run SGLang's routing capture for GPT-OSS (`TopK.forward_cuda` in sglang/srt/layers/moe/topk.py)
+_RUNNERS_WITHOUT_ROUTING = ("triton_kernel", "flashinfer_mxfp4")
+
+
+def check_routing_servers(states) -> None:
+    """Start-up check for routing replay: every server returns routed experts with a runner that records them."""
+    from hf_gptoss_rl.routing import RoutingError
+
+    for s in states:
+        if not s.return_routed_experts:
+            raise RoutingError(
+                f"{s.url} runs without --enable-return-routed-experts: it cannot return the routing that routing "
+                "replay needs (relaunch with the flag, SGLang >= 0.5.7, or set routing_replay=False)"
+            )
+        if s.moe_runner_backend in _RUNNERS_WITHOUT_ROUTING:
+            raise RoutingError(
+                f"{s.url} runs the {s.moe_runner_backend} MoE runner, which records no routing (it would return "
+                "zeros): relaunch with --moe-runner-backend triton (bf16) or marlin (MXFP4)"
+            )
 
 
 def _parse_version(version):
@@ -200,6 +263,10 @@ class SGLangEngine(RolloutEngine):
         ready_timeout_s: how long the readiness wait (``GET /health`` on every server) may take.
         log_every_s: period of the log lines while waiting for servers and while requests are in flight.
         api_key: sent as ``Authorization: Bearer`` (servers launched with ``--api-key`` / ``--admin-api-key``).
+        record_routing: ``(MoE layers, top_k, experts)`` of the served model: every request asks for the routed
+            experts (``return_routed_experts``; servers launched with ``--enable-return-routed-experts`` and a MoE
+            runner that records them, see ``docs/rollouts.md``), which are checked and returned in
+            `GenerationOutput.routed_experts`. A missing, all-zero or out-of-range record raises `RoutingError`.
     """
 
     def __init__(
@@ -217,6 +284,7 @@ class SGLangEngine(RolloutEngine):
         ready_timeout_s: float = 600.0,
         log_every_s: float = 30.0,
         api_key: str | None = None,
+        record_routing: tuple[int, int, int] | None = None,
     ) -> None:
         try:
             import httpx  # noqa: F401
@@ -255,6 +323,7 @@ class SGLangEngine(RolloutEngine):
         self.ready_timeout_s = float(ready_timeout_s)
         self.log_every_s = float(log_every_s)
         self.api_key = api_key
+        self.record_routing = None if record_routing is None else tuple(int(x) for x in record_routing)
         self.weight_sync = SGLangHTTPWeightSync(self, weight_sync or WeightSyncConfig())
         self._inflight = {u: 0 for u in self.base_urls}
         self._rr = itertools.count()
@@ -441,6 +510,17 @@ class SGLangEngine(RolloutEngine):
         self.run(self._ensure_ready(timeout_s))
         states = self.run(self.weight_sync.server_states())
         logger.info("SGLang servers: %s", ", ".join(f"{s.url} (sglang {s.version}, tp {s.tp_size})" for s in states))
+        if self.record_routing is not None:
+            check_routing_servers(states)
+        unseeded = [s.url for s in states if not s.deterministic_inference]
+        if unseeded:
+            # SGLang reads sampling_params.sampling_seed only in deterministic mode (`SamplingBatchInfo.from_schedule_batch`
+            # in sglang/srt/sampling/sampling_batch_info.py); otherwise it samples with its own generator
+            logger.warning(
+                "SGLang servers %s run without --enable-deterministic-inference: they ignore the per-request "
+                "sampling_seed, so rollouts are not reproducible and a resumed run samples other completions",
+                ", ".join(unseeded),
+            )
 
     async def wait_until_ready(self, timeout_s: float | None = None) -> None:
         """Poll ``GET /health`` on every server until all answer 200; `SGLangUnavailableError` at the deadline."""
@@ -586,6 +666,8 @@ class SGLangEngine(RolloutEngine):
         }
         if self.weight_sync.served_adapter is not None:
             payload["lora_path"] = self.weight_sync.served_adapter
+        if self.record_routing is not None:
+            payload["return_routed_experts"] = True
         loop = asyncio.get_running_loop()
         started = loop.time()
         attempt = 0
@@ -641,6 +723,13 @@ class SGLangEngine(RolloutEngine):
                     self._inflight[url] -= 1
                 break
         meta = item.get("meta_info") or {}
+        # an aborted request may finish before its routing is collected: it is not trained on (its turn ends the
+        # trajectory) and routes natively
+        aborted_without = out.finish_reason == "abort" and meta.get("routed_experts") is None
+        if self.record_routing is not None and out.output_ids and not aborted_without:
+            out.routed_experts = decode_routed_experts(
+                meta, len(ids) + len(out.output_ids) - 1, self.record_routing, url
+            )
         prompt_tokens, cached = meta.get("prompt_tokens"), meta.get("cached_tokens")
         if isinstance(prompt_tokens, int) and isinstance(cached, int):
             self.stats["prompt_tokens"] += prompt_tokens

@@ -27,6 +27,11 @@ class SamplingParams:
     and the scaling TRL applies in the loss (a penalty shows up as rollout/training mismatch, as it should: it
     changes the distribution the tokens were sampled from).
 
+    ``sampling_seed`` seeds this request's own sampling stream (SGLang's ``sampling_params.sampling_seed``): the
+    same seed, context and weights give the same tokens however the engine batches the request with others. None
+    uses the engine's shared generator. The trainer sets it per request (`rollout_seed`), which makes its rollouts
+    reproducible and a resumed run sample what the straight run sampled.
+
     ``sglang_extra`` holds further SGLang ``sampling_params`` keys sent verbatim by the SGLang engines
     (`SGLANG_ONLY_SAMPLING_KEYS`); the embedded engine refuses them.
     """
@@ -40,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = tuple(STOP_TOKEN_IDS)
+    sampling_seed: int | None = None
     sglang_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +64,11 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.sampling_seed is not None:
+            if isinstance(self.sampling_seed, bool) or not isinstance(self.sampling_seed, int):
+                raise TypeError(f"sampling_seed must be an int or None, got {self.sampling_seed!r}")
+            if not 0 <= self.sampling_seed < 2**63:
+                raise ValueError(f"sampling_seed must be in [0, 2**63), got {self.sampling_seed}")
         unknown = set(self.sglang_extra) - set(SGLANG_ONLY_SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"sglang_extra: unsupported keys {sorted(unknown)} (allowed: {SGLANG_ONLY_SAMPLING_KEYS})")
@@ -66,7 +77,7 @@ class SamplingParams:
 
 
 # SGLang `sampling_params` keys the SGLang engines pass through unchanged; they keep the token-in/token-out contract.
-SGLANG_ONLY_SAMPLING_KEYS = ("min_new_tokens", "logit_bias", "sampling_seed")
+SGLANG_ONLY_SAMPLING_KEYS = ("min_new_tokens", "logit_bias")
 # generation_kwargs keys that map onto `SamplingParams` fields (TRL's / transformers' names).
 _GENERATION_KWARGS_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
@@ -80,7 +91,20 @@ _GENERATION_KWARGS_HINTS = {
     "num_return_sequences": "set num_generations",
     "num_beams": "beam search does not sample; GRPO needs sampled completions with their log-probs",
     "logprobs": "the engines always return the sampled tokens' log-probs",
+    "sampling_seed": "the trainer seeds every request from `seed`, the step and the request's index (`rollout_seed`); "
+    "one seed for all requests would give every completion of a group the same tokens",
+    "seed": "the trainer seeds every request from `seed`, the step and the request's index (`rollout_seed`)",
 }
+
+
+def rollout_seed(*parts: int | str) -> int:
+    """A 63-bit sampling seed for one request, a hash of ``parts`` (e.g. the run's seed, the step, the process, the
+    trajectory's index and the turn): independent streams for distinct parts, the same stream for the same parts, on
+    every machine and Python (unlike ``hash``)."""
+    import hashlib
+
+    digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def sampling_params_from_config(args, stop_token_ids=None) -> SamplingParams:
@@ -138,12 +162,16 @@ class GenerationOutput:
     ``output_ids[i]`` (same length, always). ``finish_reason`` is ``"stop"`` (a stop token was sampled),
     ``"length"`` (``max_new_tokens`` reached) or ``"abort"`` (the engine aborted the request; the output may
     be partial or empty). ``weight_version`` is the engine's weight version that produced the tokens.
+    ``routed_experts`` (engines asked to record routing) is the ``[len(input_ids) + len(output_ids) - 1, layers,
+    top_k]`` expert ids the MoE layers chose for every token the engine read (the last sampled token is never read),
+    as SGLang's ``meta_info.routed_experts`` holds them (`hf_gptoss_rl.routing`).
     """
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     weight_version: int | str | None = None
+    routed_experts: Any = None  # torch.Tensor [tokens, layers, top_k] (uint8 / int16) or None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
@@ -179,6 +207,9 @@ class Trajectory:
     None when the engine gave none); ``weight_version`` is the first (oldest) turn's, and
     ``mixed_weight_versions`` tells when the turns were served on different versions (a sync, or a server restart,
     in the middle of the trajectory).
+    ``routed_experts`` (when the engine records routing) is ``[tokens, layers, top_k]`` for the first tokens of
+    ``prompt_ids + completion_ids``: each from the engine pass that first read that token (the routing its later
+    tokens were sampled with); the tokens after it (the last sampled token, tool output that no turn read) have none.
     """
 
     prompt_ids: list[int]
@@ -192,6 +223,7 @@ class Trajectory:
     final_text: str | None = None
     weight_version: int | str | None = None
     weight_versions: list[int | str | None] = field(default_factory=list)
+    routed_experts: Any = None
 
     @property
     def num_tool_calls(self) -> int:

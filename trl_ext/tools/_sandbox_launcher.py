@@ -14,7 +14,10 @@ Process tree (``LocalSandbox`` starts the launcher in a new session, so all thre
               seccomp, then execs Python
 
 The mount namespace dies with its last process, and its tmpfs with it: nothing the program wrote reaches the host
-disk. Reports go to ``status_fd`` as JSON lines (``{"stage": "launch", "init_pid"}`` from the launcher,
+disk. To stop a run, ``LocalSandbox`` sends SIGTERM to init, or to the launcher while init's pid is not known yet: the
+launcher passes it on to init, or exits when init does not exist yet (SIGTERM is blocked across the fork, so init
+never goes unnoticed). Either way the launcher reaps init before it exits, so no process of the run is orphaned
+(short of a SIGKILL, the fallback when init does not exit in time). Reports go to ``status_fd`` as JSON lines (``{"stage": "launch", "init_pid"}`` from the launcher,
 ``{"stage": "setup", ...}`` from the user process before exec, ``{"stage": "exit", "status": wait_status, "disk"}``
 from init, ``{"stage": "error", "error"}`` when the sandbox could not be built: the program then never runs).
 Nothing is written to stdout/stderr except by user code.
@@ -555,6 +558,7 @@ def probe():
 def main():
     if sys.argv[1:] == ["--probe"]:
         return probe()
+    signal.signal(signal.SIGTERM, _on_stop_request)
     cfg = json.loads(sys.argv[1])
     status_fd = cfg["status_fd"]
     report = {}
@@ -584,13 +588,28 @@ def main():
             _fatal(status_fd, f"could not build the sandbox's filesystem: {e}")
         report["filesystem"] = "read-only mounts, tmpfs workdir"
         report["disk_quota"] = cfg["mount"]["size"]
+    global _init_pid
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # a stop request waits until init's pid is known
     init_pid = os.fork()
     if init_pid:  # launcher: tell the parent who init is (it signals init to stop a run), wait, mirror its exit
+        _init_pid = init_pid
         os.write(status_fd, (json.dumps({"stage": "launch", "init_pid": init_pid}) + "\n").encode())
         os.close(status_fd)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         _, status = os.waitpid(init_pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 125)
     run_init(cfg, status_fd, report)
+
+
+_init_pid = None
+
+
+def _on_stop_request(signum, frame):
+    """SIGTERM to the launcher: pass it on to init, which stops the program and exits (the launcher then reaps it
+    and exits too); before init exists nothing of the run is running yet, so just exit."""
+    if _init_pid is None:
+        os._exit(128 + signal.SIGTERM)
+    os.kill(_init_pid, signal.SIGTERM)
 
 
 class _Stop(Exception):
@@ -598,6 +617,7 @@ class _Stop(Exception):
 
 
 def _raise_stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second request must not break into the shutdown
     raise _Stop()
 
 
@@ -660,13 +680,15 @@ def run_init(cfg, status_fd, report):
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if report.get("mntns") and report.get("pidns"):
         mount_own_proc(report)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)  # still blocked (since the launcher's fork) until inside the try
     user_pid = os.fork()
     if user_pid == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # exec keeps the mask: don't pass it on
         user_process(cfg, status_fd, report)
     user_status = None
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a stop request that came meanwhile lands here
         while True:  # reap every child until the program itself exits
             try:
                 pid, status = os.waitpid(-1, 0)

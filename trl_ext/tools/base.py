@@ -37,6 +37,15 @@ class Tool(ABC):
     async def __call__(self, arguments: dict) -> str:
         """Run the tool on parsed JSON arguments and return the text the model reads."""
 
+    def rng_state(self) -> dict | None:
+        """The state of the random generators the tool's results depend on (None: none). A tool that draws random
+        numbers returns it here and restores it in `load_rng_state`; the trainer saves it in every checkpoint."""
+        return None
+
+    def load_rng_state(self, state: dict) -> None:
+        """Restore what `rng_state` returned."""
+        raise ValueError(f"tool {self.name!r} keeps no generator state, but a checkpoint holds one: {sorted(state)}")
+
     async def call_with_timeout(self, arguments: dict, timeout_s: float) -> str:
         """Run the tool with at most ``timeout_s`` seconds of its own run time (what the agent loop calls); raises
         ``TimeoutError`` past it. This default bounds the whole call. Tools that first wait for a shared resource

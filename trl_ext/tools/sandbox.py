@@ -16,7 +16,9 @@ applied on this machine is reported in ``SandboxResult.isolation``):
   (Linux >= 5.13): read/execute only the Python installation, system libraries and a few device files.
 * **lifetime** - own session / process group; own pid namespace whose init exits with the program, so the kernel
   kills every descendant, even ones that called ``setsid``; a wall-clock timeout (the program's own run time: the
-  wait for a free slot has its own bound, ``queue_timeout_s``) kills the whole group.
+  wait for a free slot has its own bound, ``queue_timeout_s``) kills the whole group. So does cancelling the call,
+  wherever the cancellation lands (even while the process starts, even repeatedly): the call then raises
+  ``CancelledError`` only once every process of the run is gone, its folder and cgroups removed and its slot free.
 * **CPU / memory / files** - ``RLIMIT_CPU``, ``RLIMIT_AS`` (per process), ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``,
   ``RLIMIT_CORE=0``; a memory cgroup limits the whole tree when cgroups are writable (its OOM kills are counted, so a
   memory kill is told apart from a timeout and from a signal the program sent itself).
@@ -324,6 +326,8 @@ def remove_tree(path: str) -> str | None:
 
 
 _WORKDIR_PREFIX = "hf_gptoss_rl_sandbox_"
+_TIMEOUT_GRACE_S = 2.0  # SIGTERM to SIGKILL for a program that ran out of time
+_STOP_GRACE_S = 0.5  # the same for a cancelled call or an output flood: init normally exits within milliseconds
 _swept = False
 
 
@@ -362,6 +366,87 @@ def sweep_stale(tmpdir: str | None = None, *, min_age_s: float = 3600.0) -> list
         if remove_tree(path) is None:
             removed.append(path)
     return removed
+
+
+class _Uncancelled:
+    """Runs the steps a run must not abandon halfway (starting the launcher, stopping it, cleaning up) to their end.
+    A cancellation that arrives meanwhile is recorded in ``cancelled``, for the run to act on (stop the program at
+    once) and to re-raise once it is cleaned up; however often it comes, it never cuts a step short."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    async def complete(self, awaitable, default=None):
+        future = asyncio.ensure_future(awaitable)
+        while True:
+            try:
+                return await asyncio.shield(future)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                if future.cancelled():  # the step itself was cancelled (its event loop is shutting down)
+                    return default
+                if future.done():  # the cancellation came as the step ended
+                    return future.result()
+
+
+async def _reaped(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for the launcher to be reaped. (``Process.wait()`` also waits for its pipes to
+    close, which a process that escaped the group could hold open.)"""
+    deadline = time.monotonic() + timeout
+    while proc.returncode is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
+
+
+def _own_children() -> list[int]:
+    """Pids of this process's children (every thread's, from /proc/self/task/*/children; else a /proc scan)."""
+    try:
+        pids = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                pids += [int(p) for p in Path(f"/proc/self/task/{tid}/children").read_text().split()]
+            except FileNotFoundError:
+                if os.path.exists(f"/proc/self/task/{tid}"):
+                    raise  # no children files in this kernel
+        return pids
+    except OSError:
+        me, pids = os.getpid(), []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                        pids.append(int(entry))
+                except (OSError, ValueError, IndexError):
+                    pass
+        return pids
+
+
+def _reap_strays(launcher: int) -> None:
+    """Kill and reap the processes of a run's process group (led by its launcher) that became this process's
+    children. Orphans go to pid 1 or the nearest child subreaper, which may be this process (a container's entry
+    point): an init whose launcher died first would otherwise stay a zombie for good. A child of ours keeps its pid
+    until reaped, so signalling it by pid is safe. (The launcher itself is left to asyncio's child watcher.)"""
+    deadline = time.monotonic() + 1.0
+    while True:
+        strays = []
+        for pid in _own_children():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if pid != launcher and int(fields[2]) == launcher:
+                strays.append(pid)
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, os.WNOHANG)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        if not strays or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
 
 
 class _Cgroups:
@@ -703,9 +788,7 @@ class LocalSandbox(SandboxBackend):
         if self._loop is not loop:  # asyncio primitives belong to one loop; callers may use asyncio.run per step
             self._semaphore, self._loop = asyncio.Semaphore(self.max_concurrency), loop
         queued = time.monotonic()
-        try:  # the queue has its own bound: waiting for a slot never eats into the program's timeout_s
-            await asyncio.wait_for(self._semaphore.acquire(), timeout=self.queue_timeout_s)
-        except asyncio.TimeoutError:
+        if not await self._take_slot():  # the queue has its own bound: it never eats into the program's timeout_s
             return SandboxResult(
                 "",
                 "",
@@ -717,7 +800,7 @@ class LocalSandbox(SandboxBackend):
                 f"(max_concurrency={self.max_concurrency}); the program did not run",
             )
         queued_s = time.monotonic() - queued
-        try:
+        try:  # a cancellation comes out of _run as CancelledError, once the run is cleaned up
             result = await self._run(code, float(timeout_s), int(memory_mb), int(max_output_bytes))
         except OSError as e:  # no temp space, no fork, ...: the sandbox's failure, not the program's
             result = SandboxResult("", "", None, False, False, error=f"sandbox could not run the program: {e}")
@@ -728,6 +811,29 @@ class LocalSandbox(SandboxBackend):
             self._semaphore.release()
         result.queued_s = queued_s
         return result
+
+    async def _take_slot(self) -> bool:
+        """Take a slot, waiting up to ``queue_timeout_s`` (False when none came). A cancellation propagates and
+        leaves no slot taken, even one that lands as the slot is handed over (``wait_for`` would return the slot
+        then, swallowing the cancellation)."""
+        semaphore = self._semaphore
+        acquire = asyncio.ensure_future(semaphore.acquire())
+
+        def give_back(task: asyncio.Future) -> None:
+            if not task.cancelled() and task.exception() is None:
+                semaphore.release()
+
+        try:
+            await asyncio.wait({acquire}, timeout=self.queue_timeout_s)
+        except asyncio.CancelledError:
+            acquire.cancel()
+            acquire.add_done_callback(give_back)  # granted already, or before the cancellation reaches it
+            raise
+        if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+            return True
+        acquire.cancel()
+        acquire.add_done_callback(give_back)
+        return False
 
     async def _run(self, code: str, timeout_s: float, memory_mb: int, max_output_bytes: int) -> SandboxResult:
         start = time.monotonic()
@@ -741,6 +847,7 @@ class LocalSandbox(SandboxBackend):
         truncated = timed_out = False
         status = None
         cleanup: tuple[int, str | None] = (0, None)
+        steps = _Uncancelled()  # a caller's cancellation stops the program, then is re-raised once all is cleaned up
         try:
             main = os.path.join(workdir, "main.py")
             Path(main).write_text(code, encoding="utf-8")
@@ -794,23 +901,28 @@ class LocalSandbox(SandboxBackend):
                 "write_paths": ["/dev/null"],
                 "guard": _NETWORK_GUARD,
             }
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-S",
-                _LAUNCHER,
-                json.dumps(config),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                pass_fds=(status_w,),
-                cwd=workdir,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            # never cancelled halfway: asyncio would kill the launcher alone and leave its init and program running
+            proc = await steps.complete(
+                asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    _LAUNCHER,
+                    json.dumps(config),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,
+                    pass_fds=(status_w,),
+                    cwd=workdir,
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                )
             )
             os.close(status_w)
             status_w = -1
             status = _StatusPipe(status_r)
+            if steps.cancelled or proc is None:  # cancelled while starting (None: by its event loop closing)
+                raise asyncio.CancelledError  # the finally block stops it
             budget = [max_output_bytes]
             overflow = asyncio.Event()
 
@@ -823,8 +935,9 @@ class LocalSandbox(SandboxBackend):
                     sink += chunk[:take]
                     budget[0] -= take
                     if take < len(chunk):
+                        # past the limit: keep reading, and discarding. asyncio reports the launcher's exit
+                        # (Process.wait()) only once its pipes are closed, and a pipe left unread never is
                         overflow.set()
-                        return
 
             readers = [
                 asyncio.ensure_future(pump(proc.stdout, stdout)),
@@ -840,18 +953,24 @@ class LocalSandbox(SandboxBackend):
                 timed_out = True
             overflowed.cancel()
             if finished not in done:
-                await self._stop(proc, status, list(cgroups.values()))
+                # a timeout gives init a grace period to stop the tree; past the output limit it goes at once
+                grace = _TIMEOUT_GRACE_S if timed_out else _STOP_GRACE_S
+                await steps.complete(self._stop(proc, status, list(cgroups.values()), grace))
                 for r in readers:  # a process that escaped may still hold the pipes: don't wait for it
                     r.cancel()
                 finished.cancel()
-                await asyncio.gather(finished, *readers, return_exceptions=True)
+                await steps.complete(asyncio.gather(finished, *readers, return_exceptions=True))
+        except asyncio.CancelledError:
+            steps.cancelled = True
         finally:
             if proc is not None and proc.returncode is None:  # cancelled by the caller, or an error above
-                await asyncio.shield(self._stop(proc, status, list(cgroups.values())))
+                await steps.complete(self._stop(proc, status, list(cgroups.values()), _STOP_GRACE_S))
+                if proc.returncode is None:  # the stop was cut short (the event loop is closing) or gave up
+                    self._kill(proc, list(cgroups.values()), _init_pid(status))
             for task in tasks:
                 task.cancel()
             if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await steps.complete(asyncio.gather(*tasks, return_exceptions=True))
             transport = getattr(proc, "_transport", None)  # close the pipes now, not at garbage collection
             if transport is not None:
                 transport.close()
@@ -860,10 +979,14 @@ class LocalSandbox(SandboxBackend):
                 if fd >= 0:
                     os.close(fd)
             # cgroup removal may wait for the kernel to release the group: keep it off the event loop
-            # (shielded: a caller's cancellation must not skip it)
-            cleanup = await asyncio.shield(
-                asyncio.get_running_loop().run_in_executor(None, self._cleanup, dict(cgroups), workdir)
+            cleanup = await steps.complete(
+                asyncio.get_running_loop().run_in_executor(
+                    None, self._cleanup, dict(cgroups), workdir, proc.pid if proc is not None else None
+                ),
+                default=(0, None),
             )
+            if steps.cancelled:  # the caller gets CancelledError, whatever else happened meanwhile
+                raise asyncio.CancelledError
 
         oom_kills, leftover = cleanup
         setup = next((r for r in reports if r.get("stage") == "setup"), {})
@@ -916,11 +1039,13 @@ class LocalSandbox(SandboxBackend):
         )
 
     @staticmethod
-    def _cleanup(cgroups: dict[str, str], workdir: str) -> tuple[int, str | None]:
-        """Read the OOM-kill count, remove the cgroups and the working directory; never raises. Returns
-        (oom kills, what could not be removed)."""
+    def _cleanup(cgroups: dict[str, str], workdir: str, launcher: int | None = None) -> tuple[int, str | None]:
+        """Reap what of the run was reparented to this process, read the OOM-kill count, remove the cgroups and the
+        working directory; never raises. Returns (oom kills, what could not be removed)."""
         oom_kills = 0
         try:
+            if launcher is not None:
+                _reap_strays(launcher)
             if cgroups:
                 oom_kills = _Cgroups.oom_kills(cgroups)
                 _Cgroups.destroy(list(cgroups.values()))
@@ -931,34 +1056,35 @@ class LocalSandbox(SandboxBackend):
             logger.warning("sandbox working directory not fully removed: %s", leftover)
         return oom_kills, leftover
 
-    async def _stop(self, proc: asyncio.subprocess.Process, status: _StatusPipe | None, cgroups: list[str]) -> None:
+    async def _stop(
+        self, proc: asyncio.subprocess.Process, status: _StatusPipe | None, cgroups: list[str], grace_s: float
+    ) -> None:
         """Stop a run: SIGTERM init (a child subreaper: it SIGKILLs every descendant, even ones that left the
-        process group, then exits, which also empties its pid namespace); after a grace period SIGKILL the process
-        group (launcher, init) and whatever is left in the run's cgroups."""
-        init_pid = next((r["init_pid"] for r in status.read() if r.get("stage") == "launch"), None) if status else None
-        if init_pid and proc.returncode is None:  # init is unreaped while the launcher runs: its pid is still ours
+        process group, then exits, which also empties its pid namespace), or the launcher while init's pid is not
+        known (it passes the signal on, or exits if init does not exist yet); the launcher reaps init and exits.
+        After ``grace_s`` SIGKILL init, the process group and whatever is left in the run's cgroups. Returns once the
+        launcher is reaped (or after a bounded wait)."""
+        if proc.returncode is None:  # an unreaped launcher keeps its pid, and its unreaped init keeps init's
             try:
-                os.kill(init_pid, signal.SIGTERM)
+                os.kill(_init_pid(status) or proc.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
-            try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=2.0)
-            except asyncio.TimeoutError:
-                pass
-        self._kill(proc, cgroups)
-        try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=5.0)
-        except asyncio.TimeoutError:
-            pass
+            if await _reaped(proc, grace_s):
+                return
+        self._kill(proc, cgroups, _init_pid(status))
+        await _reaped(proc, 5.0)
 
     @staticmethod
-    def _kill(proc: asyncio.subprocess.Process, cgroups: list[str]) -> None:
-        """SIGKILL the launcher's process group, then anything left in the run's cgroups."""
+    def _kill(proc: asyncio.subprocess.Process, cgroups: list[str], init_pid: int | None = None) -> None:
+        """SIGKILL init (its pid namespace dies with it), the launcher's process group, then anything left in the
+        run's cgroups."""
         if proc.returncode is None:  # once reaped, its pid (= the group id) may belong to someone else
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for kill, pid in ((os.kill, init_pid), (os.killpg, proc.pid)):
+                try:
+                    if pid:
+                        kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         for folder in cgroups:
             try:
                 for pid in Path(folder, "cgroup.procs").read_text().split():
@@ -968,6 +1094,11 @@ class LocalSandbox(SandboxBackend):
                         pass
             except OSError:
                 pass
+
+
+def _init_pid(status: _StatusPipe | None) -> int | None:
+    """Init's pid, once the launcher has reported it."""
+    return next((r["init_pid"] for r in status.read() if r.get("stage") == "launch"), None) if status else None
 
 
 class _StatusPipe:

@@ -78,6 +78,9 @@ class ServerState:
     enable_lora: bool = False
     model_path: str | None = None
     dtype: str | None = None  # the server's ``--dtype`` ("auto": the checkpoint's)
+    deterministic_inference: bool = False  # ``--enable-deterministic-inference``: ``sampling_seed`` is honoured
+    return_routed_experts: bool = False  # ``--enable-return-routed-experts``
+    moe_runner_backend: str | None = None  # ``--moe-runner-backend`` after SGLang's model overrides
 
     @classmethod
     def from_info(cls, url: str, info) -> ServerState:
@@ -93,6 +96,9 @@ class ServerState:
             enable_lora=bool(info.get("enable_lora", False)),
             model_path=info.get("model_path"),
             dtype=info.get("dtype"),
+            deterministic_inference=bool(info.get("enable_deterministic_inference", False)),
+            return_routed_experts=bool(info.get("enable_return_routed_experts", False)),
+            moe_runner_backend=info.get("moe_runner_backend"),
         )
 
 

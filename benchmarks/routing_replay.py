@@ -1,0 +1,259 @@
+"""Routing replay against a real SGLang server: how often the trainer's experts differ from the engine's, what
+replaying the engine's routing does to the rollout/training mismatch, and what recording it costs.
+
+One server is launched on a GPT-OSS model with the flags routing replay needs (``--enable-return-routed-experts
+--moe-runner-backend triton``; ``E2E_LAUNCH_FLAGS`` of `benchmarks.sglang_e2e` otherwise). Prompts are sampled
+once with ``return_routed_experts``; on those same sampled tokens the trainer's bf16 policy then scores the
+completions twice, with its own routing and with the engine's replayed (`hf_gptoss_rl.routing.RoutingReplay`):
+
+* ``routing/agreement``: (token, layer) top-k sets of the trainer equal to the engine's, overall and worst layer;
+* the mismatch metrics of `trl_ext.mismatch` (k3, max |Δp|, ...) without and with replay;
+* the cost: the same prompts generated with and without ``return_routed_experts`` (median of ``--repeats``
+  wall times each), the bytes of ``meta_info.routed_experts`` per token, and the trainer's log-prob pass with and
+  without the replay hooks.
+
+    python benchmarks/routing_replay.py --server-cmd "/opt/sglang/bin/python -m sglang.launch_server" --out DIR
+
+Writes ``routing_replay.{json,md,png}``; exits non-zero when the run fails or replay raises k3 (replaying the
+routing the engine sampled with can only bring the trainer closer to it).
+"""
+
+from __future__ import annotations
+
+if __package__ in (None, ""):
+    import _bootstrap  # noqa: F401  (python benchmarks/routing_replay.py: the repository root on sys.path)
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+
+NAMES = ("routing_replay.json", "routing_replay.md", "routing_replay.png")
+ROUTING_FLAGS = ["--enable-return-routed-experts", "--moe-runner-backend", "triton"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
+    p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
+    p.add_argument("--layers", type=int, default=4, help="layers of the model (of gpt-oss-20b's 24)")
+    p.add_argument("--server-cmd", default="python3 -m sglang.launch_server")
+    p.add_argument("--server-args", default="", help="extra server flags")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="launch with --disable-cuda-graph (default: on)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.4)
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="timed generations with and without the routing, each")
+    p.add_argument("--threshold", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sink-mean", type=float, default=1.0)
+    p.add_argument("--sink-std", type=float, default=1.5)
+    p.add_argument("--logit-std", type=float, default=3.0)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--url", default=None, help=argparse.SUPPRESS)  # ServerManager reads it; always launched here
+    p.add_argument("--port", type=int, default=None)
+    args = p.parse_args(argv)
+    args.cold_start_steps = 0
+    return args
+
+
+def routing_plan(prompts, outputs, width: int, shape) -> torch.Tensor:
+    """`[B, width, layers, top_k]` of the engine's records in `score_batch`'s right-padded layout."""
+    from hf_gptoss_rl.routing import no_route, routing_dtype
+
+    layers, top_k, experts = shape
+    dtype = routing_dtype(experts)
+    plan = torch.full((len(prompts), width, layers, top_k), no_route(dtype), dtype=dtype)
+    for b, out in enumerate(outputs):
+        plan[b, : out.routed_experts.shape[0]] = out.routed_experts.to(dtype)
+    return plan
+
+
+def generate_all(engine, prompts, sampling) -> list:
+    from trl_ext.rollout import run_sync
+
+    async def batch():
+        return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+
+    return run_sync(batch())
+
+
+def timed_generation(engine, prompts, sampling, record, repeats: int) -> list[float]:
+    engine.record_routing = record
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generate_all(engine, prompts, sampling)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run(args, work: Path) -> dict:
+    from benchmarks.mismatch_study import METRIC_KEYS, load_prompts, score_batch, train_logps
+    from benchmarks.sglang_e2e import ServerManager, build_model, load_policy
+    from hf_gptoss_rl.routing import RoutingReplay, routing_shape
+    from trl_ext.mismatch import mismatch_metrics
+    from trl_ext.rollout import SamplingParams, SGLangEngine, run_sync
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.model_dir = work / "model"
+    result: dict = {"model": build_model(args, device, work)}
+    policy = load_policy(args.model_dir, device, attn="eager")
+    shape = routing_shape(policy)
+    result["routing_shape"] = dict(zip(("layers", "top_k", "experts"), shape))
+    result["policy_dtype"] = str(next(policy.parameters()).dtype).removeprefix("torch.")
+    server = ServerManager(args, args.model_dir, work / "logs")
+    try:
+        url = server.ensure("routing", ROUTING_FLAGS, args.ready_timeout_s)
+        result["server_command"] = server.launches[-1]["command"]
+        result["sglang_version"] = server.version
+        engine = SGLangEngine(url, ready_timeout_s=args.ready_timeout_s, timeout_s=300.0, record_routing=shape)
+        engine.check_servers()  # refuses a server without the flag or with a runner that records nothing
+        prompts, result["prompts_how"] = load_prompts(args.num_prompts)
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
+        outs = generate_all(engine, prompts, sampling)
+        # cost: the same prompts with and without the record (the order alternates the warm-up effects away)
+        without = timed_generation(engine, prompts, sampling, None, args.repeats)
+        with_routing = timed_generation(engine, prompts, sampling, shape, args.repeats)
+        run_sync(engine.close())
+    finally:
+        server.stop()
+    tokens = sum(len(p) + len(o.output_ids) - 1 for p, o in zip(prompts, outs))
+    encoded = sum(len(base64.b64encode(o.routed_experts.to(torch.int32).numpy().tobytes())) for o in outs)
+    result["cost"] = {
+        "generate_s_without": statistics.median(without),
+        "generate_s_with": statistics.median(with_routing),
+        "generate_ratio": statistics.median(with_routing) / statistics.median(without),
+        "repeats": args.repeats,
+        "routed_tokens": tokens,
+        "response_bytes_per_token": encoded / tokens,
+        "stored_bytes_per_token": outs[0].routed_experts[0].numel() * outs[0].routed_experts.element_size(),
+    }
+
+    ids, mask, rollout_lp, cmask = score_batch(prompts, outs, policy.config.pad_token_id or 0, device)
+    plan = routing_plan(prompts, outs, ids.shape[1], shape)
+    prompt_lens = [len(p) for p in prompts]
+    replay = RoutingReplay(policy)
+    rows = {}
+    for name, replayed in (("own routing", False), ("replayed engine routing", True)):
+        replay.set_plan(plan, replay=replayed, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logps = train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)
+        elapsed = time.perf_counter() - start
+        agreement = replay.take_agreement()
+        stats = mismatch_metrics(logps, rollout_lp, cmask, threshold=args.threshold)
+        rows[name] = {k: float(stats[k]) for k in METRIC_KEYS} | {
+            "agreement": agreement[0],
+            "agreement_min_layer": agreement[1],
+            "logprob_pass_s": elapsed,
+        }
+    replay.remove()
+    result["rows"] = rows
+    result["completion_tokens"] = int(cmask.sum())
+    result["num_prompts"] = len(prompts)
+    return result
+
+
+def checks(result: dict) -> list[str]:
+    own, replayed = result["rows"]["own routing"], result["rows"]["replayed engine routing"]
+    failures = []
+    if not replayed["k3_kl"] <= own["k3_kl"]:
+        failures.append(f"replay raised k3: {replayed['k3_kl']:.3g} > {own['k3_kl']:.3g} without it")
+    return failures
+
+
+def render(result: dict) -> str:
+    own, replayed = result["rows"]["own routing"], result["rows"]["replayed engine routing"]
+    cost = result["cost"]
+    shape = result["routing_shape"]
+    lines = [
+        "# Routing replay against SGLang",
+        "",
+        f"Model: {result['model']['num_hidden_layers']} layers of gpt-oss-20b's shapes, {shape['experts']} experts, "
+        f"top-{shape['top_k']}, random weights; {result['completion_tokens']} sampled completion tokens. "
+        f"SGLang {result.get('sglang_version')}, launched as:",
+        "",
+        f"    {result['server_command']}",
+        "",
+        f"The trainer ({result['policy_dtype']}, eager attention) scores the tokens the server sampled, with its own "
+        "routing and with the "
+        "server's replayed. Agreement is measured against the trainer's own choice in that forward.",
+        "",
+        "| trainer forward | routing agreement | worst layer | k3 | max abs dp | mean abs dp |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in result["rows"].items():
+        lines.append(
+            f"| {name} | {row['agreement']:.4f} | {row['agreement_min_layer']:.4f} | {row['k3_kl']:.3g} | "
+            f"{row['prob_diff_max']:.3g} | {row['prob_diff_mean']:.3g} |"
+        )
+    lines += [
+        "",
+        f"k3 with replay / without: {replayed['k3_kl'] / own['k3_kl']:.3f}." if own["k3_kl"] else "",
+        "",
+        "## Cost",
+        "",
+        f"- Generation of the same {result['num_prompts']} prompts: "
+        f"{cost['generate_s_with']:.3f} s with `return_routed_experts`, {cost['generate_s_without']:.3f} s "
+        f"without (median of {cost['repeats']}; ratio {cost['generate_ratio']:.3f}).",
+        f"- `meta_info.routed_experts`: {cost['response_bytes_per_token']:.0f} bytes per token in the answer "
+        f"(base64 of int32), {cost['stored_bytes_per_token']} bytes per token as the trainer stores it.",
+        f"- The trainer's log-prob pass: {replayed['logprob_pass_s']:.3f} s replayed, {own['logprob_pass_s']:.3f} s "
+        "with its own routing (the hooks compare in both).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["rows"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    axes[0].bar(names, [result["rows"][n]["agreement"] for n in names], color=["#888", "#2a7"])
+    axes[0].set_ylabel("routing agreement")
+    axes[1].bar(names, [result["rows"][n]["k3_kl"] for n in names], color=["#888", "#2a7"])
+    axes[1].set_ylabel("k3 KL (engine vs trainer)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = output_dir(args.out, *NAMES)
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="routing_replay_") as tmp:
+        try:
+            result = run(args, Path(tmp))
+        except Exception as exc:  # noqa: BLE001 - reported, then a non-zero exit
+            raise SystemExit(f"routing_replay: {type(exc).__name__}: {exc}") from exc
+    failures += checks(result)
+    result["failures"] = failures
+    out.mkdir(parents=True, exist_ok=True)
+    (out / NAMES[0]).write_text(json.dumps(result, indent=2, default=str))
+    (out / NAMES[1]).write_text(render(result))
+    with contextlib.suppress(ImportError):
+        plot(out / NAMES[2], result)
+    print(render(result))
+    exit_if_failed("routing_replay", failures, out)
+
+
+if __name__ == "__main__":
+    main()
