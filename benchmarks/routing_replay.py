@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="timed generations with and without the routing, each")
+    p.add_argument("--rounds", type=int, default=3, help="independently sampled batches, each scored both ways")
     p.add_argument("--threshold", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sink-mean", type=float, default=1.0)
@@ -115,13 +116,15 @@ def run(args, work: Path) -> dict:
     server = ServerManager(args, args.model_dir, work / "logs")
     try:
         url = server.ensure("routing", ROUTING_FLAGS, args.ready_timeout_s)
-        result["server_command"] = server.launches[-1]["command"]
+        # the run's temporary folder is no reader's: the command names it by its role
+        result["server_command"] = server.launches[-1]["command"].replace(str(args.model_dir), "MODEL_DIR")
         result["sglang_version"] = server.version
         engine = SGLangEngine(url, ready_timeout_s=args.ready_timeout_s, timeout_s=300.0, record_routing=shape)
         engine.check_servers()  # refuses a server without the flag or with a runner that records nothing
         prompts, result["prompts_how"] = load_prompts(args.num_prompts)
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
-        outs = generate_all(engine, prompts, sampling)
+        rounds = [generate_all(engine, prompts, sampling) for _ in range(args.rounds)]
+        outs = rounds[0]
         # cost: the same prompts with and without the record (the order alternates the warm-up effects away)
         without = timed_generation(engine, prompts, sampling, None, args.repeats)
         with_routing = timed_generation(engine, prompts, sampling, shape, args.repeats)
@@ -140,42 +143,52 @@ def run(args, work: Path) -> dict:
         "stored_bytes_per_token": outs[0].routed_experts[0].numel() * outs[0].routed_experts.element_size(),
     }
 
-    ids, mask, rollout_lp, cmask = score_batch(prompts, outs, policy.config.pad_token_id or 0, device)
-    plan = routing_plan(prompts, outs, ids.shape[1], shape)
     prompt_lens = [len(p) for p in prompts]
     replay = RoutingReplay(policy)
-    rows = {}
-    for name, replayed in (("own routing", False), ("replayed engine routing", True)):
-        replay.set_plan(plan, replay=replayed, device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        logps = train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)
-        elapsed = time.perf_counter() - start
-        agreement = replay.take_agreement()
-        stats = mismatch_metrics(logps, rollout_lp, cmask, threshold=args.threshold)
-        rows[name] = {k: float(stats[k]) for k in METRIC_KEYS} | {
-            "agreement": agreement[0],
-            "agreement_min_layer": agreement[1],
-            "logprob_pass_s": elapsed,
-        }
+    per_round: dict[str, list[dict]] = {"own routing": [], "replayed engine routing": []}
+    tokens_scored = 0
+    for outs_r in rounds:
+        ids, mask, rollout_lp, cmask = score_batch(prompts, outs_r, policy.config.pad_token_id or 0, device)
+        plan = routing_plan(prompts, outs_r, ids.shape[1], shape)
+        tokens_scored += int(cmask.sum())
+        train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)  # warm-up, untimed
+        for name, replayed in (("own routing", False), ("replayed engine routing", True)):
+            replay.set_plan(plan, replay=replayed, device=device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            logps = train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)
+            elapsed = time.perf_counter() - start
+            agreement = replay.take_agreement()
+            stats = mismatch_metrics(logps, rollout_lp, cmask, threshold=args.threshold)
+            per_round[name].append(
+                {k: float(stats[k]) for k in METRIC_KEYS}
+                | {"agreement": agreement[0], "agreement_min_layer": agreement[1], "logprob_pass_s": elapsed}
+            )
+        replay.clear()
     replay.remove()
-    result["rows"] = rows
-    result["completion_tokens"] = int(cmask.sum())
+    result["rounds"] = per_round
+    result["rows"] = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in per_round.items()
+    }
+    result["completion_tokens"] = tokens_scored
     result["num_prompts"] = len(prompts)
     return result
 
 
 def checks(result: dict) -> list[str]:
-    own, replayed = result["rows"]["own routing"], result["rows"]["replayed engine routing"]
+    """Replay may not raise k3, in any round (a round: one batch sampled by the server, scored both ways)."""
+    rounds = result.get("rounds") or {k: [v] for k, v in result["rows"].items()}
     failures = []
-    if not replayed["k3_kl"] <= own["k3_kl"]:
-        failures.append(f"replay raised k3: {replayed['k3_kl']:.3g} > {own['k3_kl']:.3g} without it")
+    for i, (own, replayed) in enumerate(zip(rounds["own routing"], rounds["replayed engine routing"])):
+        if not replayed["k3_kl"] <= own["k3_kl"]:
+            failures.append(f"round {i}: replay raised k3: {replayed['k3_kl']:.3g} > {own['k3_kl']:.3g} without it")
     return failures
 
 
 def render(result: dict) -> str:
     own, replayed = result["rows"]["own routing"], result["rows"]["replayed engine routing"]
+    rounds = result["rounds"]
     cost = result["cost"]
     shape = result["routing_shape"]
     lines = [
@@ -188,20 +201,28 @@ def render(result: dict) -> str:
         f"    {result['server_command']}",
         "",
         f"The trainer ({result['policy_dtype']}, eager attention) scores the tokens the server sampled, with its own "
-        "routing and with the "
-        "server's replayed. Agreement is measured against the trainer's own choice in that forward.",
+        "routing and with the server's replayed. Agreement is measured against the trainer's own choice in that "
+        f"forward. {len(rounds['own routing'])} rounds, each a batch of the {result['num_prompts']} prompts sampled "
+        "anew and scored both ways; the table gives the median of the rounds and, in brackets, their range.",
         "",
         "| trainer forward | routing agreement | worst layer | k3 | max abs dp | mean abs dp |",
         "|---|---|---|---|---|---|",
     ]
-    for name, row in result["rows"].items():
+
+    def cell(name, key, spec):
+        values = [r[key] for r in rounds[name]]
+        return f"{result['rows'][name][key]:{spec}} [{min(values):{spec}}, {max(values):{spec}}]"
+
+    for name in result["rows"]:
         lines.append(
-            f"| {name} | {row['agreement']:.4f} | {row['agreement_min_layer']:.4f} | {row['k3_kl']:.3g} | "
-            f"{row['prob_diff_max']:.3g} | {row['prob_diff_mean']:.3g} |"
+            f"| {name} | {cell(name, 'agreement', '.4f')} | {cell(name, 'agreement_min_layer', '.4f')} | "
+            f"{cell(name, 'k3_kl', '.3g')} | {cell(name, 'prob_diff_max', '.3g')} | "
+            f"{cell(name, 'prob_diff_mean', '.3g')} |"
         )
+    ratios = [r["k3_kl"] / o["k3_kl"] for o, r in zip(rounds["own routing"], rounds["replayed engine routing"])]
     lines += [
         "",
-        f"k3 with replay / without: {replayed['k3_kl'] / own['k3_kl']:.3f}." if own["k3_kl"] else "",
+        "k3 with replay / without, per round: " + ", ".join(f"{x:.3f}" for x in ratios) + ".",
         "",
         "## Cost",
         "",
@@ -210,8 +231,8 @@ def render(result: dict) -> str:
         f"without (median of {cost['repeats']}; ratio {cost['generate_ratio']:.3f}).",
         f"- `meta_info.routed_experts`: {cost['response_bytes_per_token']:.0f} bytes per token in the answer "
         f"(base64 of int32), {cost['stored_bytes_per_token']} bytes per token as the trainer stores it.",
-        f"- The trainer's log-prob pass: {replayed['logprob_pass_s']:.3f} s replayed, {own['logprob_pass_s']:.3f} s "
-        "with its own routing (the hooks compare in both).",
+        f"- The trainer's log-prob pass (median over rounds, after a warm-up pass): {replayed['logprob_pass_s']:.3f} s "
+        f"replayed, {own['logprob_pass_s']:.3f} s with its own routing (the hooks compare in both).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -821,6 +821,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sampling-backend", default=None, help="accepted: torch sampling here")
     parser.add_argument("--grammar-backend", default=None, help="accepted: no grammar here")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="accepted: no CUDA graphs here")
+    parser.add_argument("--weight-version", default=None, help="the version reported before the first sync")
+    parser.add_argument("--tp-size", type=int, default=1, help="reported in /server_info")
+    parser.add_argument(
+        "--enable-deterministic-inference", action="store_true", help="reported; seeded requests are reproducible"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="accepted with --enable-lora")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None, help="accepted with --enable-lora")
     parser.add_argument(
         "--die-on",
         metavar="PATH:N",
@@ -860,7 +867,11 @@ def main(argv: list[str] | None = None) -> None:
         stale_weights=args.stale_weights,
         return_routed_experts=args.enable_return_routed_experts,
         moe_runner_backend=args.moe_runner_backend,
+        tp_size=args.tp_size,
+        deterministic_inference=args.enable_deterministic_inference,
     )
+    if args.weight_version is not None:
+        server.served_version = args.weight_version
     server.start()
     print(f"serving {args.model_path} at {server.url}", flush=True)
     try:

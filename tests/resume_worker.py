@@ -1,7 +1,8 @@
 """The run of tests/test_resume.py: a tiny GPT-OSS trained with the embedded engine's real sampling.
 
-`build_trainer` is shared by the test process and by this file's `__main__`, which trains with a checkpoint after
-every step and kills itself with SIGKILL inside step 3 (after its rollouts, before its optimizer step).
+`build_trainer` is shared by the test process and by this file's `__main__`, which either trains with a checkpoint
+after every step and kills itself with SIGKILL inside step 3 (after its rollouts, before its optimizer step), or
+(with a marker path) runs long rollouts for a test to interrupt with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ def build_trainer(output_dir: str, *, max_steps: int = STEPS, record: list | Non
     return trainer
 
 
-if __name__ == "__main__":  # python tests/resume_worker.py OUTPUT_DIR: dies inside step 3, checkpoints 1 and 2 kept
+if __name__ == "__main__":
+    if len(sys.argv) == 3:  # OUTPUT_DIR MARKER: long rollouts; MARKER is written once they run (to send Ctrl-C)
+        from pathlib import Path
+
+        from trl_ext.rollout import EmbeddedEngine
+
+        generate = EmbeddedEngine.generate
+
+        async def announced(self, input_ids, sampling):
+            Path(sys.argv[2]).touch()
+            return await generate(self, input_ids, sampling)
+
+        EmbeddedEngine.generate = announced
+        build_trainer(sys.argv[1], max_steps=50, max_completion_length=2000).train()
+        sys.exit("the run was expected to be interrupted")
+    # OUTPUT_DIR: dies inside step 3, checkpoints 1 and 2 kept
     build_trainer(sys.argv[1], kill_at_step=2, save_strategy="steps", save_steps=1).train()
     sys.exit("the run was expected to be killed inside step 3")

@@ -218,3 +218,31 @@ def test_example_resumed_after_its_cold_start_trains_on_the_practised_rows(tmp_p
     resumed = run("--max_steps", "2", "--resume_from_checkpoint", "last")
     assert resumed.state.global_step == 2
     assert list(resumed.train_dataset["prompt"]) == list(first.train_dataset["prompt"])
+
+
+def test_ctrl_c_during_rollouts_exits_with_keyboard_interrupt(tmp_path):
+    """SIGINT mid-rollout: the embedded engine stops generating and the process exits by KeyboardInterrupt (before,
+    its worker thread was still decoding at interpreter exit and the process died of SIGABRT, exit -6)."""
+    import signal
+    import time
+
+    marker = tmp_path / "rolling"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("resume_worker.py")), str(tmp_path / "out"), str(marker)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "the rollouts never started"
+        time.sleep(1.0)  # well inside the first rollout (2,000 tokens per trajectory)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGINT, err[-3000:]
+    assert "KeyboardInterrupt" in err and "terminate called" not in err
+    assert time.monotonic() - sent < 60

@@ -409,7 +409,8 @@ def test_routing_replay_benchmark_against_the_fake_server(tmp_path):
     server = f"{sys.executable} {repo / 'tests' / 'fake_sglang_server.py'}"
     cmd = [
         sys.executable, str(repo / "benchmarks" / "routing_replay.py"), "--model", "tiny", "--layers", "2",
-        "--server-cmd", server, "--num-prompts", "3", "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path),
+        "--server-cmd", server, "--num-prompts", "3", "--max-new-tokens", "8", "--repeats", "1", "--rounds", "2",
+        "--out", str(tmp_path),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -423,7 +424,7 @@ def test_routing_replay_benchmark_against_the_fake_server(tmp_path):
 def test_routing_replay_benchmark_fails_when_replay_raises_the_mismatch():
     from benchmarks.routing_replay import checks
 
-    rows = {"own routing": {"k3_kl": 1e-3}, "replayed engine routing": {"k3_kl": 2e-3}}
-    assert checks({"rows": rows}) == ["replay raised k3: 0.002 > 0.001 without it"]
-    rows["replayed engine routing"]["k3_kl"] = 5e-4
-    assert checks({"rows": rows}) == []
+    rounds = {"own routing": [{"k3_kl": 1e-3}] * 2, "replayed engine routing": [{"k3_kl": 5e-4}, {"k3_kl": 2e-3}]}
+    assert checks({"rounds": rounds}) == ["round 1: replay raised k3: 0.002 > 0.001 without it"]
+    rounds["replayed engine routing"][1] = {"k3_kl": 9e-4}
+    assert checks({"rounds": rounds}) == []

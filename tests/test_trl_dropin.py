@@ -346,3 +346,17 @@ def test_importance_sampling_modes_in_the_loss(tmp_path, tokenizer, mode):
     assert logged["tools/call_frequency"] > 0 and 0 <= logged["tools/failure_frequency"] <= 1  # TRL's tool metrics
     if mode == "sequence_geometric_mask":  # a random tiny model is far from log p = -1 everywhere: all masked
         assert logged["mismatch/frac_is_masked"] == 1.0 and logged["sampling/importance_sampling_ratio/max"] == 0.0
+
+
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb", "trackio"])
+def test_missing_logging_backend_fails_at_start_naming_the_extra(tmp_path, tokenizer, backend, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith((backend, "tensorboardX")) else real(name, *a),
+    )
+    with pytest.raises(ImportError, match=rf"report_to='{backend}' needs .*pip install 'hf_gptoss_rl\[{backend}\]'"):
+        trainer(tmp_path, tokenizer, args=config(tmp_path, report_to=[backend]))

@@ -123,15 +123,17 @@ class AgenticGRPOConfig(GRPOConfig):
 
         mismatch_token_threshold (`float`, defaults to `0.1`):
             A token counts in `mismatch/frac_tokens_over_threshold` when `|p_rollout - p_train| > threshold`.
-        routing_replay (`bool`, defaults to `False`):
+        routing_replay (`bool`, *optional*, defaults to `None`):
             Rollout routing replay (R3, arXiv 2510.11370) for GPT-OSS: the trainer's MoE layers use the experts the
             rollout engine chose for each token (gates recomputed from the trainer's router logits, so the router
             still learns; `hf_gptoss_rl.routing`), in the log-prob passes and the training forward. The embedded
-            engine records routing always; SGLang servers need `--enable-return-routed-experts` and a MoE runner that
-            records it (`--moe-runner-backend triton` or `marlin`), checked at start-up. Whenever the engine returns
-            routing, replay on or off, `routing/agreement` (the fraction of (token, layer) top-k sets where the
-            trainer's own choice equals the rollout's) and `routing/agreement_min_layer` are logged. Off by default
-            until GPU runs against SGLang measure what it buys (see `docs/results.md`).
+            engine records routing always; SGLang servers do when launched with `--enable-return-routed-experts`
+            and a MoE runner that records it (`--moe-runner-backend triton` or `marlin`). `None` (the default):
+            replay whenever the engine returns routing; `True`: required, a server without it is an error at
+            start-up; `False`: never replay. Whenever the engine returns routing, `routing/agreement` (the fraction
+            of (token, layer) top-k sets where the trainer's own choice equals the rollout's) and
+            `routing/agreement_min_layer` are logged. Against SGLang, replay cut k3 to about a third at 1.04x the
+            generation time (`docs/results.md`, section 5), hence on by default where the routing is there.
 
     > Model implementation
 
@@ -278,9 +280,12 @@ class AgenticGRPOConfig(GRPOConfig):
     mismatch_token_threshold: float = field(
         default=0.1, metadata={"help": "|p_rollout - p_train| threshold of mismatch/frac_tokens_over_threshold."}
     )
-    routing_replay: bool = field(
-        default=False,
-        metadata={"help": "Replay the rollout engine's MoE routing in the trainer's forwards (GPT-OSS; R3)."},
+    routing_replay: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Replay the rollout engine's MoE routing in the trainer's forwards (GPT-OSS; R3). None (auto): "
+            "whenever the engine returns routing; True: required (checked at start-up); False: never."
+        },
     )
     attn_implementation: str | None = field(default=None, metadata={"help": "Attention backend of the policy."})
     experts_implementation: str | None = field(default=None, metadata={"help": "Experts backend of the policy."})

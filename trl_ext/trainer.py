@@ -155,6 +155,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "columns), or pass your own `rollout_func`."
             )
         args = self._agentic_args(model, args)
+        _check_report_to(args.report_to)
         _check_prompt_column(train_dataset, "train_dataset")
         _check_prompt_column(eval_dataset, "eval_dataset")
         self._harmony = _model_type(model, args) == "gpt_oss"
@@ -691,9 +692,28 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from .checkpoints import resolve_resume_checkpoint
 
         checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        return super().train(
-            resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-        )
+        try:
+            return super().train(
+                resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
+        except BaseException:  # Ctrl-C (KeyboardInterrupt) or a failure: stop generating, then let it propagate
+            self._stop_rollouts()
+            raise
+
+    def _stop_rollouts(self) -> None:
+        """Abort what the rollout engine is generating and release it: the embedded engine's worker stops; an SGLang
+        client continues any server it left paused, leaves its weight-update group and closes its connections."""
+        from .rollout import run_sync
+
+        engine = self.rollout_engine
+        try:
+            if hasattr(engine, "abort_all"):
+                engine.abort_all()
+            run_sync(engine.close())
+        except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+            logger.warning(
+                "releasing the rollout engine after the interruption failed: %s: %s", type(exc).__name__, exc
+            )
 
     def _rollout_rng_file(self, folder: str) -> str:
         from .checkpoints import ROLLOUT_RNG_FILE
@@ -990,7 +1010,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _replay(self, routing: torch.Tensor):
         """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
-        self.routing_replay.set_plan(routing, replay=self.args.routing_replay, device=self.accelerator.device)
+        # None (auto) replays whenever the engine recorded routing; False only measures the agreement
+        replay = self.args.routing_replay is not False
+        self.routing_replay.set_plan(routing, replay=replay, device=self.accelerator.device)
 
     def _replayed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
         """TRL's padded pass, chunk by chunk, each chunk's forward with its rows' routing."""
@@ -1253,6 +1275,28 @@ def _check_prompt_column(dataset, name: str) -> None:
             "prompts in a 'prompt' column: text, or a list of chat messages. Rename yours, e.g. "
             "`dataset.rename_column('question', 'prompt')`, or map it."
         )
+
+
+# `report_to` backends with an extra of their own: (modules that may provide it, the extra)
+_LOGGING_BACKENDS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wandb": (("wandb",), "wandb"),
+                     "trackio": (("trackio",), "trackio")}  # fmt: skip
+
+
+def _check_report_to(report_to) -> None:
+    """Fail at construction, naming what to install, for a `report_to` backend that is not installed (transformers
+    would too, but without the project's extra)."""
+    import importlib.util
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        if name not in _LOGGING_BACKENDS:
+            continue
+        modules, extra = _LOGGING_BACKENDS[name]
+        if not any(importlib.util.find_spec(m) is not None for m in modules):
+            raise ImportError(
+                f"report_to={name!r} needs the {modules[0]} package: pip install 'hf_gptoss_rl[{extra}]' (or pip "
+                f"install {modules[0]}), or pass report_to='none'"
+            )
 
 
 def _agent_rollout(prompts: list, trainer: AgenticGRPOTrainer) -> dict[str, list]:

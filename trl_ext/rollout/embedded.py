@@ -250,6 +250,13 @@ class EmbeddedEngine(RolloutEngine):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._worker, name="EmbeddedEngine", daemon=True)
                 self._thread.start()
+                # a daemon thread still decoding when the interpreter finalizes aborts the process (SIGABRT from
+                # torch's C++ side, e.g. after Ctrl-C): stop it first. The weak reference keeps the engine collectable
+                import atexit
+                import weakref
+
+                shutdown = weakref.WeakMethod(self.shutdown)
+                atexit.register(lambda: shutdown() and shutdown()())
 
     def _worker(self) -> None:
         while True:

@@ -127,6 +127,7 @@ class SGLangHTTPWeightSync:
         self.failure: str | None = None
         self.served_adapter: str | None = None
         self.group = None
+        self.paused_urls: set[str] = set()  # paused by a sync that has not continued them yet
         self.last_logprob_probe: dict[str, dict] = {}  # url -> what the last probe measured there
         self.dist_backend = config.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._weight_dir = Path(config.weight_dir) if config.weight_dir else None
@@ -260,6 +261,7 @@ class SGLangHTTPWeightSync:
             if config.pause_mode is not None:
                 for s in states:
                     paused.append(s.url)  # before the call: a pause that failed half-way is continued too
+                    self.paused_urls.add(s.url)
                     await self._post(s.url, "/pause_generation", {"mode": config.pause_mode})
             if lora is not None:
                 await self._load_lora(states, lora, version, loaded, failures)
@@ -281,6 +283,7 @@ class SGLangHTTPWeightSync:
             for url in paused:
                 try:
                     await self._post(url, "/continue_generation", {}, retries=retries)
+                    self.paused_urls.discard(url)
                 except Exception as exc:  # noqa: BLE001 - every paused server must be continued; report all
                     failures[url] = f"{failures.get(url, '')} /continue_generation failed: {exc}".strip()
         if in_place and loaded:
@@ -718,6 +721,13 @@ class SGLangHTTPWeightSync:
     # -------------------------------------------------------------- teardown
 
     async def close(self) -> None:
+        # a sync interrupted between its pause and its continue (Ctrl-C) must not leave a server paused
+        for url in sorted(self.paused_urls):
+            try:
+                await self._post(url, "/continue_generation", {}, retries=0)
+                self.paused_urls.discard(url)
+            except Exception as exc:  # noqa: BLE001 - reported; the other servers are continued all the same
+                logger.warning("%s/continue_generation at close: %s", url, exc)
         if self.group is not None:
             answers = await asyncio.gather(
                 *(
