@@ -63,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--url", default=None, help=argparse.SUPPRESS)  # ServerManager reads it; always launched here
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--from-json", type=Path, default=None, help="no run: render this routing_replay.json again")
     args = p.parse_args(argv)
     args.cold_start_steps = 0
     return args
@@ -188,7 +189,8 @@ def checks(result: dict) -> list[str]:
 
 def render(result: dict) -> str:
     own, replayed = result["rows"]["own routing"], result["rows"]["replayed engine routing"]
-    rounds = result["rounds"]
+    single = "rounds" not in result  # a report of one round, without a warm-up pass
+    rounds = result.get("rounds") or {name: [row] for name, row in result["rows"].items()}
     cost = result["cost"]
     shape = result["routing_shape"]
     lines = [
@@ -202,7 +204,7 @@ def render(result: dict) -> str:
         "",
         f"The trainer ({result['policy_dtype']}, eager attention) scores the tokens the server sampled, with its own "
         "routing and with the server's replayed. Agreement is measured against the trainer's own choice in that "
-        f"forward. {len(rounds['own routing'])} rounds, each a batch of the {result['num_prompts']} prompts sampled "
+        f"forward. Rounds: {len(rounds['own routing'])}, each a batch of the {result['num_prompts']} prompts sampled "
         "anew and scored both ways; the table gives the median of the rounds and, in brackets, their range.",
         "",
         "| trainer forward | routing agreement | worst layer | k3 | max abs dp | mean abs dp |",
@@ -232,7 +234,10 @@ def render(result: dict) -> str:
         f"- `meta_info.routed_experts`: {cost['response_bytes_per_token']:.0f} bytes per token in the answer "
         f"(base64 of int32), {cost['stored_bytes_per_token']} bytes per token as the trainer stores it.",
         f"- The trainer's log-prob pass (median over rounds, after a warm-up pass): {replayed['logprob_pass_s']:.3f} s "
-        f"replayed, {own['logprob_pass_s']:.3f} s with its own routing (the hooks compare in both).",
+        f"replayed, {own['logprob_pass_s']:.3f} s with its own routing (the hooks compare in both)."
+        if not single
+        else "- The trainer's log-prob pass was timed once each, without a warm-up pass (the first, with its own "
+        "routing, includes the warm-up): no comparison is drawn from it.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -256,15 +261,27 @@ def plot(path: Path, result: dict) -> None:
     plt.close(fig)
 
 
+def without_local_paths(result: dict) -> dict:
+    """The report without the run's temporary folder (the model directory), which no reader has."""
+    model_dir = (result.get("model") or {}).pop("model_dir", None)
+    if model_dir:
+        result["server_command"] = result["server_command"].replace(model_dir, "MODEL_DIR")
+    return result
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     out = output_dir(args.out, *NAMES)
     failures: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="routing_replay_") as tmp:
-        try:
-            result = run(args, Path(tmp))
-        except Exception as exc:  # noqa: BLE001 - reported, then a non-zero exit
-            raise SystemExit(f"routing_replay: {type(exc).__name__}: {exc}") from exc
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="routing_replay_") as tmp:
+            try:
+                result = run(args, Path(tmp))
+            except Exception as exc:  # noqa: BLE001 - reported, then a non-zero exit
+                raise SystemExit(f"routing_replay: {type(exc).__name__}: {exc}") from exc
+    result = without_local_paths(result)
     failures += checks(result)
     result["failures"] = failures
     out.mkdir(parents=True, exist_ok=True)

@@ -208,6 +208,7 @@ DEFAULT_OUT_RUNS = {
     "moe": ["--report-from", "{reports}/moe.json"],
     "sequence_parallel": [],
     "sglang_e2e": ["--merge", "{reports}/sglang_e2e.json"],
+    "routing_replay": ["--from-json", "{reports}/routing_replay.json"],
 }
 
 

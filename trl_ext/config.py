@@ -132,8 +132,8 @@ class AgenticGRPOConfig(GRPOConfig):
             replay whenever the engine returns routing; `True`: required, a server without it is an error at
             start-up; `False`: never replay. Whenever the engine returns routing, `routing/agreement` (the fraction
             of (token, layer) top-k sets where the trainer's own choice equals the rollout's) and
-            `routing/agreement_min_layer` are logged. Against SGLang, replay cut k3 to about a third at 1.04x the
-            generation time (`docs/results.md`, section 5), hence on by default where the routing is there.
+            `routing/agreement_min_layer` are logged. In one run against SGLang, replay cut k3 to about a third at
+            1.04x the generation time (`docs/results.md`, section 5), hence on by default where the routing is there.
 
     > Model implementation
 
