@@ -5,7 +5,8 @@
   triton. With it, the Triton kernels run on CPU tensors and CI tests the real kernel code.
 - ``SINK_FLASH_ATTN3_BACKEND=torch``: with ``TRITON_INTERPRET=1`` the attention kernel would otherwise route every
   CPU call to the (slow) Triton interpreter; model, trainer and example tests stay on the plain PyTorch path, and
-  the kernel tests pick the Triton path explicitly (``backend="triton"`` or ``monkeypatch.setenv``).
+  the kernel tests pick the Triton path explicitly (``backend="triton"``). The kernel reads the variable once, when
+  it is imported.
 - No test touches the network: the Hub is offline, kernels resolve from the packaged sources.
 Explicit values in the environment win over these defaults.
 """
@@ -30,9 +31,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _no_cached_attention_calls():
-    """The attention kernel caches what each input signature dispatches to (``triton_kernels._CALLS``); tests patch
-    what that dispatch reads (device capability, thresholds, configurations), so every test starts without entries
-    made under another test's patches."""
+    """The attention kernel caches what each input signature dispatches to (``triton_kernels._CALLS``); tests stand in
+    for the hardware that dispatch reads (device capability, multiprocessor count), so every test starts without
+    entries made under another test's stand-ins."""
     for name, module in list(sys.modules.items()):
         if name.endswith(".triton_kernels") and isinstance(getattr(module, "_CALLS", None), dict):
             module._CALLS.clear()

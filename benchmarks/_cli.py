@@ -7,15 +7,32 @@ measured.
 
 Exit status: a run that failed (an exception, a failed check or target, a worker that crashed) exits non-zero, after
 its report is written.
+
+Ratios: every report states a comparison the same way, `ratio(ours, peer)` = this project's time (or memory) ÷ the
+peer's, so below 1 means this project takes less (`RATIO_RULE` says so in the reports and the README).
+
+Local paths: a report names no folder of the machine that wrote it (`without_local_paths`), so its commands read the
+same for every reader.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REPORTS = REPO / "docs" / "benchmarks"
 OUT_HELP = "report folder (default: docs/benchmarks/, only while the report is not there yet; name it to replace one)"
+
+
+RATIO_RULE = "ratio = this project's time (or memory) ÷ the peer's, so below 1 is faster (or smaller)"
+
+
+def ratio(ours: float, peer: float) -> str:
+    """``ours ÷ peer`` as the reports print it (``0.48x``): the one direction of every comparison."""
+    return f"{ours / peer:.2f}x"
 
 
 def output_dir(out: str | Path | None, *names: str) -> Path:
@@ -38,3 +55,42 @@ def exit_if_failed(script: str, failures: list[str], out: str | Path | None = No
     if failures:
         where = f" (report in {out})" if out is not None else ""
         raise SystemExit(f"{script}: {len(failures)} failure(s){where}:\n  " + "\n  ".join(failures))
+
+
+def _local_roots() -> list[tuple[str, str]]:
+    """(folder, placeholder) of the places a run's paths point to that no reader shares, most specific first."""
+    roots = [(str(REPO), ".")]
+    temp = {os.path.realpath(tempfile.gettempdir()), tempfile.gettempdir(), "/tmp", "/var/tmp"}
+    roots += [(t.rstrip("/"), "$TMPDIR") for t in sorted(temp, key=len, reverse=True) if t.rstrip("/")]
+    home = os.path.expanduser("~")
+    if home not in ("", "/"):
+        roots.append((home.rstrip("/"), "~"))
+    return roots
+
+
+def without_local_paths(report, named: dict | None = None):
+    """``report`` (JSON-like: dicts, lists, strings) with this machine's paths replaced by placeholders, so that
+    committed reports and the commands in them name no folder of the machine that wrote them.
+
+    ``named`` maps a path to its placeholder (``{model_dir: "MODEL_DIR"}``); those go first. Then paths inside the
+    repository become relative (``./docs/...``), paths under the temporary folder ``$TMPDIR/...`` and paths under the
+    home folder ``~/...``. A report written elsewhere (a saved JSON re-rendered here) is cleaned by the same rules,
+    ``/tmp`` included. Strings are rewritten wherever they are, keys left as they are."""
+    pairs = [(str(path).rstrip("/"), placeholder) for path, placeholder in (named or {}).items() if path]
+    pairs.sort(key=lambda pair: len(pair[0]), reverse=True)
+    # a root matches as a whole path component: /tmpfoo and /opt/tmp/x are not under /tmp
+    patterns = [(re.compile(rf"(?<![\w./-]){re.escape(path)}(?=/|\b|$)"), ph) for path, ph in pairs]
+    patterns += [(re.compile(rf"(?<![\w./-]){re.escape(root)}(?=/|[\s'\"`:;,)]|$)"), ph) for root, ph in _local_roots()]
+
+    def clean(value):
+        if isinstance(value, str):
+            for pattern, placeholder in patterns:
+                value = pattern.sub(lambda _m, ph=placeholder: ph, value)
+            return value
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(clean(v) for v in value)
+        return value
+
+    return clean(report)

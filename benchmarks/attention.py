@@ -41,7 +41,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
 
 KERNEL_REPO_ID = "hf-gptoss-rl/sink-flash-attn3"
 IMPL_OURS = "sink-flash-attn3"
@@ -542,6 +542,8 @@ def layer_step(impl: str, S: int, sliding: bool, seed=0):
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: PLC0415
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding  # noqa: PLC0415
 
+    from hf_gptoss_rl.packing import cache_keyword  # noqa: PLC0415
+
     config = gptoss_layer_config(sliding)
     config._attn_implementation = impl
     torch.manual_seed(seed)
@@ -555,7 +557,7 @@ def layer_step(impl: str, S: int, sliding: bool, seed=0):
     position_embeddings = rotary(hidden, position_ids)
     make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
     params = inspect.signature(make_mask).parameters
-    mask_kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None)
+    mask_kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, **{cache_keyword(make_mask): None})
     if "cache_position" in params:
         mask_kwargs["cache_position"] = torch.arange(S, device=DEVICE)
     if "position_ids" in params:
@@ -937,8 +939,9 @@ def main():
     args = parser.parse_args()
     out_dir = output_dir(args.out, "attention.json", "attention.md", "attention.png")
     if args.from_json:
-        result = json.loads(Path(args.from_json).read_text())
+        result = without_local_paths(json.loads(Path(args.from_json).read_text()))
         result["targets"] = targets(result)
+        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
         write_markdown(result, out_dir / "attention.md")
         write_plot(result, out_dir / "attention.png")
@@ -975,7 +978,7 @@ def main():
         return shapes
 
     tk = kernel.interface._backend_module("triton")
-    configs = {f"{name}/{d}": cfg for (name, d), cfg in tk.CONFIGS.items()}
+    configs = {f"{name}/{d}": dict(cfg) for (name, d), cfg in tk.CONFIGS.items()}  # (read-only mappings in the kernel)
     result = dict(
         env=env,
         command=" ".join(["python benchmarks/attention.py", *_flags_as_run()]),
@@ -994,8 +997,9 @@ def main():
     def save():  # after every section: a run stopped at a time limit still leaves what it measured
         result["wall_s"] = time.time() - t0
         result["targets"] = targets(result)
-        (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
-        write_markdown(result, out_dir / "attention.md")
+        report = without_local_paths(result)  # a report names no local folder
+        (out_dir / "attention.json").write_text(json.dumps(report, indent=1))
+        write_markdown(report, out_dir / "attention.md")
 
     # the mixed-workload baseline first: nothing else has run in this process yet
     first = bench(public_step(kernel, None, make_inputs(args.mixed_seqlen, seed=3)))

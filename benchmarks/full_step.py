@@ -94,7 +94,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+from benchmarks._cli import OUT_HELP, RATIO_RULE, exit_if_failed, output_dir, ratio, without_local_paths
 
 # `hf_gptoss_rl` is imported where it is used: the sweep's parent process stays light (torch only); every
 # (variant, S) run is its own worker process.
@@ -521,6 +521,7 @@ def _env_text(env: dict) -> str:
 
 
 def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
+    results, meta = without_local_paths(results), without_local_paths(meta)  # a report names no local folder
     out.mkdir(parents=True, exist_ok=True)
     (out / "full_step_ragged.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     r0 = meta["ragged"]
@@ -551,7 +552,7 @@ def write_ragged_report(out: Path, results: list[dict], meta: dict) -> None:
     lines.append("")
     for ours in (n for n in timed if VARIANTS[n]["attn"] == "project"):
         for other in (n for n in timed if VARIANTS[n]["attn"] != "project"):
-            lines.append(f"- {ours}: {timed[other] / timed[ours]:.2f}x the useful tokens/s of {other}")
+            lines.append(f"- {ours}: {ratio(timed[ours], timed[other])} the step time of {other} ({RATIO_RULE})")
     # packed and padded compute the same loss: the timed step's loss and the sum of the completion log-probs
     same = [r for r in results if r.get("loss") is not None and r.get("completion_logp_sum") is not None]
     if len(same) > 1:
@@ -868,6 +869,7 @@ def _autocast_text(results: list[dict]) -> str:
 
 
 def write_report(out: Path, results: list[dict], meta: dict) -> None:
+    results, meta = without_local_paths(results), without_local_paths(meta)  # a report names no local folder
     out.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Full GRPO step, gpt-oss-20b-shaped model (`benchmarks/full_step.py`)",
@@ -898,8 +900,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
         )
     lines += [
         "",
-        "Speed-up of the project's GRPO step over each stock variant at the same S, both with or both without "
-        "autocast (tokens/s ratio):",
+        "Time of the project's GRPO step ÷ each stock variant's at the same S, both with or both without autocast "
+        f"({RATIO_RULE}):",
         "",
     ]
     by_key = {(r["variant"], r["seq_len"], bool(r.get("autocast"))): r for r in results}
@@ -913,7 +915,7 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
                 theirs = (by_key.get((name, s, autocast)) or {}).get("grpo_step") or {}
                 if name not in ours_names and "seconds" in ours and "seconds" in theirs:
                     ratio_lines.append(
-                        f"- S={s:,}{mark}: {ours_name}: {theirs['seconds'] / ours['seconds']:.2f}× vs "
+                        f"- S={s:,}{mark}: {ours_name}: {ratio(ours['seconds'], theirs['seconds'])} of "
                         f"{VARIANTS[name]['label']}"
                     )
     lines += ratio_lines or ["- (no pair measured)"]
@@ -1005,7 +1007,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--profile", action="store_true", help="also profile one GRPO step per run: top ops by self time")
-    p.add_argument("--report-from", type=Path, default=None, help="re-render the report of a saved full_step.json")
+    p.add_argument(
+        "--from-json", "--report-from", dest="report_from", type=Path, default=None,
+        help="no run: re-render the report of a saved full_step.json / full_step_ragged.json",
+    )  # fmt: skip
     p.add_argument("--ragged", action="store_true", help="the ragged-batch case instead of the S sweep")
     p.add_argument("--ragged-n", type=int, default=16, help="trajectories in the ragged batch")
     p.add_argument("--ragged-median", type=int, default=None, help="log-normal median (default 4096; tiny: 48)")

@@ -67,7 +67,7 @@ from pathlib import Path
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -940,7 +940,7 @@ def plot(result: dict, path: Path) -> None:
 def write_report(result: dict, out: Path) -> None:
     from hf_gptoss_rl.testing import fmt
 
-    result = upgrade_result(result)
+    result = without_local_paths(upgrade_result(result))  # a report names no local folder
     json_name, md_name, png_name = report_names(result["setup"].get("rollout_backend", "embedded"))
     out.mkdir(parents=True, exist_ok=True)
     (out / json_name).write_text(json.dumps(result, indent=2))

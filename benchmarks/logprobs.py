@@ -35,7 +35,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, output_dir
+from benchmarks._cli import OUT_HELP, RATIO_RULE, output_dir, ratio, without_local_paths
 
 VOCAB, HIDDEN = 201_088, 2880
 VARIANTS = {
@@ -152,20 +152,20 @@ def write_report(out_dir: Path, results, corr, meta):
             "`max_memory_allocated` above what was resident before the call."
         ),
         "",
-        "| S | variant | no-grad ms | no-grad peak GiB | train ms | train peak GiB | train: chunked_torch / this |",
+        "| S | variant | no-grad ms | no-grad peak GiB | train ms | train peak GiB | train time ÷ chunked_torch's |",
         "|---|---|---|---|---|---|---|",
     ]
     for s, variants in results.items():
         base = variants.get("chunked_torch", {}).get("train_ms")
         for name, r in variants.items():
-            ratio = (
-                f"{base / r['train_ms']:.2f}x" if isinstance(base, float) and isinstance(r["train_ms"], float) else ""
-            )
+            vs_base = ratio(r["train_ms"], base) if isinstance(base, float) and isinstance(r["train_ms"], float) else ""
             lines.append(
                 f"| {s} | {name} | {cell(r['nograd_ms'], '.1f')} | {cell(r['nograd_peak'], '.2f')} | "
-                f"{cell(r['train_ms'], '.1f')} | {cell(r['train_peak'], '.2f')} | {ratio} |"
+                f"{cell(r['train_ms'], '.1f')} | {cell(r['train_peak'], '.2f')} | {vs_base} |"
             )
     lines += [
+        "",
+        f"Last column: {RATIO_RULE}.",
         "",
         "## Correctness (S=256, bf16 inputs, against float64; relative L2 error)",
         "",
@@ -211,8 +211,16 @@ def main():
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--out", default=None, help=OUT_HELP)
+    parser.add_argument("--from-json", type=Path, default=None, help="no run: render this logprobs.json again")
     args = parser.parse_args()
     out_dir = output_dir(args.out, "logprobs.json", "logprobs.md", "logprobs.png")
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "logprobs.json").write_text(json.dumps(saved, indent=1))
+        write_report(out_dir, saved["results"], saved["correctness"], saved["meta"])
+        print((out_dir / "logprobs.md").read_text())
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/logprobs.py needs a CUDA GPU")
     import triton
@@ -249,6 +257,7 @@ def main():
         "command": "python benchmarks/logprobs.py " + " ".join(sys.argv[1:]),
         "commit": git_commit(),
     }
+    meta = without_local_paths(meta)  # a report names no local folder
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logprobs.json").write_text(
         json.dumps({"results": results, "correctness": corr, "meta": meta}, indent=1)

@@ -49,7 +49,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
 from hf_gptoss_rl.testing import (
     SINK_DROPPING_ATTENTION,
     build_random_gptoss,
@@ -275,6 +275,7 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
 
 
 def write_report(out: Path, results: list[dict], meta: dict) -> None:
+    results, meta = without_local_paths(results), without_local_paths(meta)  # a report names no local folder
     out.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Rollout/training mismatch by training attention (`benchmarks/mismatch_study.py`)",

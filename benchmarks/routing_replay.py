@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
 
 NAMES = ("routing_replay.json", "routing_replay.md", "routing_replay.png")
 ROUTING_FLAGS = ["--enable-return-routed-experts", "--moe-runner-backend", "triton"]
@@ -117,8 +117,7 @@ def run(args, work: Path) -> dict:
     server = ServerManager(args, args.model_dir, work / "logs")
     try:
         url = server.ensure("routing", ROUTING_FLAGS, args.ready_timeout_s)
-        # the run's temporary folder is no reader's: the command names it by its role
-        result["server_command"] = server.launches[-1]["command"].replace(str(args.model_dir), "MODEL_DIR")
+        result["server_command"] = server.launches[-1]["command"]  # its local paths go in main()
         result["sglang_version"] = server.version
         engine = SGLangEngine(url, ready_timeout_s=args.ready_timeout_s, timeout_s=300.0, record_routing=shape)
         engine.check_servers()  # refuses a server without the flag or with a runner that records nothing
@@ -261,14 +260,6 @@ def plot(path: Path, result: dict) -> None:
     plt.close(fig)
 
 
-def without_local_paths(result: dict) -> dict:
-    """The report without the run's temporary folder (the model directory), which no reader has."""
-    model_dir = (result.get("model") or {}).pop("model_dir", None)
-    if model_dir:
-        result["server_command"] = result["server_command"].replace(model_dir, "MODEL_DIR")
-    return result
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     out = output_dir(args.out, *NAMES)
@@ -281,7 +272,9 @@ def main(argv=None) -> None:
                 result = run(args, Path(tmp))
             except Exception as exc:  # noqa: BLE001 - reported, then a non-zero exit
                 raise SystemExit(f"routing_replay: {type(exc).__name__}: {exc}") from exc
-    result = without_local_paths(result)
+    # the run's temporary model folder is no reader's: the report names it by its role
+    model_dir = (result.get("model") or {}).pop("model_dir", None)
+    result = without_local_paths(result, {model_dir: "MODEL_DIR"} if model_dir else None)
     failures += checks(result)
     result["failures"] = failures
     out.mkdir(parents=True, exist_ok=True)

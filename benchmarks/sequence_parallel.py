@@ -38,7 +38,7 @@ from pathlib import Path
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+from benchmarks._cli import OUT_HELP, RATIO_RULE, exit_if_failed, output_dir, ratio, without_local_paths
 
 RESULT_TAG = "SP_BENCH_RESULT "
 
@@ -200,6 +200,7 @@ def search(args) -> list[dict]:
 
 
 def write_report(results: list[dict], args) -> None:
+    results = without_local_paths(results)  # a report names no local folder
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sequence_parallel.json").write_text(json.dumps(results, indent=1))
@@ -235,10 +236,10 @@ def write_report(results: list[dict], args) -> None:
         base = by_peer.get(("sp", 1)) or by_peer.get(("stock", 1))
         if base and len(by_peer) > 1:
             ordered = sorted(by_peer.items(), key=lambda item: item[0][1])
-            speedups = ", ".join(f"{m} P={g}: {base / t:.2f}x" for (m, g), t in ordered)
+            speedups = ", ".join(f"{m} P={g}: {ratio(t, base)}" for (m, g), t in ordered)
             ratio_lines.append(f"| {seq_len} | {speedups} |")
     if ratio_lines:
-        lines += ["", "Speed-up of step time against one GPU at the same S:", "", "| S | speed-up |", "|---|---|"]
+        lines += ["", f"Step time ÷ one GPU's at the same S ({RATIO_RULE}):", "", "| S | time ratio |", "|---|---|"]
         lines += ratio_lines
     (out / "sequence_parallel.md").write_text("\n".join(lines) + "\n")
     try:

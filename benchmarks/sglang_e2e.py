@@ -87,7 +87,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir
+from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -1045,7 +1045,22 @@ def fmt(v, spec=".3g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 
+def report_paths(results: dict) -> dict[str, str]:
+    """This run's own folders, by role: the model directory and the work directory (the rest of a report's local
+    paths, `benchmarks._cli.without_local_paths` finds by location)."""
+    named = {}
+    model_dir = (results.get("model") or {}).get("model_dir")
+    if model_dir and model_dir != "MODEL_DIR":
+        named[model_dir] = "MODEL_DIR"
+    work_dir = str((results.get("meta") or {}).get("work_dir") or "").split(" (", 1)[0]
+    if work_dir.startswith("/"):
+        named[work_dir] = "WORK_DIR"
+    return named
+
+
 def write_outputs(out: Path, results: dict) -> None:
+    """The report (JSON, markdown, plot) of ``results``, without this machine's paths: the run itself keeps them."""
+    results = without_local_paths(results, report_paths(results))
     out.mkdir(parents=True, exist_ok=True)
     (out / "sglang_e2e.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "sglang_e2e.md").write_text(render_markdown(results))
@@ -1449,6 +1464,7 @@ def parse_args(argv=None):
         default=None,
         help="no run: merge the sglang_e2e.json of earlier runs (same model) into one report in --out",
     )
+    p.add_argument("--from-json", type=Path, default=None, help="no run: render this sglang_e2e.json again")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--mem-fraction-static", type=float, default=0.4)
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
@@ -1558,6 +1574,11 @@ def run_failures(results: dict) -> list[str]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.out = output_dir(args.out, "sglang_e2e.json", "sglang_e2e.md", "sglang_e2e.png")
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text())
+        write_outputs(args.out, results)
+        log(f"rendered {args.from_json} again into {args.out / 'sglang_e2e.md'}, .json, .png")
+        return results
     if args.merge:
         results = merge_runs(args.merge)
         write_outputs(args.out, results)

@@ -2,8 +2,9 @@
 """Single-turn GRPO for GPT-OSS on GSM8K: the model reasons (analysis channel) and answers in \\boxed{} (final).
 
 The same trainer as `grpo_retool.py`, with no tools and one assistant turn (`max_turns=1`). Every
-`AgenticGRPOConfig` field is a flag (TRL's `TrlParser`); the defaults are a CPU demo: a tiny GPT-OSS built locally,
-a short cold start (`SFTTrainer` on answer-only demonstrations), the shipped GSM8K rows, the embedded engine.
+`AgenticGRPOConfig` and `trl.ModelConfig` field is a flag (TRL's `TrlParser`, as in TRL's scripts); the defaults are a
+CPU demo: a tiny GPT-OSS built locally, a short cold start (`SFTTrainer` on answer-only demonstrations), the shipped
+GSM8K rows, the embedded engine.
 
     python examples/grpo_gsm8k.py
     accelerate launch examples/grpo_gsm8k.py --model_name_or_path openai/gpt-oss-20b --bf16 --learning_rate 1e-6 \\
@@ -18,22 +19,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from trl import SFTConfig, TrlParser
+from trl import ModelConfig, SFTConfig, TrlParser
 
 from hf_gptoss_rl.harmony import load_gptoss_tokenizer
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.cold_start import cold_start
-from trl_ext.recipes import StepSummaryCallback, boxed_format_reward_func, correctness_reward_func, load_math_dataset
+from trl_ext.recipes import (
+    DEMO_MODEL_DEFAULTS,
+    StepSummaryCallback,
+    boxed_format_reward_func,
+    correctness_reward_func,
+    load_math_dataset,
+    policy_from_model_config,
+)
 
 DEFAULT_DATASET = str(Path(__file__).resolve().parents[1] / "data" / "gsm8k_train_mini.jsonl")
 
 
 @dataclass
 class ScriptArguments:
-    model_name_or_path: str = field(
-        default="tiny", metadata={"help": "'tiny' (a small GPT-OSS built locally, for CPUs) or a model id/path."}
-    )
-    dtype: str = field(default="auto", metadata={"help": "dtype the checkpoint is loaded in; 'auto': its own."})
     dataset_name: str = field(default=DEFAULT_DATASET, metadata={"help": "A .jsonl file or a Hub dataset."})
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'main' for gsm8k."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split of dataset_name to train on."})
@@ -42,9 +46,6 @@ class ScriptArguments:
         default=None, metadata={"help": "SFT steps on answer demonstrations; default: 30 for 'tiny', 0 otherwise."}
     )
     cold_start_learning_rate: float = field(default=2e-2, metadata={"help": "Learning rate of the cold start."})
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (merged for the weight sync)."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
 
     def __post_init__(self):
         if self.cold_start_steps is not None and self.cold_start_steps < 0:
@@ -70,30 +71,26 @@ DEMO_DEFAULTS = dict(
 )
 
 
-def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
+def make_parser() -> TrlParser:
+    """TRL's parser over the script's arguments, `AgenticGRPOConfig` and `ModelConfig`, with the CPU demo's defaults."""
+    parser = TrlParser((ScriptArguments, AgenticGRPOConfig, ModelConfig))
+    parser.set_defaults_with_config(**DEMO_DEFAULTS, **DEMO_MODEL_DEFAULTS)
+    return parser
+
+
+def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_args: ModelConfig):
     start = time.perf_counter()
-    tiny = script_args.model_name_or_path == "tiny"
+    tiny = model_args.model_name_or_path == "tiny"
     tokenizer = load_gptoss_tokenizer()
     train_dataset = load_math_dataset(
         script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split, script_args.num_prompts
     )
-    if tiny:
-        from transformers import GptOssForCausalLM
-
-        from hf_gptoss_rl.testing import tiny_gptoss_config
-
-        torch.manual_seed(training_args.seed)
-        config = tiny_gptoss_config()
-        config._attn_implementation = training_args.attn_implementation or "eager"
-        model = GptOssForCausalLM(config)
-        if script_args.dtype != "auto":
-            model = model.to(getattr(torch, script_args.dtype))
-    else:
-        model = script_args.model_name_or_path
-        training_args.model_init_kwargs = {"dtype": script_args.dtype, **(training_args.model_init_kwargs or {})}
+    model, peft_config, quantization_config = policy_from_model_config(model_args, training_args)
 
     steps = script_args.cold_start_steps if script_args.cold_start_steps is not None else (30 if tiny else 0)
     if steps and training_args.resume_from_checkpoint is None:
+        if quantization_config is not None:
+            raise ValueError("the cold start trains every weight, which a quantized model cannot: --cold_start_steps 0")
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
@@ -110,11 +107,6 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
         cold_start(model, tokenizer, train_dataset, tool=None, args=sft_args,
                    reasoning_effort=training_args.reasoning_effort)  # fmt: skip
 
-    peft_config = None
-    if script_args.use_peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, target_modules="all-linear")
     trainer = AgenticGRPOTrainer(
         model=model,
         reward_funcs=[correctness_reward_func, boxed_format_reward_func],
@@ -122,6 +114,7 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
         train_dataset=train_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        quantization_config=quantization_config,
         callbacks=[StepSummaryCallback()],
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -135,7 +128,5 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
 
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, AgenticGRPOConfig))
-    parser.set_defaults_with_config(**DEMO_DEFAULTS)
-    script_args, training_args = parser.parse_args_and_config()
-    main(script_args, training_args).accelerator.end_training()
+    script_args, training_args, model_args = make_parser().parse_args_and_config()
+    main(script_args, training_args, model_args).accelerator.end_training()

@@ -1,9 +1,10 @@
 # Copyright 2026 The hf_gptoss_rl authors. Apache-2.0.
 """ReTool-style agentic GRPO for GPT-OSS: the model thinks, runs Python in a sandbox, reads the output, answers.
 
-Every field of `AgenticGRPOConfig` (TRL's `GRPOConfig` plus the agentic fields) is a flag, parsed by TRL's
-`TrlParser` (`--config recipe.yaml` works too), next to the script's own `ScriptArguments` below. The defaults are
-a demo that needs nothing but a CPU and runs in a few minutes:
+As in TRL's example scripts, TRL's `TrlParser` (`--config recipe.yaml` works too) parses the script's own
+`ScriptArguments` below, every field of `AgenticGRPOConfig` (TRL's `GRPOConfig` plus the agentic fields) and TRL's
+`ModelConfig` (`--model_name_or_path`, `--dtype`, `--attn_implementation`, `--use_peft` and the `--lora_*` flags,
+`--load_in_4bit` / `--load_in_8bit`). The defaults are a demo that needs nothing but a CPU and runs in a few minutes:
 
 * a tiny GPT-OSS (2 layers, 4 experts, every GPT-OSS feature, the real 201,088-token vocabulary) built locally with
   the offline o200k_harmony tokenizer;
@@ -25,8 +26,10 @@ The same script trains the real thing on GPUs (the full recipe, SGLang servers i
         --attn_implementation hf-gptoss-rl/sink-flash-attn3 --experts_implementation memory_efficient \\
         --max_completion_length 16384 --max_turns 16 --output_dir /checkpoints/retool-20b
 
-(`--use_peft` trains a LoRA adapter instead; `--model_name_or_path openai/gpt-oss-20b` loads the MXFP4 release
-dequantized to bf16.) `python examples/grpo_retool.py --help` lists every flag.
+(`--use_peft` trains a LoRA adapter instead, `--lora_r`, `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`
+(all linear layers by default), `--use_dora` shape it; `--model_name_or_path openai/gpt-oss-20b` loads the MXFP4
+release dequantized to bf16; a checkpoint loads in its own dtype unless `--dtype` says otherwise.)
+`python examples/grpo_retool.py --help` lists every flag.
 """
 
 from __future__ import annotations
@@ -37,17 +40,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from trl import SFTConfig, TrlParser
+from trl import ModelConfig, SFTConfig, TrlParser
 
 from hf_gptoss_rl.harmony import load_gptoss_tokenizer
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.checkpoints import resolve_resume_checkpoint
 from trl_ext.cold_start import StopAtLoss, cold_start
 from trl_ext.recipes import (
+    DEMO_MODEL_DEFAULTS,
     StepSummaryCallback,
     boxed_format_reward_func,
     evaluate_tool_use,
     load_math_dataset,
+    policy_from_model_config,
     retool_reward_func,
 )
 from trl_ext.tools import CodeInterpreterTool
@@ -55,19 +60,9 @@ from trl_ext.tools import CodeInterpreterTool
 DEFAULT_DATASET = str(Path(__file__).resolve().parents[1] / "data" / "gsm8k_train_mini.jsonl")
 
 
-# %% Arguments: the script's own, next to every AgenticGRPOConfig field -----------------------------------------------------
+# %% Arguments: the script's own, next to every AgenticGRPOConfig and ModelConfig field ---------------------------------------
 @dataclass
 class ScriptArguments:
-    model_name_or_path: str = field(
-        default="tiny",
-        metadata={
-            "help": "'tiny' (a small GPT-OSS built locally, for CPUs) or a model id/path, e.g. openai/gpt-oss-20b."
-        },
-    )
-    dtype: str = field(
-        default="auto",
-        metadata={"help": "dtype the model is loaded in (model_init_kwargs['dtype']); 'auto': the checkpoint's."},
-    )
     dataset_name: str = field(
         default=DEFAULT_DATASET, metadata={"help": "A .jsonl file or a Hub dataset (openai/gsm8k, DAPO-Math-17k, ...)."}
     )
@@ -108,10 +103,6 @@ class ScriptArguments:
         default=4,
         metadata={"help": "Practised problems scored greedily before and after GRPO (0: skip)."},
     )
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (merged for the weight sync)."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA target modules."})
 
     def __post_init__(self):
         if self.rl_problems not in ("practised", "all"):
@@ -148,32 +139,11 @@ DEMO_DEFAULTS = dict(
 )
 
 
-# %% Model ---------------------------------------------------------------------------------------------------------------
-def build_model(script_args, training_args):
-    """The tiny CPU model, or (id/path, model_init_kwargs) for TRL to load. MXFP4 checkpoints (the released
-    gpt-oss) are dequantized: RL trains bf16 weights."""
-    if script_args.model_name_or_path == "tiny":
-        from transformers import GptOssForCausalLM
-
-        from hf_gptoss_rl.testing import tiny_gptoss_config
-
-        if training_args.model_init_kwargs:
-            raise ValueError("--model_init_kwargs applies to a checkpoint, not to the 'tiny' model built here")
-        torch.manual_seed(training_args.seed)
-        config = tiny_gptoss_config()
-        config._attn_implementation = training_args.attn_implementation or "eager"
-        model = GptOssForCausalLM(config)
-        return (model if script_args.dtype == "auto" else model.to(getattr(torch, script_args.dtype))), None
-    from transformers import AutoConfig, Mxfp4Config
-
-    init_kwargs = dict(training_args.model_init_kwargs or {})
-    if "dtype" in init_kwargs and script_args.dtype != "auto" and init_kwargs["dtype"] != script_args.dtype:
-        raise ValueError(f"--dtype {script_args.dtype} and model_init_kwargs dtype {init_kwargs['dtype']} disagree")
-    init_kwargs.setdefault("dtype", script_args.dtype)
-    quantization = getattr(AutoConfig.from_pretrained(script_args.model_name_or_path), "quantization_config", None)
-    if (quantization or {}).get("quant_method") == "mxfp4" and "quantization_config" not in init_kwargs:
-        init_kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-    return script_args.model_name_or_path, init_kwargs
+def make_parser() -> TrlParser:
+    """TRL's parser over the script's arguments, `AgenticGRPOConfig` and `ModelConfig`, with the CPU demo's defaults."""
+    parser = TrlParser((ScriptArguments, AgenticGRPOConfig, ModelConfig))
+    parser.set_defaults_with_config(**DEMO_DEFAULTS, **DEMO_MODEL_DEFAULTS)
+    return parser
 
 
 def load_practised_rows(path: Path, dataset_name: str, num_rows: int) -> list[int]:
@@ -203,9 +173,9 @@ def _report(title, scores, what="practised problems"):
 
 
 # %% Train ---------------------------------------------------------------------------------------------------------------
-def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
+def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_args: ModelConfig):
     start = time.perf_counter()
-    tiny = script_args.model_name_or_path == "tiny"
+    tiny = model_args.model_name_or_path == "tiny"
     if training_args.eval_strategy != "no" and script_args.eval_dataset_name is None:
         raise ValueError(f"--eval_strategy {training_args.eval_strategy} needs --eval_dataset_name")
     if script_args.eval_dataset_name is not None and training_args.eval_strategy == "no":
@@ -226,9 +196,9 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
 
         tool = CodeInterpreterTool(backend=SandboxFusionBackend(script_args.sandbox_url))
 
-    # Model, and a cold start: SFT on demonstrations whose code_interpreter calls compute the answers
-    model, model_init_kwargs = build_model(script_args, training_args)
-    training_args.model_init_kwargs = model_init_kwargs
+    # Model (TRL's ModelConfig: the policy, its LoRA and quantization configs), and a cold start: SFT on
+    # demonstrations whose code_interpreter calls compute the answers
+    model, peft_config, quantization_config = policy_from_model_config(model_args, training_args)
     cold_start_steps = (
         script_args.cold_start_steps if script_args.cold_start_steps is not None else (120 if tiny else 0)
     )
@@ -251,10 +221,12 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
         ), what="problems")  # fmt: skip
         engine.shutdown()
     if cold_start_steps and resume is None:
+        if quantization_config is not None:
+            raise ValueError("the cold start trains every weight, which a quantized model cannot: --cold_start_steps 0")
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(model, **training_args.model_init_kwargs)
         sft_args = SFTConfig(
             output_dir=str(Path(training_args.output_dir) / "cold_start"),
             use_cpu=training_args.use_cpu,  # the first trainer fixes accelerate's process state for the run
@@ -290,14 +262,6 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
     if practised and script_args.rl_problems == "practised":
         train_dataset = train_dataset.select(practised)
 
-    peft_config = None
-    if script_args.use_peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=script_args.lora_r, lora_alpha=script_args.lora_alpha, target_modules=script_args.lora_target_modules
-        )
-
     # Agentic GRPO: multi-turn rollouts with the code tool, scored by the ReTool reward
     trainer = AgenticGRPOTrainer(
         model=model,
@@ -307,6 +271,7 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        quantization_config=quantization_config,
         callbacks=[StepSummaryCallback()],
         tools=[tool],
     )
@@ -337,8 +302,6 @@ def main(script_args: ScriptArguments, training_args: AgenticGRPOConfig):
 
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, AgenticGRPOConfig))
-    parser.set_defaults_with_config(**DEMO_DEFAULTS)
-    script_args, training_args = parser.parse_args_and_config()
-    trainer = main(script_args, training_args)
+    script_args, training_args, model_args = make_parser().parse_args_and_config()
+    trainer = main(script_args, training_args, model_args)
     trainer.accelerator.end_training()  # destroys the process group before interpreter exit, as torch.distributed asks

@@ -1,7 +1,8 @@
 """``attn_implementation="hf-gptoss-rl/sink-flash-attn3"``: the sink-aware flash attention kernel in transformers.
 
-:func:`register` (run by ``import hf_gptoss_rl``, idempotent) changes nothing on disk and nothing in
-``os.environ``. It only touches transformers' in-memory registries:
+Importing this module changes nothing: the package's :func:`hf_gptoss_rl.register` (called once by ``import
+hf_gptoss_rl``, idempotent) calls the functions below, and like them it writes nothing to disk and nothing to
+``os.environ``. They only touch transformers' in-memory registries:
 
 1. It adds the id to ``GptOssPreTrainedModel._compatible_flash_implementations``. transformers
    (``PreTrainedModel._check_and_adjust_attn_implementation``, 5.17 and later) replaces any requested
@@ -25,7 +26,7 @@
    ``ValueError``, and any other flash name that transformers replaces (``flash_attention_2``,
    ``kernels-community/flash-attn3``, ...) is reported with an :class:`AttentionRemapWarning` naming both.
 
-Without ``import hf_gptoss_rl`` (or :func:`register`), transformers 5.17-5.24 silently replace
+Without ``import hf_gptoss_rl`` (or :func:`hf_gptoss_rl.register`), transformers 5.17-5.24 silently replace
 ``"hf-gptoss-rl/sink-flash-attn3"`` on GPT-OSS with ``kernels-community/vllm-flash-attn3``.
 """
 
@@ -296,27 +297,6 @@ def _install_remap_guard() -> None:
     GptOssPreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
-def register() -> tuple[str, ...]:
-    """Make ``attn_implementation="hf-gptoss-rl/sink-flash-attn3"`` work in transformers (idempotent).
-
-    Returns the registered ``attn_implementation`` names. Nothing is built, downloaded or written, and
-    ``os.environ`` is left alone: the kernel is imported when a model first selects the id.
-    """
-    _mark_gptoss_compatible()
-    _register_attention_function(KERNEL_REPO_ID)
-    _install_kernel_loader()
-    _install_remap_guard()
-    return (KERNEL_REPO_ID,)
-
-
-def register_sink_flash_attention() -> bool:
-    """Same as :func:`register`; returns True (the id resolves from the packaged sources)."""
-    register()
-    return True
-
-
-register()
-
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "AttentionRemapWarning",
@@ -325,6 +305,4 @@ __all__ = [
     "import_kernel_sources",
     "kernels_usable",
     "load_kernel",
-    "register",
-    "register_sink_flash_attention",
 ]

@@ -1,8 +1,9 @@
 """Memory-efficient GPT-OSS experts, registered as ``experts_implementation="memory_efficient"``.
 
-Importing this module registers :func:`memory_efficient_experts_forward` in transformers'
-``ALL_EXPERTS_FUNCTIONS``; select it with ``from_pretrained(..., experts_implementation="memory_efficient")``
-or ``model.set_experts_implementation("memory_efficient")``.
+:func:`hf_gptoss_rl.register` (called by ``import hf_gptoss_rl``) registers :func:`memory_efficient_experts_forward`
+in transformers' ``ALL_EXPERTS_FUNCTIONS``; importing this module alone registers nothing. Select it with
+``from_pretrained(..., experts_implementation="memory_efficient")`` or
+``model.set_experts_implementation("memory_efficient")``.
 
 It computes exactly GPT-OSS's experts (``GptOssExperts``): per-expert biases, the interleaved gate/up
 projection, ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``
@@ -56,7 +57,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from ._backend import use_triton
 
@@ -615,6 +615,3 @@ def memory_efficient_experts_forward(
             plan = _plan_routing(top_k_index, self.num_experts, chunk_rows, _use_sync_free_plan(x))
             out, _ = _experts_forward(x, _sorted_weights(top_k_weights, plan), plan, *weights, alpha, limit, False)
     return out.to(hidden_states.dtype)
-
-
-ALL_EXPERTS_FUNCTIONS.register("memory_efficient", memory_efficient_experts_forward)

@@ -242,7 +242,9 @@ def load_gptoss_tokenizer() -> transformers.PreTrainedTokenizerFast:
     ``<|endoftext|>`` 199999, ``<|return|>`` 200002, ..., ``<|reserved_201087|>``); ``len(tokenizer) == 201088``.
     ``pad_token`` is ``<|endoftext|>``, ``eos_token`` ``<|return|>``, ``bos_token`` ``<|startoftext|>``. The converted
     ``tokenizer.json`` is cached next to the ranks file, so only the first call in a cache folder pays the
-    conversion (a few seconds). Cached per process. No chat template is attached: use :func:`render_prompt`.
+    conversion (a few seconds). Cached per process. The harmony chat template (:mod:`hf_gptoss_rl.chat_template`) is
+    attached: ``apply_chat_template`` renders as :func:`render_prompt` does, and ``save_pretrained`` writes it
+    (``chat_template.jinja``), so a saved checkpoint's tokenizer renders chats wherever it is loaded.
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -259,6 +261,9 @@ def load_gptoss_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
     if len(tokenizer) != VOCAB_SIZE or tokenizer.convert_tokens_to_ids("<|call|>") != CALL:
         raise RuntimeError(f"cached tokenizer at {path} is inconsistent; delete it and retry")
+    from .chat_template import HARMONY_CHAT_TEMPLATE
+
+    tokenizer.chat_template = HARMONY_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -339,7 +344,7 @@ def _assistant_messages(msg: dict) -> list:
         fn = call.get("function", call)
         args = fn.get("arguments", "{}")
         if not isinstance(args, str):
-            args = json.dumps(args)
+            args = json.dumps(args, ensure_ascii=False)  # UTF-8 as the model writes it (and chat templates' tojson)
         out.append(
             Message.from_role_and_content(Role.ASSISTANT, args)
             .with_channel("commentary")
@@ -513,6 +518,36 @@ class AssistantTurn:
     @property
     def truncated(self) -> bool:
         return self.stop is None
+
+    def to_message(self) -> dict:
+        """This turn as the chat message TRL builds from a sampled turn: what ``trl.chat_template_utils.parse_response``
+        returns with TRL's GPT-OSS response template (``gptoss_template``, read by transformers' ``parse_response``).
+
+        ``{"role": "assistant", "thinking": <analysis>, "tool_calls": [<the call>], "content": <final>}``:
+
+        * ``thinking`` only when the turn has analysis text; several analysis messages are joined with newlines (as in
+          :attr:`analysis`), where TRL's template keeps the last one.
+        * ``tool_calls`` only for a call whose arguments are a JSON object:
+          ``[{"type": "function", "function": {"name": ..., "arguments": {...}}}]``. A malformed call has none, as
+          TRL parses none.
+        * ``content``: the final-channel answer, ``""`` when the turn has none or it was cut off.
+
+        Commentary text without a recipient (a preamble) is left out, as TRL's template leaves it out. Unlike TRL's
+        template, both recipient placements are understood (see :func:`parse_assistant_turn`).
+        """
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.analysis:
+            message["thinking"] = self.analysis
+        if self.tool_call is not None:
+            try:
+                arguments = self.tool_call.parsed_arguments()
+            except ValueError:
+                arguments = None
+            if arguments is not None:
+                function = {"name": self.tool_call.name, "arguments": arguments}
+                message["tool_calls"] = [{"type": "function", "function": function}]
+        message["content"] = self.final or ""
+        return message
 
 
 _TERMINATORS = {END: "end", CALL: "call", RETURN: "return"}

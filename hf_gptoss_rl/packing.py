@@ -26,6 +26,8 @@ start at a later absolute position) up to rounding. Rows must be one run of real
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -115,6 +117,14 @@ def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": int(max_q), "max_length_k": int(max_k)}
 
 
+def cache_keyword(function) -> str:
+    """The name of the KV-cache argument of a transformers function (a mask function, a model's `forward`): `cache`
+    in newer transformers (5.24 renames it with `@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")` on
+    `masking_utils.create_causal_mask` and the models' `forward`s: a `FutureWarning` on every call that uses the old
+    name), `past_key_values` in older ones."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+
+
 def packed_attention_masks(config, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
     """GPT-OSS's `{layer type: mask}` mapping for one packed row: causal (and sliding-window) within each sequence."""
     from transformers.masking_utils import (
@@ -132,7 +142,7 @@ def packed_attention_masks(config, position_ids: torch.Tensor, dtype: torch.dtyp
         "config": config,
         "inputs_embeds": shape_only,
         "attention_mask": None,
-        "past_key_values": None,
+        cache_keyword(create_causal_mask): None,  # no KV cache: a training forward
         "and_mask_function": packed_sequence_mask_function(sequence_ids),
     }
     masks = {"full_attention": create_causal_mask(**kwargs)}

@@ -2,7 +2,8 @@
 
 Every rank of a sequence-parallel (SP) group holds a full replica of the model and ``1/P`` of the sequence. Only
 attention needs the whole sequence, so :func:`ulysses_attention_forward`, registered through transformers'
-``AttentionInterface`` as ``attn_implementation="ulysses_sp"``, re-lays the projections around it::
+``AttentionInterface`` as ``attn_implementation="ulysses_sp"`` by :func:`hf_gptoss_rl.register`, re-lays the
+projections around it::
 
     q, k, v  [B, H, S/P, D]  (sequence-sharded)  --all-to-all-->  [B, H/P, S, D]  (head-sharded)
     inner attention (eager, flash, the sink kernel ...) on the full sequence, this rank's heads and sinks
@@ -40,16 +41,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.masking_utils import (
-    AttentionMaskInterface,
     create_causal_mask,
     create_sliding_window_causal_mask,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .packing import flash_varlen_kwargs
+from .packing import cache_keyword, flash_varlen_kwargs
 
 __all__ = [
     "ULYSSES_ATTENTION",
@@ -384,8 +384,8 @@ class _SPState:
                 config=_InnerConfig(config, self.inner),
                 inputs_embeds=like.new_empty((bsz, seq_len, 0)),
                 attention_mask=self._full["attention_mask"],
-                past_key_values=None,
                 position_ids=self._full["position_ids"],
+                **{cache_keyword(make_mask): None},
             )
         return self._masks[key]
 
@@ -524,10 +524,6 @@ def _sharded_padding_mask(*, attention_mask: torch.Tensor | None = None, **kwarg
     mask altogether; the wrapper gathers this one and builds the full-sequence mask itself.
     """
     return attention_mask
-
-
-AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention_forward)
-AttentionMaskInterface.register(ULYSSES_ATTENTION, _sharded_padding_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

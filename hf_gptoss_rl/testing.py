@@ -227,7 +227,9 @@ def setup_project_attention(prefer: str = "auto") -> tuple[str, str]:
     if prefer not in ("auto", "hub", "direct"):
         raise ValueError(f"prefer must be auto | hub | direct, got {prefer!r}")
     if prefer != "direct":
-        project_attention.register()
+        from . import register
+
+        register()
         return project_attention.ATTN_IMPLEMENTATION, "attn_implementation id (transformers' flash-attention wrapper)"
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS

@@ -127,6 +127,8 @@ class FakeSGLangServer:
         deterministic_inference: bool = True,
         return_routed_experts: bool = False,
         moe_runner_backend: str = "triton",
+        max_lora_rank: int | None = None,
+        lora_target_modules: list[str] | None = None,
     ) -> None:
         if version not in ("0.5.17", "0.5.23"):
             raise ValueError(f"version must be '0.5.17' or '0.5.23', got {version!r}")
@@ -138,6 +140,8 @@ class FakeSGLangServer:
         self.version = version
         self.tp_size = int(tp_size)
         self.enable_lora = enable_lora
+        self.max_lora_rank = max_lora_rank  # reported in /server_info, as SGLang's --max-lora-rank
+        self.lora_target_modules = lora_target_modules
         self.validator = validator
         self.die_on = die_on  # (path, n): SIGKILL this process when the n-th request to path arrives
         self.stale_weights = stale_weights
@@ -290,6 +294,8 @@ class FakeSGLangServer:
             "dp_size": 1,
             "version": self.version,
             "enable_lora": self.enable_lora,
+            "max_lora_rank": self.max_lora_rank,
+            "lora_target_modules": self.lora_target_modules,
             "enable_deterministic_inference": self.deterministic_inference,
             "enable_return_routed_experts": self.return_routed_experts,
             "moe_runner_backend": self.moe_runner_backend,
@@ -826,8 +832,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--enable-deterministic-inference", action="store_true", help="reported; seeded requests are reproducible"
     )
-    parser.add_argument("--max-lora-rank", type=int, default=None, help="accepted with --enable-lora")
-    parser.add_argument("--lora-target-modules", nargs="+", default=None, help="accepted with --enable-lora")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="reported in /server_info")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None, help="reported in /server_info")
     parser.add_argument(
         "--die-on",
         metavar="PATH:N",
@@ -869,6 +875,8 @@ def main(argv: list[str] | None = None) -> None:
         moe_runner_backend=args.moe_runner_backend,
         tp_size=args.tp_size,
         deterministic_inference=args.enable_deterministic_inference,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
     )
     if args.weight_version is not None:
         server.served_version = args.weight_version

@@ -40,8 +40,9 @@ BACKENDS = [
 
 
 @pytest.fixture
-def kernel_backend(request, monkeypatch):
-    monkeypatch.setenv("SINK_FLASH_ATTN3_BACKEND", request.param)
+def kernel_backend(request):
+    """The kernel backend a test runs (``kernel_spy`` passes it to every kernel call as ``backend=``: the kernel reads
+    ``SINK_FLASH_ATTN3_BACKEND`` once, at import, and the root conftest set it to "torch")."""
     return request.param
 
 
@@ -64,16 +65,18 @@ def load(model_dir, attn_implementation: str) -> GptOssForCausalLM:
 
 @pytest.fixture
 def kernel_spy(monkeypatch):
-    """Records the kwargs transformers passes to the kernel's flash functions (after the kernel is loaded)."""
+    """Records the kwargs transformers passes to the kernel's flash functions (after the kernel is loaded); with a
+    ``backend``, the kernel runs each call on that backend (``backend=`` added to what transformers passes)."""
     calls: list[tuple[str, dict]] = []
 
-    def install():
+    def install(backend=None):
+        extra = {} if backend is None else {"backend": backend}
         for name in ("_flash_fn", "_flash_varlen_fn"):
             original = getattr(fa_utils, name)
 
             def spy(*args, _original=original, _name=name, **kwargs):
                 calls.append((_name, kwargs))
-                return _original(*args, **kwargs)
+                return _original(*args, **kwargs, **extra)
 
             monkeypatch.setattr(fa_utils, name, spy)
         return calls
@@ -124,7 +127,6 @@ def test_register_is_idempotent_and_returns_what_it_registered():
     assert hub_kernels.load_and_register_attn_kernel is loader
     assert GptOssPreTrainedModel._check_and_adjust_attn_implementation is check
     assert not getattr(loader.__wrapped__, "_hf_gptoss_rl", False)
-    assert hf_gptoss_rl.attention.register_sink_flash_attention() is True
 
 
 def test_import_has_no_side_effects_and_the_id_needs_no_kernels_package(tmp_path):
@@ -300,7 +302,7 @@ def test_padded_batch_matches_eager_logits_and_gradients(model_dir, kernel_spy, 
     weights = torch.randn(3, 13, VOCAB)
 
     eager, kernel = load(model_dir, "eager"), load(model_dir, ATTN_IMPLEMENTATION)
-    calls = kernel_spy()
+    calls = kernel_spy(kernel_backend)
     outputs = {}
     for name, model in (("eager", eager), ("kernel", kernel)):
         logits = model(input_ids=ids, attention_mask=mask).logits
@@ -325,7 +327,7 @@ def test_packed_batch_matches_eager_per_sequence(model_dir, kernel_spy, kernel_b
     seqs = [torch.randint(0, VOCAB, (1, n)) for n in lengths]
     weights = [torch.randn(1, n, VOCAB) for n in lengths]
     eager, kernel = load(model_dir, "eager"), load(model_dir, ATTN_IMPLEMENTATION)
-    calls = kernel_spy()
+    calls = kernel_spy(kernel_backend)
 
     packed_ids = torch.cat(seqs, dim=1)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)

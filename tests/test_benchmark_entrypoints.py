@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,8 @@ SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if not p.nam
 
 def test_the_benchmark_list_is_complete():
     assert set(SCRIPTS) >= {
-        "attention", "full_step", "learning_run", "logprobs", "mismatch_study", "moe", "sequence_parallel",
-        "sglang_e2e",
+        "attention", "full_step", "learning_run", "logprobs", "mismatch_study", "moe", "quickstart",
+        "sequence_parallel", "sglang_e2e",
     }  # fmt: skip
 
 
@@ -201,13 +202,14 @@ REPORTS = REPO / "docs" / "benchmarks"
 # writes into the default folder, where the report is already there
 DEFAULT_OUT_RUNS = {
     "attention": ["--from-json", "{reports}/attention.json"],
-    "full_step": ["--report-from", "{reports}/full_step.json"],
+    "full_step": ["--from-json", "{reports}/full_step.json"],
     "learning_run": ["--from-json", "{reports}/learning_run.json"],
-    "logprobs": [],
+    "logprobs": ["--from-json", "{reports}/logprobs.json"],
     "mismatch_study": ["--model", "tiny", "--device", "cpu", "--num-prompts", "1", "--max-new-tokens", "2"],
-    "moe": ["--report-from", "{reports}/moe.json"],
+    "moe": ["--from-json", "{reports}/moe.json"],
+    "quickstart": ["--from-json", "{reports}/quickstart.json"],
     "sequence_parallel": [],
-    "sglang_e2e": ["--merge", "{reports}/sglang_e2e.json"],
+    "sglang_e2e": ["--from-json", "{reports}/sglang_e2e.json"],
     "routing_replay": ["--from-json", "{reports}/routing_replay.json"],
 }
 
@@ -238,7 +240,7 @@ def test_explicit_out_replaces_a_report_and_default_out_writes_a_new_one(tmp_pat
     saved = tmp_path / "moe.json"
     shutil.copy(reports / "moe.json", saved)
     (reports / "moe.md").write_text("stale\n")
-    cmd = [sys.executable, "benchmarks/moe.py", "--report-from", str(saved)]
+    cmd = [sys.executable, "benchmarks/moe.py", "--from-json", str(saved)]
     proc = subprocess.run([*cmd, "--out", "docs/benchmarks"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (reports / "moe.md").read_text() == (REPORTS / "moe.md").read_text()
@@ -247,3 +249,70 @@ def test_explicit_out_replaces_a_report_and_default_out_writes_a_new_one(tmp_pat
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (reports / "moe.md").read_text() == (REPORTS / "moe.md").read_text()
+
+
+# ------------------------------------------------------------------------------------- committed reports, re-rendered
+
+# (script, its JSON, the report it renders): every committed report is its JSON rendered by today's renderer, so a
+# report holds the run it describes and nothing a renderer would not write again. (learning_run.md is rendered from a
+# report of the script's earlier, one-seed layout, which today's renderer lays out differently.)
+RERENDERED = [
+    ("attention", "attention.json", "attention.md"),
+    ("full_step", "full_step.json", "full_step.md"),
+    ("full_step", "full_step_ragged.json", "full_step_ragged.md"),
+    ("logprobs", "logprobs.json", "logprobs.md"),
+    ("moe", "moe.json", "moe.md"),
+    ("quickstart", "quickstart.json", "quickstart.md"),
+    ("routing_replay", "routing_replay.json", "routing_replay.md"),
+    ("sglang_e2e", "sglang_e2e.json", "sglang_e2e.md"),
+]
+
+
+@pytest.mark.parametrize(("script", "saved", "report"), RERENDERED, ids=[r[1] for r in RERENDERED])
+def test_committed_reports_are_their_json_rendered_again(tmp_path, script, saved, report):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{script}.py", "--from-json", str(REPORTS / saved), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / report).read_text() == (REPORTS / report).read_text(), (
+        f"docs/benchmarks/{report} is not what `python benchmarks/{script}.py --from-json docs/benchmarks/{saved} "
+        "--out docs/benchmarks` writes: re-render it instead of editing it"
+    )
+    assert json.loads((out / saved).read_text()) == json.loads((REPORTS / saved).read_text())
+
+
+LOCAL = re.compile(r"(?<![\w.])(/tmp/|/var/tmp/|/work/|/home/|/root/)|Previous run|Previous headline")
+
+
+def test_reports_name_no_local_path_and_no_earlier_run():
+    found = [
+        f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+        for path in sorted(REPORTS.glob("*"))
+        if path.suffix in (".json", ".md")
+        for text in [path.read_text()]
+        for m in LOCAL.finditer(text)
+    ]
+    assert not found, found
+
+
+def test_without_local_paths_replaces_this_machines_folders():
+    from benchmarks._cli import REPO as ROOT
+    from benchmarks._cli import without_local_paths
+
+    report = {
+        "command": "python -m benchmarks.sglang_e2e --model-dir /tmp/e2e_model --out /tmp/run1",
+        "server": ["env PYTHONPATH=/tmp/sgl_site python3 -m sglang.launch_server --model-path /tmp/e2e_model"],
+        "log": f"{ROOT}/docs/benchmarks/logs/server.log",
+        "kept": "/opt/sglang/bin/python /tmpfs/x",
+        7: 1.5,
+    }
+    cleaned = without_local_paths(report, {"/tmp/e2e_model": "MODEL_DIR"})
+    assert cleaned == {
+        "command": "python -m benchmarks.sglang_e2e --model-dir MODEL_DIR --out $TMPDIR/run1",
+        "server": ["env PYTHONPATH=$TMPDIR/sgl_site python3 -m sglang.launch_server --model-path MODEL_DIR"],
+        "log": "./docs/benchmarks/logs/server.log",
+        "kept": "/opt/sglang/bin/python /tmpfs/x",
+        7: 1.5,
+    }

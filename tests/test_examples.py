@@ -34,12 +34,8 @@ def _load_script(name: str):
 
 
 def _parse(module, argv):
-    from trl import TrlParser
-
-    from trl_ext import AgenticGRPOConfig
-
-    parser = TrlParser((module.ScriptArguments, AgenticGRPOConfig))
-    parser.set_defaults_with_config(**module.DEMO_DEFAULTS)
+    """The example's own parser (`make_parser`: ScriptArguments, AgenticGRPOConfig, trl.ModelConfig)."""
+    parser = module.make_parser()
     return parser, parser.parse_args_and_config(argv)
 
 
@@ -51,22 +47,26 @@ def _log_history(output_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("name", ["grpo_retool", "grpo_gsm8k"])
 def test_every_config_field_is_a_flag(name):
-    """TrlParser over (ScriptArguments, AgenticGRPOConfig): the README's benchmark configuration is selectable, a YAML
-    config works, the CPU demo's defaults apply, an unknown flag is an error (nothing is silently ignored)."""
+    """TrlParser over (ScriptArguments, AgenticGRPOConfig, ModelConfig), as TRL's scripts: the README's benchmark
+    configuration is selectable, a YAML config works, the CPU demo's defaults apply, an unknown flag is an error
+    (nothing is silently ignored)."""
+    from trl import ModelConfig
+
     from trl_ext import AgenticGRPOConfig
 
     module = _load_script(name)
-    parser, (script_args, args) = _parse(module, [])
+    parser, (script_args, args, model_args) = _parse(module, [])
     options = {option for action in parser._actions for option in action.option_strings}
-    for f in dataclasses.fields(AgenticGRPOConfig):
+    for f in [*dataclasses.fields(AgenticGRPOConfig), *dataclasses.fields(ModelConfig)]:
         if f.init:
             assert f"--{f.name}" in options, f.name
     for key, value in module.DEMO_DEFAULTS.items():
         assert getattr(args, key) == value, key
-    assert script_args.model_name_or_path == "tiny" and Path(script_args.dataset_name).is_file()
+    assert model_args.model_name_or_path == "tiny" and model_args.dtype == "auto"
+    assert Path(script_args.dataset_name).is_file()
     assert args.report_to == [] or args.report_to == "none" or args.report_to == ["none"]  # transformers' default
 
-    _, (_, args) = _parse(module, [
+    _, (_, args, _) = _parse(module, [
         "--checkpoint_saves", "attention", "experts", "--liger_rms_norm", "true", "--fused_rope", "true",
         "--loss_type", "grpo",
         "--beta", "0.04", "--report_to", "tensorboard", "--logging_steps", "5", "--push_to_hub", "false",
@@ -85,11 +85,89 @@ def test_every_config_field_is_a_flag(name):
             _parse(module, [flag, value])
 
 
+@pytest.mark.parametrize("name", ["grpo_retool", "grpo_gsm8k"])
+def test_model_config_flags_reach_the_model(name, tmp_path):
+    """TRL's ModelConfig flags: the tiny model is built with `--dtype` and `--attn_implementation`; a checkpoint path
+    gets them in `model_init_kwargs`, as TRL's scripts pass them; the LoRA flags make the adapter's config."""
+    import torch
+    from transformers import GptOssForCausalLM
+
+    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from trl_ext.recipes import policy_from_model_config
+
+    module = _load_script(name)
+    _, (_, args, model_args) = _parse(module, [
+        "--output_dir", str(tmp_path), "--dtype", "bfloat16", "--attn_implementation", "flex_attention",
+        "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1",
+        "--lora_target_modules", "q_proj", "v_proj", "--use_dora",
+    ])  # fmt: skip
+    model, peft_config, quantization_config = policy_from_model_config(model_args, args)
+    assert isinstance(model, GptOssForCausalLM) and model.dtype == torch.bfloat16
+    assert model.config._attn_implementation == "flex_attention"
+    assert (peft_config.r, peft_config.lora_alpha, peft_config.lora_dropout) == (4, 8, 0.1)
+    assert set(peft_config.target_modules) == {"q_proj", "v_proj"} and peft_config.use_dora
+    assert quantization_config is None
+
+    _, (_, args, model_args) = _parse(module, ["--output_dir", str(tmp_path), "--use_peft"])
+    model, peft_config, _ = policy_from_model_config(model_args, args)
+    assert model.config._attn_implementation == "eager" and model.dtype == torch.float32  # the demo's defaults
+    assert peft_config.target_modules == "all-linear" and not peft_config.use_dora
+
+    checkpoint = tmp_path / "checkpoint"
+    GptOssForCausalLM(tiny_gptoss_config(vocab_size=64)).save_pretrained(checkpoint)
+    _, (_, args, model_args) = _parse(module, [
+        "--output_dir", str(tmp_path), "--model_name_or_path", str(checkpoint), "--dtype", "float32",
+        "--attn_implementation", "hf-gptoss-rl/sink-flash-attn3", "--model_init_kwargs", '{"low_cpu_mem_usage": true}',
+    ])  # fmt: skip
+    model, peft_config, _ = policy_from_model_config(model_args, args)
+    assert model == str(checkpoint) and peft_config is None
+    assert args.model_init_kwargs == {
+        "revision": "main", "attn_implementation": "hf-gptoss-rl/sink-flash-attn3", "dtype": "float32",
+        "low_cpu_mem_usage": True,
+    }  # fmt: skip
+    assert args.attn_implementation is None  # the flag is ModelConfig's; AgenticGRPOConfig keeps a Python keyword
+
+
+@pytest.mark.parametrize("flag", ["--load_in_4bit", "--load_in_8bit"])
+def test_quantization_flags_without_bitsandbytes_name_the_package(flag, tmp_path):
+    import importlib.util
+
+    from trl_ext.recipes import policy_from_model_config
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    module = _load_script("grpo_retool")
+    _, (_, args, model_args) = _parse(module, [
+        "--output_dir", str(tmp_path), flag, "--use_peft", "--dtype", "bfloat16", "--model_name_or_path", "org/model",
+    ])  # fmt: skip
+    assert getattr(model_args, flag[2:])
+    with pytest.raises(ImportError, match=f"{flag} quantizes the base model with the bitsandbytes package"):
+        policy_from_model_config(model_args, args)
+
+
+def test_lora_flags_reach_the_trained_policy(tmp_path):
+    """`examples/grpo_retool.py --use_peft --lora_r 4 ...`: one GRPO step trains an adapter of that shape."""
+    module = _load_script("grpo_retool")
+    _, (script_args, args, model_args) = _parse(module, [
+        "--output_dir", str(tmp_path), "--report_to", "none", "--cold_start_steps", "0", "--eval_problems", "0",
+        "--num_prompts", "2", "--max_steps", "1", "--per_device_train_batch_size", "2", "--num_generations", "2",
+        "--max_completion_length", "8", "--max_turns", "1", "--disable_tqdm", "true",
+        "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1",
+        "--lora_target_modules", "q_proj", "v_proj",
+    ])  # fmt: skip
+    trainer = module.main(script_args, args, model_args)
+    adapter = trainer.model.peft_config["default"]
+    assert (adapter.r, adapter.lora_alpha, adapter.lora_dropout) == (4, 8, 0.1)
+    assert set(adapter.target_modules) == {"q_proj", "v_proj"}
+    assert trainer.state.global_step == 1
+    assert (tmp_path / "adapter_config.json").is_file()
+
+
 def test_yaml_config_sets_fields(tmp_path):
     module = _load_script("grpo_retool")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("max_steps: 11\nbeta: 0.02\ncold_start_steps: 5\n")
-    _, (script_args, args) = _parse(module, ["--config", str(recipe), "--beta", "0.03"])
+    _, (script_args, args, _) = _parse(module, ["--config", str(recipe), "--beta", "0.03"])
     assert (args.max_steps, args.beta, script_args.cold_start_steps) == (11, 0.03, 5)  # the command line wins
     recipe.write_text("max_steps: 11\nnot_a_field: 1\n")
     with pytest.raises(ValueError, match="not_a_field"):

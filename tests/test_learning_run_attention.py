@@ -4,6 +4,8 @@ with sinks, on batches that are left- and right-padded at once."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -48,8 +50,20 @@ def test_varlen_route_matches_per_span_kernel(backend, sliding_window, monkeypat
         pytest.importorskip("triton")
         if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1 from the start")
-    monkeypatch.setenv("SINK_FLASH_ATTN3_BACKEND", backend)
     learning_run.project_kernel_attention("direct")
+    # the route and the reference reach the kernel through import_kernel_sources: there, with the backend passed to
+    # every call (the kernel reads SINK_FLASH_ATTN3_BACKEND once, at import; the root conftest set it to "torch")
+    from hf_gptoss_rl import attention as hf_attention
+
+    kernel, used = hf_attention.import_kernel_sources(), []
+
+    def on(name):
+        return lambda *args, **kwargs: used.append(name) or getattr(kernel, name)(*args, **kwargs, backend=backend)
+
+    on_backend = SimpleNamespace(
+        flash_attn_func=on("flash_attn_func"), flash_attn_varlen_func=on("flash_attn_varlen_func")
+    )
+    monkeypatch.setattr(hf_attention, "import_kernel_sources", lambda: on_backend)
     g = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, dim = len(SPANS), 4, 2, 16
     leaves = [torch.randn(batch, h, SEQLEN, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
@@ -73,6 +87,7 @@ def test_varlen_route_matches_per_span_kernel(backend, sliding_window, monkeypat
     torch.testing.assert_close(new, ref, atol=1e-5, rtol=1e-5)
     for name, a, b in zip("qkvs", new_grads, ref_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"grad {name}")
+    assert set(used) == {"flash_attn_func", "flash_attn_varlen_func"}  # both ran on the backend under test
     # pad positions get no gradient at all (nothing leaks into the projections through pad tokens)
     for t in new_grads[:3]:
         assert torch.all(t.transpose(1, 2)[pads] == 0)

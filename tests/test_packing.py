@@ -26,3 +26,29 @@ def test_a_custom_function_with_the_flash_mask_does_not_count():
     assert not attention_honours_packing("test_custom_span_attention")
     assert not attention_honours_packing("no_such_attention")
     assert not attention_honours_packing(None)
+
+
+def test_packed_masks_raise_no_deprecation_warning():
+    """The packed forward's masks (eager/flex path) are built through transformers' mask functions with their current
+    argument names: a deprecated keyword would warn on every training step (`FutureWarning`, here made an error). The
+    masks keep the packed sequences apart, causal within each, sliding-window on sliding layers."""
+    import warnings
+
+    import torch
+
+    from hf_gptoss_rl.packing import packed_attention_masks
+    from hf_gptoss_rl.testing import tiny_gptoss_config
+
+    config = tiny_gptoss_config(vocab_size=64, sliding_window=2)
+    config._attn_implementation = "eager"
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])  # two packed sequences: 4 and 3 tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        masks = packed_attention_masks(config, positions, torch.float32)
+    sequence = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    same_causal = (sequence[:, None] == sequence[None, :]) & (j <= i)
+    expected = {"full_attention": same_causal, "sliding_attention": same_causal & (i - j < 2)}
+    for layer_type, allowed in expected.items():
+        mask = masks[layer_type]  # eager: additive float mask [1, 1, S, S], 0 where attended
+        assert torch.equal(mask[0, 0] == 0, allowed), layer_type

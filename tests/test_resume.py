@@ -193,24 +193,18 @@ def test_example_resumed_after_its_cold_start_trains_on_the_practised_rows(tmp_p
     whole dataset."""
     import importlib.util
 
-    from trl import TrlParser
-
-    from trl_ext import AgenticGRPOConfig
-
     spec = importlib.util.spec_from_file_location("example_grpo_retool_resume", REPO / "examples" / "grpo_retool.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
 
     def run(*argv):
-        parser = TrlParser((module.ScriptArguments, AgenticGRPOConfig))
-        parser.set_defaults_with_config(**module.DEMO_DEFAULTS)
-        script_args, training_args = parser.parse_args_and_config(
+        script_args, training_args, model_args = module.make_parser().parse_args_and_config(
             ["--output_dir", str(tmp_path), "--report_to", "none", "--cold_start_steps", "5", "--eval_problems", "0",
              "--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "24",
              "--save_strategy", "steps", "--save_steps", "1", "--disable_tqdm", "true", *argv]
         )  # fmt: skip
-        return module.main(script_args, training_args)
+        return module.main(script_args, training_args, model_args)
 
     first = run("--max_steps", "1")
     rows = json.loads((tmp_path / "cold_start" / "practised_rows.json").read_text())["rows"]

@@ -321,3 +321,19 @@ def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse, t
     assert tm.calls[2:] == ["begin", "update", "end"]  # the session is closed even when the update failed
     assert tm.payload_counts == [2]  # one payload per TP rank
     asyncio.run(engine.close())
+
+
+def test_generation_passes_the_cache_under_its_current_name(model):
+    """The engine's forwards name the KV cache as the installed transformers does (`cache` since 5.24, which deprecates
+    `past_key_values` with a `FutureWarning` on every decoding step). transformers attributes that warning to its own
+    wrapper module, so only a filter on every `FutureWarning` (here made an error) catches the call."""
+    import warnings
+
+    engine = EmbeddedEngine(model, seed=0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            (out,) = gather(engine, [[1, 2, 3]], [SamplingParams(max_new_tokens=3, stop_token_ids=())])
+    finally:
+        engine.shutdown()
+    assert len(out.output_ids) == 3 and out.finish_reason == "length"

@@ -428,3 +428,32 @@ def test_routing_replay_benchmark_fails_when_replay_raises_the_mismatch():
     assert checks({"rounds": rounds}) == ["round 1: replay raised k3: 0.002 > 0.001 without it"]
     rounds["replayed engine routing"][1] = {"k3_kl": 9e-4}
     assert checks({"rounds": rounds}) == []
+
+
+def test_trainer_logs_the_mismatch_with_and_without_replay(tmp_path):
+    """`routing_mismatch_both`: one run, whichever mode it trains in, logs k3 with the engine's routing replayed and
+    with the trainer's own, on the same tokens; they equal the loss forwards of runs in each mode."""
+
+    def rotating(model):
+        return RotatingEngine.from_policy(model, pad_token_id=199999, seed=0, record_routing=True)
+
+    runs = {}
+    for mode in (True, False):
+        runs[mode] = _trainer(tmp_path / str(mode), engine=rotating, routing_replay=mode)
+        runs[mode].train()
+    for trainer in runs.values():
+        own, replayed = _logged(trainer, "routing/k3_kl_own")[0], _logged(trainer, "routing/k3_kl_replayed")[0]
+        assert replayed > 100 * max(own, 1e-9)  # the rotated record is the wrong routing: replaying it hurts
+        assert _logged(trainer, "routing/prob_diff_max_replayed")[0] > _logged(trainer, "routing/prob_diff_max_own")[0]
+    # each run's own mode is its loss forward (mismatch/k3_kl); the extra pass reproduces the other run's
+    for mode, name in ((True, "replayed"), (False, "own")):
+        assert _logged(runs[mode], f"routing/k3_kl_{name}") == pytest.approx(_logged(runs[mode], "mismatch/k3_kl"))
+        other = "own" if mode else "replayed"
+        assert _logged(runs[mode], f"routing/k3_kl_{other}") == pytest.approx(
+            _logged(runs[not mode], "mismatch/k3_kl"), rel=1e-4, abs=1e-9
+        )
+    # the agreement of record is the loss forward's, not the extra pass's
+    assert _logged(runs[False], "routing/agreement") == [0.0]
+    off = _trainer(tmp_path / "off", engine=rotating, routing_replay=True, routing_mismatch_both=False)
+    off.train()
+    assert not _logged(off, "routing/k3_kl_own") and _logged(off, "routing/agreement")

@@ -1020,6 +1020,39 @@ def test_trainer_syncs_the_lora_adapter_and_verifies_it(tmp_path, sglang_schemas
             srv.engine.shutdown()
 
 
+@pytest.mark.parametrize(
+    "server, match",
+    [
+        (dict(enable_lora=False), "launched without --enable-lora"),
+        (dict(enable_lora=True, max_lora_rank=2), "--max-lora-rank 2, below the adapter's rank 4"),
+        (dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["o_proj"]), "without qkv_proj"),
+        (dict(enable_lora=True, max_lora_rank=4, lora_target_modules=["qkv_proj", "o_proj"]), None),
+        (dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"]), None),
+    ],
+)
+def test_trainer_checks_the_servers_lora_flags_at_start(tmp_path, sglang_schemas, server, match):
+    """weight_sync_lora: a server launched without room for the adapter is named at construction, not at step 1."""
+    from peft import LoraConfig
+
+    from trl_ext import AgenticGRPOTrainer
+
+    model = _tiny_policy()
+    srv = _serve(model, sglang_schemas, **server)
+    kwargs = _trainer_kwargs(tmp_path, model, [srv.url], weight_sync_lora=True, weight_sync_mode="tensor")
+    # PEFT's names: SGLang fuses q/k/v into qkv_proj, so a server listing qkv_proj covers them
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    try:
+        if match is None:
+            AgenticGRPOTrainer(**kwargs, peft_config=lora)
+        else:
+            with pytest.raises(WeightSyncError, match=rf"{srv.url} (was|has) .*{match}"):
+                AgenticGRPOTrainer(**kwargs, peft_config=lora)
+        assert srv.request_counts.get("/load_lora_adapter_from_tensors", 0) == 0
+    finally:
+        srv.stop()
+        srv.engine.shutdown()
+
+
 def test_trainer_step_fails_loudly_when_a_server_refuses_the_sync(tmp_path, sglang_schemas):
     from trl_ext import AgenticGRPOTrainer
 

@@ -70,6 +70,25 @@ def trainer(tmp_path, tokenizer, args=None, **kwargs):
 # ---------------------------------------------------------------- configs
 
 
+def test_config_parses_next_to_trl_model_config(tmp_path):
+    """A TRL script's parser, `TrlParser((..., AgenticGRPOConfig, ModelConfig))`: `--attn_implementation` is
+    `ModelConfig`'s (the option cannot be defined twice), while `AgenticGRPOConfig(attn_implementation=...)` keeps
+    working in Python."""
+    from trl import ModelConfig, TrlParser
+
+    parser = TrlParser((AgenticGRPOConfig, ModelConfig))
+    args, model_args = parser.parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--attn_implementation", "eager", "--experts_implementation",
+         "memory_efficient"]
+    )  # fmt: skip
+    assert model_args.attn_implementation == "eager" and args.attn_implementation is None
+    assert args.experts_implementation == "memory_efficient"
+    assert config(tmp_path, attn_implementation="eager").attn_implementation == "eager"
+    assert config(tmp_path).attn_implementation is None
+    with pytest.raises(TypeError, match="attn_implementation must be a string or None, got int"):
+        config(tmp_path, attn_implementation=1)
+
+
 def test_plain_grpo_config_is_upgraded(tmp_path, tokenizer):
     plain = config(
         tmp_path,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -132,14 +134,25 @@ class AgenticGRPOConfig(GRPOConfig):
             replay whenever the engine returns routing; `True`: required, a server without it is an error at
             start-up; `False`: never replay. Whenever the engine returns routing, `routing/agreement` (the fraction
             of (token, layer) top-k sets where the trainer's own choice equals the rollout's) and
-            `routing/agreement_min_layer` are logged. In one run against SGLang, replay cut k3 to about a third at
-            1.04x the generation time (`docs/results.md`, section 5), hence on by default where the routing is there.
+            `routing/agreement_min_layer` are logged. Against SGLang, replay cut k3 to 0.27-0.30 of its value in each of
+            five rounds at 1.01x the generation time (`docs/results.md`, section 5), hence on by default where the
+            routing is there.
+        routing_mismatch_both (`bool`, defaults to `True`):
+            Whenever the engine returns routing, also score each loss batch with the other routing (the trainer's own
+            when replaying, the engine's when not): one extra forward without gradient per micro-batch, before the
+            loss forward. Logs `routing/k3_kl_replayed`, `routing/k3_kl_own` and `routing/prob_diff_max_{replayed,own}`
+            on the same tokens, so a run shows what replay changes, whichever mode it trains in. `False` saves the
+            extra forward.
 
     > Model implementation
 
         attn_implementation (`str`, *optional*):
             Attention backend set on the policy before training, e.g. `"hf-gptoss-rl/sink-flash-attn3"` (the project's
-            kernel) or `"eager"`. `None` keeps the model's own choice.
+            kernel) or `"eager"`: a model object is switched to it, a model id is loaded with it. `None` keeps the
+            model's own choice. A keyword of the constructor, not a dataclass field: on the command line
+            `--attn_implementation` belongs to TRL's `ModelConfig`, as in TRL's scripts (a parser over
+            `(AgenticGRPOConfig, ModelConfig)` cannot hold the option twice), and reaches the model through
+            `model_init_kwargs` or the example's model builder.
         experts_implementation (`str`, *optional*):
             Experts backend, e.g. `"memory_efficient"`. `None` keeps the model's own choice.
         sequence_parallel_size (`int`, defaults to `1`):
@@ -287,7 +300,15 @@ class AgenticGRPOConfig(GRPOConfig):
             "whenever the engine returns routing; True: required (checked at start-up); False: never."
         },
     )
-    attn_implementation: str | None = field(default=None, metadata={"help": "Attention backend of the policy."})
+    routing_mismatch_both: bool = field(
+        default=True,
+        metadata={
+            "help": "With routing from the engine: score each loss batch also with the other routing (one extra "
+            "forward without gradient) and log routing/k3_kl_{replayed,own}."
+        },
+    )
+    # not a field (no flag): `--attn_implementation` is `trl.ModelConfig`'s; see the constructor keyword below
+    attn_implementation = None
     experts_implementation: str | None = field(default=None, metadata={"help": "Experts backend of the policy."})
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel degree."})
     logprobs_implementation: str = field(default="auto", metadata={"help": "auto | chunked | trl."})
@@ -483,3 +504,24 @@ class AgenticGRPOConfig(GRPOConfig):
         """True when each generation batch is consumed by exactly one optimizer step (no stale policy)."""
         generate_every = self.steps_per_generation * self.num_iterations
         return self.num_iterations == 1 and self.gradient_accumulation_steps % generate_every == 0
+
+
+def _accept_attn_implementation(init):
+    """`AgenticGRPOConfig(..., attn_implementation=...)` as before it moved to `ModelConfig` on the command line: the
+    keyword is taken by the constructor and kept as an attribute (set before `__post_init__` runs), without being a
+    dataclass field that `HfArgumentParser` would turn into a second `--attn_implementation`."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, attn_implementation: str | None = None, **kwargs):
+        if attn_implementation is not None and not isinstance(attn_implementation, str):
+            raise TypeError(f"attn_implementation must be a string or None, got {type(attn_implementation).__name__}")
+        self.attn_implementation = attn_implementation
+        init(self, *args, **kwargs)
+
+    signature = inspect.signature(init)
+    keyword = inspect.Parameter("attn_implementation", inspect.Parameter.KEYWORD_ONLY, default=None)
+    __init__.__signature__ = signature.replace(parameters=[*signature.parameters.values(), keyword])
+    return __init__
+
+
+AgenticGRPOConfig.__init__ = _accept_attn_implementation(AgenticGRPOConfig.__init__)

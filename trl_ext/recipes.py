@@ -9,9 +9,14 @@ evaluation and a one-line-per-step progress printer.
 * `evaluate_tool_use`: greedy agent rollouts on a rollout engine, scored by math-verify, with the tool-call
   rate and the share of tool calls that ran without error.
 * `StepSummaryCallback`: prints `step N | reward ... | tool_calls ... | ...` from the trainer's logs.
+* `policy_from_model_config`: the policy, its LoRA config and its quantization config from TRL's `ModelConfig`
+  (`--model_name_or_path`, `--dtype`, `--attn_implementation`, `--use_peft`, `--lora_*`, `--load_in_4bit`, ...), as
+  TRL's example scripts pass them to the trainer; `DEMO_MODEL_DEFAULTS` are the CPU demos' values.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from transformers import TrainerCallback
 
@@ -19,11 +24,13 @@ from trl_ext.rewards import extract_boxed, math_reward, retool_reward
 
 __all__ = [
     "ANSWER_FORMAT",
+    "DEMO_MODEL_DEFAULTS",
     "StepSummaryCallback",
     "boxed_format_reward_func",
     "correctness_reward_func",
     "evaluate_tool_use",
     "load_math_dataset",
+    "policy_from_model_config",
     "retool_reward_func",
     "to_math_row",
 ]
@@ -79,6 +86,78 @@ def load_math_dataset(name: str, config: str | None = None, split: str = "train"
     if limit is not None:
         raw = raw.select(range(min(limit, len(raw))))
     return raw.map(to_math_row, remove_columns=raw.column_names)
+
+
+# %% Model -------------------------------------------------------------------------------------------------------------------
+#: `trl.ModelConfig` values of the CPU demos (a `--config` file or a flag overrides them): the tiny GPT-OSS built
+#: locally; a checkpoint loads in its own dtype (TRL's default would be float32); `--use_peft` adapts every linear layer.
+DEMO_MODEL_DEFAULTS = {"model_name_or_path": "tiny", "dtype": "auto", "lora_target_modules": "all-linear"}
+
+
+def policy_from_model_config(model_args, training_args):
+    """`(model, peft_config, quantization_config)` from TRL's `ModelConfig`, for `AgenticGRPOTrainer(model, ...,
+    peft_config=, quantization_config=)`.
+
+    `--model_name_or_path tiny` builds a small GPT-OSS here (seeded with `training_args.seed`; `--dtype`,
+    `--attn_implementation` applied; eager attention by default). Any other value is returned as the id/path for TRL
+    to load, with `training_args.model_init_kwargs` set as TRL's scripts set them (`trl/scripts/grpo.py`: revision,
+    attention and dtype from `ModelConfig`, the config's own `model_init_kwargs` winning); an MXFP4 checkpoint (the
+    released gpt-oss) is dequantized, since RL trains bf16 weights. LoRA comes from TRL's `get_peft_config`, 4/8-bit
+    loading from `get_quantization_config`; a flag that cannot work is an error naming the reason (bitsandbytes
+    missing, quantizing the tiny model, a quantized model without `--use_peft`, 4-bit compute in `--dtype auto`).
+    """
+    from trl import get_peft_config, get_quantization_config
+
+    name = model_args.model_name_or_path
+    if not name:
+        raise ValueError("--model_name_or_path is required: 'tiny' (built here) or a model id/path")
+    tiny = name == "tiny"
+    quantization_config = None
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        flag = "--load_in_4bit" if model_args.load_in_4bit else "--load_in_8bit"
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ImportError(
+                f"{flag} quantizes the base model with the bitsandbytes package, which is not installed "
+                "(pip install bitsandbytes; it needs a GPU it supports)"
+            )
+        if tiny:
+            raise ValueError(f"{flag} applies to a checkpoint (--model_name_or_path), not to the 'tiny' model")
+        if not model_args.use_peft:
+            raise ValueError(f"{flag} freezes the quantized base weights: add --use_peft to train a LoRA adapter")
+        if model_args.load_in_4bit and model_args.dtype in (None, "auto"):
+            raise ValueError("--load_in_4bit computes in --dtype: pass --dtype bfloat16, float16 or float32, not auto")
+        quantization_config = get_quantization_config(model_args)
+    peft_config = get_peft_config(model_args)  # None without --use_peft; TRL's error names peft if it is missing
+    if tiny:
+        import torch
+        from transformers import GptOssForCausalLM
+
+        from hf_gptoss_rl.testing import tiny_gptoss_config
+
+        if training_args.model_init_kwargs:
+            raise ValueError("--model_init_kwargs applies to a checkpoint, not to the 'tiny' model built here")
+        torch.manual_seed(training_args.seed)
+        config = tiny_gptoss_config()
+        config._attn_implementation = model_args.attn_implementation or "eager"
+        model = GptOssForCausalLM(config)
+        if model_args.dtype not in (None, "auto"):
+            model = model.to(getattr(torch, model_args.dtype))
+        return model, peft_config, quantization_config
+
+    init_kwargs = {
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    if quantization_config is None and "quantization_config" not in init_kwargs:
+        from transformers import AutoConfig, Mxfp4Config
+
+        checkpoint = AutoConfig.from_pretrained(name, revision=model_args.model_revision)
+        if (getattr(checkpoint, "quantization_config", None) or {}).get("quant_method") == "mxfp4":
+            init_kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    training_args.model_init_kwargs = init_kwargs
+    return name, peft_config, quantization_config
 
 
 # %% Rewards (TRL's reward-function signature) ------------------------------------------------------------------------------

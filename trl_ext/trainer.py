@@ -106,10 +106,17 @@ class AgenticGRPOTrainer(GRPOTrainer):
             rollouts rendered with its chat template (`chat_template_kwargs`), without tools.
         reward_funcs: TRL reward functions / reward models. Optional in the signature as in TRL, but needed: TRL's
             other reward source (an environment's `get_reward`) is not supported, so TRL's `ValueError` is raised
-            without them. Besides TRL's `prompts`, `completions`, `completion_ids` and the dataset columns, each receives the per-trajectory lists `final_text` (the final-channel answer,
-            `""` when none), `num_turns` (assistant turns, i.e. generate calls: not a message count),
-            `num_tool_calls` (the calls the model made), `tool_errors` (failed calls), `format_errors` (unparseable
-            turns, engine errors) and `finish_reason`.
+            without them. They receive what TRL's `GRPOTrainer(tools=...)` passes: `prompts`, `completions`,
+            `completion_ids` (the whole trajectory: sampled tokens and tool messages), the dataset columns. For
+            GPT-OSS, `completions` holds, for chat prompts, each completion's messages as TRL's tool loop builds them:
+            `{"role": "assistant", "thinking": <analysis>, "tool_calls": [...], "content": <final answer>}` per turn
+            (`thinking` / `tool_calls` only when present) and `{"role": "tool", "name": ..., "content": ...}` after a
+            call; for text prompts, the final-channel answer as a string (`""` when none). So a reward written for
+            TRL's tool calling, or for a tool-free answer (`trl.rewards.accuracy_reward`), works unchanged. Each also
+            receives the per-trajectory lists `final_text` (the final-channel answer, `""` when none), `num_turns`
+            (assistant turns, i.e. generate calls: not a message count), `num_tool_calls` (the calls the model made),
+            `tool_errors` (failed calls), `format_errors` (unparseable turns, no final answer, engine errors) and
+            `finish_reason`. Other models get TRL's decoding.
         args: an [`AgenticGRPOConfig`]; a plain `trl.GRPOConfig` is upgraded to one (its values, and the agentic
             fields at their defaults).
         train_dataset / eval_dataset: datasets with a `prompt` column (a string or a list of chat messages).
@@ -240,7 +247,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
         # after the engine's copy of the policy: the hooks serve the trainer's routers only
         self.routing_replay = None
+        self._replay_flip = False  # True during the extra pass of `routing_mismatch_both`
         self._pending_routing: dict[str, torch.Tensor] | None = None  # this generation's records, TRL's layout
+        self._pending_completions: list | None = None  # this generation's `completions` for the rewards (`_generate`)
         if self._routing_shape is not None:
             from hf_gptoss_rl.routing import RoutingReplay
 
@@ -341,7 +350,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """Select the attention kernel / experts implementation requested in the config."""
         if args.attn_implementation is None and args.experts_implementation is None:
             return model
-        import hf_gptoss_rl  # noqa: F401  (registers the sink kernel id and "memory_efficient" with transformers)
+        import hf_gptoss_rl
+
+        hf_gptoss_rl.register()  # the sink kernel id and "memory_efficient" (idempotent; the import already did it)
 
         if isinstance(model, str):
             init_kwargs = dict(args.model_init_kwargs or {})
@@ -658,6 +669,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
         )
         # Fail here, with each unreachable URL and its last error, rather than abort every trajectory of step 1.
         engine.check_servers()
+        if args.weight_sync_lora:
+            from .weight_sync.sglang import check_lora_servers
+
+            peft_config = policy.peft_config[policy.active_adapter]
+            check_lora_servers(
+                engine.run(engine.weight_sync.server_states()),
+                rank=max([peft_config.r, *(peft_config.rank_pattern or {}).values()]),
+                target_modules=_lora_module_names(policy),
+            )
         if self._routing_shape is not None and not args.routing_replay:
             from hf_gptoss_rl.routing import RoutingError
 
@@ -801,6 +821,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             time.perf_counter() - start
         )
         pad_id = self._tokenizer.pad_token_id
+        # what reward functions get as `completions` (`_generate`): TRL's layouts, built from the harmony turns
+        self._pending_completions = self._reward_completions(prompts, trajectories) if self._harmony else None
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
         for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "format_errors", "finish_reason"):
             out[key] = []
@@ -825,6 +847,36 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._check_served_versions(trajectories)
         self._pending_routing = self._routing_layout(trajectories, out) if self._routing_shape is not None else None
         return out
+
+    @staticmethod
+    def _reward_completions(prompts: list, trajectories: list) -> list:
+        """The `completions` TRL would hand reward functions for these harmony trajectories.
+
+        Chat prompts: the completion's messages, as TRL's tool loop builds them (`GRPOTrainer._tool_call_loop` with
+        `parse_response`): each assistant turn with its `thinking` (analysis), `tool_calls` and `content` (final
+        answer), each tool result as a `tool` message (`Trajectory.messages`). Text prompts: TRL passes the decoded
+        completion as a string; here that string is the final-channel answer (`""` when there is none), as the
+        decoded harmony text would hold every channel's text and the channel names.
+        """
+        from trl.data_utils import is_conversational
+
+        # TRL decides per batch, from the first prompt (`GRPOTrainer._generate`)
+        if not is_conversational({"prompt": prompts[0]}):
+            return [traj.final_text or "" for traj in trajectories]
+        # a trajectory that sampled nothing (an aborted request) gets what TRL parses from an empty completion
+        return [list(traj.messages) or [{"role": "assistant", "content": ""}] for traj in trajectories]
+
+    def _generate(self, prompts: list):
+        """TRL's `_generate` (which calls the `rollout_func`), with the agent loop's `completions` in place of TRL's
+        decoding: TRL parses the completion ids as one assistant turn (or decodes them), which for a harmony
+        trajectory glues the turns, the channel names and the tool output into one text."""
+        self._pending_completions = None
+        output = super()._generate(prompts)
+        completions, self._pending_completions = self._pending_completions, None
+        if completions is None:  # a user's `rollout_func`, or a model without harmony turns: TRL's decoding
+            return output
+        # TRL 1.16: (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)
+        return (*output[:3], completions, *output[4:])
 
     def _routing_layout(self, trajectories: list, out: dict[str, list]) -> dict[str, torch.Tensor] | None:
         """The trajectories' routing records in TRL's layout: `prompt_routed_experts` `[B, P, layers, top_k]` (left
@@ -968,6 +1020,35 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
         routing = self._routing_for(input_ids)
+        inputs = self._loss_inputs
+        other_logps = None
+        if routing is not None and inputs is not None and self.args.routing_mismatch_both:
+            # before the loss forward, whose plan the checkpoint recompute of its backward replays
+            with torch.no_grad():
+                self._replay_flip = True
+                try:
+                    kw_other = {**kw, **{k: False for k in ("compute_entropy", "compute_aux_loss") if k in kw}}
+                    other_logps = self._dispatch_logps(
+                        model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw_other
+                    )[0]
+                finally:
+                    self._replay_flip = False
+                    self.routing_replay.clear()
+                    self.routing_replay.take_agreement()  # the agreement of record is the loss forward's
+        logps, entropies, aux_loss = self._dispatch_logps(
+            model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw
+        )
+        if routing is not None and inputs is not None:
+            self._log_routing_agreement()
+        # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
+        if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
+            if other_logps is not None:
+                self._log_mismatch_by_routing(logps, other_logps, inputs)
+            self._apply_rollout_correction(logps, inputs)
+        return logps, entropies, aux_loss
+
+    def _dispatch_logps(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
+        """One log-prob pass on the path this batch takes: sequence-parallel, packed, padded with routing, TRL's."""
         # SP: only the loss forward (inside `_compute_loss`, on the group's pooled batch) runs sequence-parallel
         if self._sp_group is not None and self._loss_inputs is not None:
             logps, entropies, aux_loss = self._sp_logps_and_entropies(
@@ -987,13 +1068,26 @@ class AgenticGRPOTrainer(GRPOTrainer):
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *a, **kw
             )
-        if routing is not None and self._loss_inputs is not None:
-            self._log_routing_agreement()
-        inputs = self._loss_inputs
-        # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
-        if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
-            self._apply_rollout_correction(logps, inputs)
         return logps, entropies, aux_loss
+
+    def _log_mismatch_by_routing(self, logps, other_logps, inputs) -> None:
+        """`routing/k3_kl_{replayed,own}` and `routing/prob_diff_max_{replayed,own}`: the mismatch against the
+        rollout with the engine's routing replayed and with the trainer's own, on the same tokens (one of the two
+        is the loss forward, the other the extra pass of `routing_mismatch_both`)."""
+        replayed = self.args.routing_replay is not False
+        by_name = {"replayed": logps, "own": other_logps} if replayed else {"replayed": other_logps, "own": logps}
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        gather = self.accelerator.gather
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        for name, train_logps in by_name.items():
+            stats = mismatch_metrics(
+                train_logps.detach(), inputs["sampling_per_token_logps"], mask,
+                threshold=self.args.mismatch_token_threshold,
+            )  # fmt: skip
+            metrics[f"routing/k3_kl_{name}"].append(gather(stats["k3_kl"]).mean().item())
+            metrics[f"routing/prob_diff_max_{name}"].append(gather(stats["prob_diff_max"]).max().item())
 
     # ------------------------------------------------------------------ routing replay
 
@@ -1010,8 +1104,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _replay(self, routing: torch.Tensor):
         """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
-        # None (auto) replays whenever the engine recorded routing; False only measures the agreement
-        replay = self.args.routing_replay is not False
+        # None (auto) replays whenever the engine recorded routing; False only measures the agreement; the extra
+        # pass of `routing_mismatch_both` runs the other way
+        replay = (self.args.routing_replay is not False) != self._replay_flip
         self.routing_replay.set_plan(routing, replay=replay, device=self.accelerator.device)
 
     def _replayed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
@@ -1241,6 +1336,19 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         logger.warning(message)
+
+
+def _lora_module_names(policy) -> set[str]:
+    """The leaf names (``q_proj``, ...) of the modules the active adapter wraps: what its weights name, whatever
+    form ``target_modules`` took (a list, a regex, ``"all-linear"``)."""
+    from peft.tuners.lora import LoraLayer
+
+    active = policy.active_adapter
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, module in policy.named_modules()
+        if isinstance(module, LoraLayer) and active in module.lora_A
+    }
 
 
 def _model_type(model, args) -> str | None:

@@ -121,6 +121,7 @@ class AgentLoop:
         if not prompt:
             raise ValueError("empty prompt")
         traj = Trajectory(prompt_ids=prompt)
+        turn_ids: list[int] = []  # the assistant turn being sampled: its ids since the prompt or the last tool result
         while True:
             left = self.max_completion_tokens - len(traj.completion_ids)
             if left <= 0:
@@ -145,6 +146,11 @@ class AgentLoop:
             if self.turn_format == "plain":
                 traj.finish_reason = {"stop": "final", "length": "length", "abort": "abort"}[out.finish_reason]
                 break
+            if out.output_ids:  # the turn's chat message; after an <|end|> stop sampling continues the same message
+                if not turn_ids:
+                    traj.messages.append({})
+                turn_ids.extend(out.output_ids)
+                traj.messages[-1] = parse_assistant_turn(turn_ids).to_message()
             if out.finish_reason == "abort":
                 traj.finish_reason = "abort"
                 break
@@ -159,6 +165,7 @@ class AgentLoop:
                 call = turn.tool_call if turn.stop == "call" else None
                 if not await self._handle_call(traj, call, turn.error):
                     break
+                turn_ids = []
                 continue
             if turn.stop == "return" and last == RETURN:
                 if turn.final is not None:
@@ -172,6 +179,7 @@ class AgentLoop:
                 # a non-final message ended the turn: open the next assistant message and keep sampling
                 if not self._append_injected(traj, self._assistant_start):
                     break
+                turn_ids.extend(self._assistant_start)
                 continue
             traj.finish_reason = "no_final"
             traj.errors.append(f"turn {traj.num_turns}: stopped on token {last} without a final answer or a call")
@@ -255,7 +263,7 @@ class AgentLoop:
         return True
 
     async def _handle_call(self, traj: Trajectory, call, parse_error: str | None = None) -> bool:
-        """Run one tool call and append its rendered result. Returns False when the trajectory ends."""
+        """Run one tool call; append its rendered result and its tool message. False when the trajectory ends."""
         if call is None:
             reason = parse_error or "<|call|> without a recipient (to=functions.NAME)"
             record = ToolCallRecord(name="", arguments="", error=f"malformed tool call: {reason}")
@@ -270,8 +278,11 @@ class AgentLoop:
             return False
         if call is not None:
             record.result, record.error = await self._run_tool(call)
-        text = record.result if record.error is None else f"Error: {record.error}"
-        return self._append_injected(traj, render_tool_result(author, self._truncate(text)))
+        text = self._truncate(record.result if record.error is None else f"Error: {record.error}")
+        if not self._append_injected(traj, render_tool_result(author, text)):
+            return False
+        traj.messages.append({"role": "tool", "name": call.name if call is not None else "unknown", "content": text})
+        return True
 
     async def _run_tool(self, call) -> tuple[str | None, str | None]:
         """(result, None) or (None, error message for the model)."""

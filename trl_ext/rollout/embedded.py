@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from hf_gptoss_rl.packing import cache_keyword
+
 from .engine import RolloutEngine, validate_input_ids
 from .types import GenerationOutput, SamplingParams
 
@@ -332,12 +334,13 @@ class EmbeddedEngine(RolloutEngine):
             budgets = [r.sampling.max_new_tokens for r in batch]
 
             cache = DynamicCache(config=self.model.config)
+            cache_name = cache_keyword(self.model.forward)  # `cache` / `past_key_values`, by transformers version
             with self._capture() as step:
                 out = self.model(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
-                    past_key_values=cache,
+                    **{cache_name: cache},
                     use_cache=True,
                     logits_to_keep=1,
                 )
@@ -397,7 +400,7 @@ class EmbeddedEngine(RolloutEngine):
                         input_ids=token.unsqueeze(-1),
                         attention_mask=attention_mask,
                         position_ids=next_position,
-                        past_key_values=cache,
+                        **{cache_name: cache},
                         use_cache=True,
                     )
                 if step is not None:  # the tokens just read: one per decoding row

@@ -207,6 +207,10 @@ class Trajectory:
     None when the engine gave none); ``weight_version`` is the first (oldest) turn's, and
     ``mixed_weight_versions`` tells when the turns were served on different versions (a sync, or a server restart,
     in the middle of the trajectory).
+    ``messages`` is the completion as chat messages, the list TRL's tool loop builds (harmony turns only): one
+    assistant message per turn (`AssistantTurn.to_message`: ``thinking``, ``tool_calls``, ``content``) and, after a
+    call, ``{"role": "tool", "name": NAME, "content": TEXT}`` with the text the model read (an error as
+    ``Error: ...``, cut as the tokens were); a result whose tokens were not appended has no message.
     ``routed_experts`` (when the engine records routing) is ``[tokens, layers, top_k]`` for the first tokens of
     ``prompt_ids + completion_ids``: each from the engine pass that first read that token (the routing its later
     tokens were sampled with); the tokens after it (the last sampled token, tool output that no turn read) have none.
@@ -221,6 +225,7 @@ class Trajectory:
     errors: list[str] = field(default_factory=list)
     finish_reason: str = "no_final"
     final_text: str | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
     weight_version: int | str | None = None
     weight_versions: list[int | str | None] = field(default_factory=list)
     routed_experts: Any = None

@@ -81,6 +81,8 @@ class ServerState:
     deterministic_inference: bool = False  # ``--enable-deterministic-inference``: ``sampling_seed`` is honoured
     return_routed_experts: bool = False  # ``--enable-return-routed-experts``
     moe_runner_backend: str | None = None  # ``--moe-runner-backend`` after SGLang's model overrides
+    max_lora_rank: int | None = None  # ``--max-lora-rank`` (None: inferred from ``--lora-paths`` at launch)
+    lora_target_modules: tuple[str, ...] | None = None  # ``--lora-target-modules`` (None: inferred likewise)
 
     @classmethod
     def from_info(cls, url: str, info) -> ServerState:
@@ -99,6 +101,49 @@ class ServerState:
             deterministic_inference=bool(info.get("enable_deterministic_inference", False)),
             return_routed_experts=bool(info.get("enable_return_routed_experts", False)),
             moe_runner_backend=info.get("moe_runner_backend"),
+            max_lora_rank=int(info["max_lora_rank"]) if info.get("max_lora_rank") else None,
+            lora_target_modules=tuple(sorted(info["lora_target_modules"])) if info.get("lora_target_modules") else None,
+        )
+
+
+# SGLang stores q/k/v and gate/up LoRA weights fused; `--lora-target-modules` is compared after the same renaming
+# (`get_normalized_target_modules` in sglang/srt/lora/utils.py)
+_LORA_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def _normalized_lora_modules(names) -> set[str]:
+    return {_LORA_FUSED.get(n.rsplit(".", 1)[-1], n.rsplit(".", 1)[-1]) for n in names}
+
+
+def check_lora_servers(states: list[ServerState], *, rank: int, target_modules) -> None:
+    """Start-up check for LoRA sync: every server was launched able to load an adapter of this ``rank`` on these
+    ``target_modules`` (PEFT's names). Raises `WeightSyncError` listing each server and the flag it lacks; a limit
+    the server infers from ``--lora-paths`` (reported as None) is checked by SGLang at the first load instead."""
+    wanted = _normalized_lora_modules(target_modules)
+    problems = []
+    for s in states:
+        if not s.enable_lora:
+            problems.append(f"{s.url} was launched without --enable-lora")
+            continue
+        if s.max_lora_rank is not None and s.max_lora_rank < rank:
+            problems.append(f"{s.url} has --max-lora-rank {s.max_lora_rank}, below the adapter's rank {rank}")
+        if s.lora_target_modules is not None and "all" not in s.lora_target_modules:
+            missing = sorted(wanted - _normalized_lora_modules(s.lora_target_modules))
+            if missing:
+                problems.append(
+                    f"{s.url} has --lora-target-modules {' '.join(s.lora_target_modules)}, without {', '.join(missing)}"
+                )
+    if problems:
+        raise WeightSyncError(
+            "weight_sync_lora needs SGLang servers launched for the adapter (--enable-lora --max-lora-rank R "
+            "--lora-target-modules ..., as `python -m trl_ext.sglang_serve --lora-rank R` passes): "
+            + "; ".join(problems)
         )
 
 
@@ -728,6 +773,14 @@ class SGLangHTTPWeightSync:
                 self.paused_urls.discard(url)
             except Exception as exc:  # noqa: BLE001 - reported; the other servers are continued all the same
                 logger.warning("%s/continue_generation at close: %s", url, exc)
+        # an adapter whose load was interrupted (Ctrl-C) or cut off may be loaded all the same: unload it, so the
+        # server holds only the adapter it serves
+        for url, requested in sorted(self._requested_adapters.items()):
+            for name in sorted(requested - {self._served_adapters.get(url)}):
+                try:
+                    await self._unload(url, name, requested)
+                except Exception as exc:  # noqa: BLE001 - reported; the other servers are released all the same
+                    logger.warning("%s: could not unload adapter %s at close: %s", url, name, exc)
         if self.group is not None:
             answers = await asyncio.gather(
                 *(

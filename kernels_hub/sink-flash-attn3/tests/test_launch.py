@@ -1,4 +1,5 @@
-"""``_launch``: direct launches of compiled kernels must run exactly what ``kernel[grid](...)`` runs."""
+"""``_launch``: direct launches of compiled kernels must run exactly what ``kernel[grid](...)`` runs, and only with
+the Triton releases they were written for (any other launches through ``kernel[grid](...)``, with the same results)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,35 @@ triton = pytest.importorskip("triton")
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "torch-ext" / "sink_flash_attn3"
 
 
-def _launch_module():
+def _launch_module(triton_version=None):
+    """A private copy of ``_launch``, as it is with the installed Triton, or as it would be with ``triton_version``
+    installed (its gate reads ``triton.__version__`` once, at import)."""
     spec = importlib.util.spec_from_file_location("_sink_flash_attn3_launch_under_test", PACKAGE_DIR / "_launch.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with pytest.MonkeyPatch.context() as patch:
+        if triton_version is not None:
+            patch.setattr(triton, "__version__", triton_version)
+        spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize(
+    "version, layout",
+    [
+        ("3.6.0", "generated"),
+        ("3.6.0+git1a2b3c", "generated"),
+        ("3.7.1", "generic"),
+        ("3.9.0", "generic"),
+        ("3.8.0", None),  # never checked: kernel[grid]
+        ("3.10.0", None),
+        ("4.0.0", None),
+        ("3.5.1", None),
+        ("nightly", None),
+    ],
+)
+def test_direct_launches_only_with_the_releases_they_were_written_for(version, layout):
+    launch = _launch_module(triton_version=version)
+    assert launch.direct_layout(version) == launch.DIRECT_LAYOUT == layout
 
 
 def _triton_specialization(arg):
@@ -158,7 +183,8 @@ def test_direct_launch_arguments_match_the_launcher_layout(monkeypatch, generic)
     a = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
     b = launch.Tile(torch.empty(6, 16), (6, 16), (16, 1), (3, 16))
     args = (a, x, b, 7)
-    direct = launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True})
+    layout = "generic" if generic else "generated"
+    direct = launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}, layout)
     assert direct is not None
     direct((3, 2, 1), 1234, args)
     params = ["map<m0>", 4, 16, 16, 1, x, "map<m1>", 6, 16, 16, 1, 7, 64, True, 5]
@@ -177,7 +203,7 @@ def test_a_descriptor_expander_that_reads_more_keeps_the_standard_path(monkeypat
     monkeypatch.setitem(sys.modules, driver.__name__, driver)
     args = (launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16)), torch.empty(8), None, 7)
     with pytest.warns(RuntimeWarning, match="launch through kernel\\[grid\\]"):
-        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}) is None
+        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}, "generic") is None
     assert calls == []
 
 
@@ -188,6 +214,9 @@ def test_direct_launch_passes_what_the_installed_triton_launcher_passes(monkeypa
     if hasattr(nvidia, "_BASE_ARGS_FORMAT"):
         pytest.skip(f"triton {triton.__version__} generates a launcher per kernel (the fake-compiled tests cover it)")
     launch = _launch_module()
+    if launch.DIRECT_LAYOUT is None:
+        pytest.skip(f"triton {triton.__version__} is not a release the direct launches are written for")
+    assert launch.DIRECT_LAYOUT == "generic"
     utils_launch = _CFunction("cuda_utils")
 
     def fill_tma_descriptor_tiled(address, swizzle, elem_size, elem_type, block, shape, strides, padding):
@@ -252,22 +281,25 @@ def test_unknown_launcher_layout_keeps_the_standard_path_and_warns_once(monkeypa
     monkeypatch.setitem(sys.modules, driver.__name__, driver)
     args = (launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16)), torch.empty(8), None, 7)
     with pytest.warns(RuntimeWarning, match="launch through kernel\\[grid\\]"):
-        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}) is None
+        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}, "generated") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}) is None
+        assert launch._record(compiled, _fake_kernel(), args, {"BLOCK": 64, "HAS_SINK": True}, "generated") is None
     assert calls == []
 
 
-def _recording_launch(monkeypatch, launch):
-    """``launch`` with a fake Triton 3.6 compiled kernel behind ``kernel[grid]`` (as a CUDA machine would have it)."""
-    driver, compiled, calls = _fake_compiled()
+def _recording_launch(monkeypatch, launch, compiled=None):
+    """``launch`` with a fake Triton 3.6 compiled kernel behind ``kernel[grid]`` (as a CUDA machine would have it);
+    ``launch`` a copy of ``_launch`` (``_launch_module``), whose globals the fakes replace. Returns the kernel, the
+    direct launcher's calls and the grids of ``kernel[grid]``'s calls with their arguments."""
+    driver, fake, calls = _fake_compiled()
+    compiled = compiled or fake
     monkeypatch.setitem(sys.modules, driver.__name__, driver)
     standard = []
 
     class FakeJIT(types.SimpleNamespace):
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: standard.append(grid) or compiled
+            return lambda *args, **kwargs: standard.append((grid, args, kwargs)) or compiled
 
     monkeypatch.setattr(launch, "_RECORDS", {})
     monkeypatch.setattr(launch, "JITFunction", FakeJIT)
@@ -276,8 +308,50 @@ def _recording_launch(monkeypatch, launch):
     return FakeJIT(**vars(_fake_kernel())), calls, standard
 
 
+def test_an_unlisted_triton_launches_every_kernel_through_its_grid(monkeypatch):
+    # With a Triton release the direct path was not written for, every launch takes kernel[grid] (one warning): the
+    # launcher's internals are never read, and kernel[grid] gets the arguments the direct path's first launch gives it
+    direct_launch = _launch_module(triton_version="3.6.0")
+    fallback = _launch_module(triton_version="3.8.0")
+
+    class Unreadable:  # a compiled kernel whose launcher must not be looked at
+        def __getattr__(self, name):
+            raise AssertionError(f"the fallback read the compiled kernel's {name}")
+
+    base, x = torch.empty(4, 16), torch.empty(8)
+    seen = {}
+    for name, launch in (("direct", direct_launch), ("fallback", fallback)):
+        tile = launch.Tile(base, (4, 16), (16, 1), (2, 16))  # (each copy of the module has its own Tile class)
+        args = (tile, x, tile, 7)
+        kernel, calls, standard = _recording_launch(
+            monkeypatch, launch, compiled=Unreadable() if name == "fallback" else None
+        )
+        sites = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                launch.launch_at(sites, "site", kernel, (3, 2, 1), *args, BLOCK=64, HAS_SINK=True)
+        seen[name] = (calls, standard, [str(w.message) for w in caught])
+    calls, standard, warned = seen["fallback"]
+    assert calls == [] and len(standard) == 3 and fallback._RECORDS == {}
+    assert len(warned) == 1 and "triton 3.8.0" in warned[0] and "3.6, 3.7, 3.9" in warned[0], warned
+    direct_calls, direct_standard, direct_warned = seen["direct"]
+    assert len(direct_standard) == 1 and len(direct_calls) == 2 and not direct_warned
+    (grid, first_args, first_kwargs), *_ = direct_standard
+    for grid_b, args_b, kwargs_b in standard:
+        assert grid_b == grid and kwargs_b == first_kwargs
+        assert [type(a) for a in args_b] == [type(a) for a in first_args]
+        for a, b in zip(args_b, first_args):
+            if hasattr(a, "base"):  # Triton's descriptor objects, built from the same Tile
+                assert (
+                    a.base is b.base and list(a.shape) == list(b.shape) and list(a.block_shape) == list(b.block_shape)
+                )
+            else:
+                assert a is b or a == b
+
+
 def test_launch_at_reuses_a_site_and_its_tensor_maps(monkeypatch):
-    launch = _launch_module()
+    launch = _launch_module(triton_version="3.6.0")
     kernel, calls, standard = _recording_launch(monkeypatch, launch)
     expanded = []
     driver = sys.modules["_fake_triton_driver"]
@@ -289,7 +363,7 @@ def test_launch_at_reuses_a_site_and_its_tensor_maps(monkeypatch):
     sites = {}
     for _ in range(3):
         launch.launch_at(sites, "site", kernel, (3, 2, 1), a, torch.empty(8), b, 7, BLOCK=64, HAS_SINK=True)
-    assert standard == [(3, 2, 1)] and len(calls) == 2  # the first launch through kernel[grid], then direct
+    assert [grid for grid, *_ in standard] == [(3, 2, 1)] and len(calls) == 2  # kernel[grid] first, then direct
     assert sorted(expanded) == ["m0", "m1"]  # each tensor map encoded once
     monkeypatch.setattr(launch, "_args_key", lambda args: pytest.fail("a reused site computed the key"))
     other = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))  # another address: its own map
@@ -299,7 +373,7 @@ def test_launch_at_reuses_a_site_and_its_tensor_maps(monkeypatch):
 
 def test_launch_at_compiles_with_fma_contraction(monkeypatch):
     # asked for explicitly: Triton's default turns it off from 3.10
-    launch = _launch_module()
+    launch = _launch_module(triton_version="3.6.0")
     kernel, calls, standard = _recording_launch(monkeypatch, launch)
     seen = []
     monkeypatch.setattr(type(kernel), "__getitem__", lambda self, grid: lambda *a, **kw: seen.append(kw))
@@ -309,7 +383,7 @@ def test_launch_at_compiles_with_fma_contraction(monkeypatch):
 
 
 def test_launch_at_keeps_hooks_and_debug_knobs(monkeypatch):
-    launch = _launch_module()
+    launch = _launch_module(triton_version="3.6.0")
     kernel, calls, standard = _recording_launch(monkeypatch, launch)
     sites = {}
     tile = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
@@ -329,14 +403,16 @@ def test_launch_at_keeps_hooks_and_debug_knobs(monkeypatch):
 
 
 def test_checked_sites_refuse_a_record_of_other_arguments(monkeypatch):
-    launch = _launch_module()
+    launch = _launch_module(triton_version="3.6.0")
     kernel, calls, standard = _recording_launch(monkeypatch, launch)
-    monkeypatch.setattr(launch, "_CHECK_SITES", True)
     sites = {}
     tile = launch.Tile(torch.empty(4, 16), (4, 16), (16, 1), (2, 16))
     launch.launch_at(sites, "site", kernel, (1, 1, 1), tile, torch.empty(8), tile, 7, BLOCK=64, HAS_SINK=True)
-    with pytest.raises(AssertionError, match="reused a record of other arguments"):  # 16 instead of 7: another key
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), tile, torch.empty(8), tile, 16, BLOCK=64, HAS_SINK=True)
+    with launch.checking_sites(), pytest.raises(AssertionError, match="reused a record of other arguments"):
+        # 16 instead of 7: another key (unchecked above, the site's record launched it)
         launch.launch_at(sites, "site", kernel, (1, 1, 1), tile, torch.empty(8), tile, 16, BLOCK=64, HAS_SINK=True)
+    launch.launch_at(sites, "site", kernel, (1, 1, 1), tile, torch.empty(8), tile, 16, BLOCK=64, HAS_SINK=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,27 +429,34 @@ def _kernels_package():
     )
 
 
+def _package_for_triton(version):
+    """A private copy of the kernel package as it would be with Triton ``version`` installed (``_launch`` reads
+    ``triton.__version__`` once, at import), and its ``_launch``."""
+    name = f"_sink_flash_attn3_triton_{version.replace('.', '_')}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, PACKAGE_DIR / "__init__.py", submodule_search_locations=[str(PACKAGE_DIR)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(triton, "__version__", version)
+            spec.loader.exec_module(package)
+            importlib.import_module(f"{name}._launch")
+    return sys.modules[name], sys.modules[f"{name}._launch"]
+
+
 CUDA_CASES = [
     (torch.bfloat16, 1000, 128, "auto", True),  # Triton forward (TMA tiles), Gluon dK/dV + dQ
     (torch.bfloat16, 2500, None, "auto", False),  # fused backward (sm_90)
     (torch.bfloat16, 8192, None, "auto", True),  # Gluon forward (sm_90, from 2k queries)
-    (torch.bfloat16, 1000, None, "0", True),  # Triton kernels only, TMA tiles
-    (torch.float32, 700, 128, "0", True),  # fp32: pointer loads in the backward
+    (torch.bfloat16, 1000, None, "triton", True),  # Triton kernels only, TMA tiles
+    (torch.float32, 700, 128, "triton", True),  # fp32: pointer loads in the backward
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype, S, window, gluon, deterministic", CUDA_CASES)
-def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, window, gluon, deterministic):
-    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
-    kernel, tk, launch = _kernels_package()
-    monkeypatch.setattr(launch, "_RECORDS", {})
-    monkeypatch.setattr(launch, "_CHECK_SITES", True)  # every reused launch site must match the full key's record
-    direct_calls = []
-    call = launch._Direct.__call__
-    monkeypatch.setattr(launch._Direct, "__call__", lambda self, *a: direct_calls.append(1) or call(self, *a))
-    g = torch.Generator(device="cuda").manual_seed(S)
+def _cuda_step(kernel, dtype, S, window, backend, deterministic, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, dout = (torch.randn(1, S, h, 64, device="cuda", generator=g).to(dtype) for h in (64, 8, 8, 64))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     sinks = torch.randn(64, device="cuda", generator=g).requires_grad_()
@@ -381,33 +464,75 @@ def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, win
 
     def step():
         out = kernel.flash_attn_func(
-            q, k, v, causal=True, window_size=window_size, s_aux=sinks, deterministic=deterministic, backend="triton"
+            q, k, v, causal=True, window_size=window_size, s_aux=sinks, deterministic=deterministic, backend=backend
         )
         return (out.detach(), *torch.autograd.grad(out, (q, k, v, sinks), dout))
 
-    standard = step()
-    assert not direct_calls and launch._RECORDS, "the first call of each kernel must go through kernel[grid]"
-    assert all(launch._RECORDS.values()), f"a kernel kept Triton's launcher on triton {triton.__version__}"
-    direct = step()
-    assert len(direct_calls) == len(launch._RECORDS), "the second call must launch every kernel directly"
-    again = step()  # the cached call: its launch sites and the records' tensor maps
-    assert len(direct_calls) == 2 * len(launch._RECORDS)
-    for name, a, b in [*zip(("out", "dq", "dk", "dv", "dsink"), standard, direct), *zip(("out",), direct, again)]:
+    return step
+
+
+def _assert_same(deterministic, what, pairs):
+    for name, a, b in pairs:
         if deterministic or name in ("out", "dk", "dv"):
-            assert torch.equal(a, b), f"{name} differs between direct and standard launches"
+            assert torch.equal(a, b), f"{name} differs between {what}"
         else:  # the fused backward adds dQ and dsink with atomics: equal up to their summation order
             assert (a.float() - b.float()).norm() <= 1e-3 * a.float().norm()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, S, window, backend, deterministic", CUDA_CASES)
+def test_cuda_direct_launches_match_standard_launches(monkeypatch, dtype, S, window, backend, deterministic):
+    kernel, tk, launch = _kernels_package()
+    assert launch.DIRECT_LAYOUT is not None, f"triton {triton.__version__}: no direct launches to check"
+    launch._RECORDS.clear()
+    direct_calls = []
+    call = launch._Direct.__call__
+    monkeypatch.setattr(launch._Direct, "__call__", lambda self, *a: direct_calls.append(1) or call(self, *a))
+    step = _cuda_step(kernel, dtype, S, window, backend, deterministic, seed=S)
+    with launch.checking_sites():  # every reused launch site must match the full key's record
+        standard = step()
+        assert not direct_calls and launch._RECORDS, "the first call of each kernel must go through kernel[grid]"
+        assert all(launch._RECORDS.values()), f"a kernel kept Triton's launcher on triton {triton.__version__}"
+        direct = step()
+        assert len(direct_calls) == len(launch._RECORDS), "the second call must launch every kernel directly"
+        again = step()  # the cached call: its launch sites and the records' tensor maps
+        assert len(direct_calls) == 2 * len(launch._RECORDS)
+    names = ("out", "dq", "dk", "dv", "dsink")
+    _assert_same(
+        deterministic, "direct and standard launches", [*zip(names, standard, direct), ("out", *again[:1], direct[0])]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, S, window, backend, deterministic", CUDA_CASES)
+def test_cuda_fallback_of_an_unlisted_triton_matches_direct_launches(dtype, S, window, backend, deterministic):
+    # The package as it is with a Triton release its direct launches were not written for: every launch through
+    # kernel[grid](...), none recorded, and the same results as the direct launches of this Triton's package
+    kernel, _, launch = _kernels_package()
+    fallback, fallback_launch = _package_for_triton("3.8.0")
+    assert launch.DIRECT_LAYOUT is not None and fallback_launch.DIRECT_LAYOUT is None
+    results = {}
+    for name, package in (("direct", kernel), ("fallback", fallback)):
+        step = _cuda_step(package, dtype, S, window, backend, deterministic, seed=S + 7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (the fallback's one warning)
+            step()
+            results[name] = step()  # (the direct package's second call launches directly)
+    assert fallback_launch._RECORDS == {} and all(launch._RECORDS.values())
+    names = ("out", "dq", "dk", "dv", "dsink")
+    _assert_same(deterministic, "the fallback and direct launches", zip(names, results["fallback"], results["direct"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "dtype, S, window, gluon, deterministic", [*CUDA_CASES, (torch.bfloat16, 1000, None, "auto", True)]
+    "dtype, S, window, backend, deterministic", [*CUDA_CASES, (torch.bfloat16, 1000, None, "auto", True)]
 )
-def test_cuda_heads_first_inputs_get_heads_first_gradients(monkeypatch, dtype, S, window, gluon, deterministic):
+def test_cuda_heads_first_inputs_get_heads_first_gradients(dtype, S, window, backend, deterministic):
     # transformers' layout ([b, s, h, d] views of heads-first states): every kernel writes the gradients in place in
     # that layout (the last case splits the dK/dV grid over the query heads); values as for contiguous inputs
-    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
     kernel, _, _ = _kernels_package()
     g = torch.Generator(device="cuda").manual_seed(S + 1)
     states = [torch.randn(1, h, S, 64, device="cuda", generator=g).to(dtype) for h in (64, 8, 8)]
@@ -419,7 +544,7 @@ def test_cuda_heads_first_inputs_get_heads_first_gradients(monkeypatch, dtype, S
         leaves = [t.clone().requires_grad_() for t in states]
         q, k, v = (t.transpose(1, 2) if heads_first else t.transpose(1, 2).contiguous() for t in leaves)
         out = kernel.flash_attn_func(
-            q, k, v, causal=True, window_size=window_size, s_aux=sinks, deterministic=deterministic, backend="triton"
+            q, k, v, causal=True, window_size=window_size, s_aux=sinks, deterministic=deterministic, backend=backend
         )
         grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
         if heads_first:

@@ -161,15 +161,29 @@ def test_dense_matches_fp64_reference_and_varlen(kernel, backend):
             assert rel_err(g, r) <= 2e-4
 
 
+def _split_dkdv_grids(kernel, monkeypatch):
+    """The Triton kernels planned as on a GPU of 132 multiprocessors, which splits the dK/dV grid of short full layers
+    over the query heads of each KV group (``_dkdv_head_splits``); returns a function listing the splits of the
+    backward calls made since."""
+    import importlib
+
+    triton_kernels = importlib.import_module(f"{kernel.interface.__package__}.triton_kernels")
+    monkeypatch.setattr(triton_kernels, "_multiprocessors", lambda device: 132)  # (a hardware fact, not a setting)
+    triton_kernels._CALLS.clear()
+    return lambda: [
+        c.head_splits for c in triton_kernels._CALLS.values() if isinstance(c, triton_kernels._BackwardCall)
+    ]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_splits", [1, 2], ids=["whole_dkdv_grid", "split_dkdv_grid"])
 def test_gradients_take_the_heads_first_layout_of_transformers_inputs(kernel, backend, head_splits, monkeypatch):
     """transformers passes q/k/v as [b, s, h, d] views of heads-first [b, h, s, d] states: the gradients come back
     in that layout (as FlashAttention's do), with the values of contiguous inputs; the varlen path alike."""
-    import importlib
-
-    triton_kernels = importlib.import_module(f"{kernel.interface.__package__}.triton_kernels")
-    monkeypatch.setattr(triton_kernels, "_dkdv_head_splits", lambda *args: head_splits)
+    window = (4, 0)  # a sliding layer: never split
+    if head_splits > 1:
+        splits = _split_dkdv_grids(kernel, monkeypatch)
+        window = (-1, 0)  # a short full layer: split on a GPU
     torch.manual_seed(2)
     states = [torch.randn(1, h, 13, 64) for h in (4, 2, 2)]
     sinks = torch.randn(4, requires_grad=True)
@@ -180,7 +194,7 @@ def test_gradients_take_the_heads_first_layout_of_transformers_inputs(kernel, ba
         q, k, v = (t.transpose(1, 2) for t in leaves)  # [1, 13, h, 64] views, heads-first in memory
         if layout == "contiguous":
             q, k, v = (t.contiguous() for t in (q, k, v))
-        args = dict(causal=True, window_size=(4, 0), s_aux=sinks, backend=backend)
+        args = dict(causal=True, window_size=window, s_aux=sinks, backend=backend)
         if layout == "varlen":  # [tokens, h, d] views, heads-first in memory
             cu = torch.tensor([0, 13], dtype=torch.int32)
             q, k, v = q[0], k[0], v[0]
@@ -195,6 +209,8 @@ def test_gradients_take_the_heads_first_layout_of_transformers_inputs(kernel, ba
     for layout in ("heads_first", "varlen"):
         for a, b in zip(results[layout], results["contiguous"]):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), layout
+    if head_splits > 1 and backend == "triton":
+        assert set(splits()) == {head_splits}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -268,30 +284,78 @@ def test_no_grad_calls_skip_autograd_with_the_same_output(kernel, backend):
     assert torch.equal(plain, differentiable) and torch.equal(no_grad, differentiable)
 
 
-def test_backends_agree_and_auto_dispatch(kernel, monkeypatch):
-    """The override picks the path; "auto" follows the device, the dtype and TRITON_INTERPRET."""
-    cpu = torch.device("cpu")
-    monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "auto")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert kernel.resolve_backend(cpu) == "triton"
-    assert kernel.resolve_backend(cpu, dtype=torch.float16) == "triton"
+def test_backends_agree_and_auto_dispatch(kernel):
+    """The backend picks the path; "auto" follows the device, the dtype and whether the interpreter runs the kernels
+    (TRITON_INTERPRET at import): a pure function of those, which ``_select`` takes as arguments."""
+    select = kernel.interface._select
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert select("auto", cpu, torch.float32, True) == select("auto", cpu, torch.float16, True) == "triton"
     # Triton's interpreter multiplies raw bf16 bits in tl.dot (triton#11584): bf16 CPU tensors stay on PyTorch, and
     # asking for Triton with them raises
-    assert kernel.resolve_backend(cpu, dtype=torch.bfloat16) == "torch"
+    assert select("auto", cpu, torch.bfloat16, True) == "torch"
     with pytest.raises(TypeError, match="11584"):
-        kernel.resolve_backend(cpu, "triton", torch.bfloat16)
-    assert kernel.resolve_backend(torch.device("cuda"), dtype=torch.bfloat16) == "triton"
-    assert kernel.resolve_backend(torch.device("cuda")) == "triton"
-    monkeypatch.delenv("TRITON_INTERPRET")
-    assert kernel.resolve_backend(cpu) == "torch"
+        select("triton", cpu, torch.bfloat16, True)
+    # CUDA: "auto" is the Triton kernels with the Gluon kernels where they win, "triton" the Triton kernels alone
+    assert select("auto", cuda, torch.bfloat16, False) == select("auto", cuda, None, True) == "gluon"
+    assert select("triton", cuda, torch.bfloat16, False) == "triton"
+    assert select("auto", cpu, torch.float32, False) == "torch"
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        kernel.resolve_backend(cpu, "triton")
-    monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "torch")
-    assert kernel.resolve_backend(torch.device("cuda")) == "torch"
-    assert kernel.resolve_backend(cpu, "auto") == "torch"
-    monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "cutlass")
+        select("triton", cpu, torch.float32, False)
+    assert select("torch", cuda, torch.bfloat16, True) == select("torch", cpu, None, False) == "torch"
     with pytest.raises(ValueError, match="backend must be one of"):
-        kernel.resolve_backend(cpu)
+        select("cutlass", cpu, None, True)
+    # the public resolution names the module that runs: Triton (with or without Gluon) or PyTorch
+    assert kernel.resolve_backend(cuda, "auto") == kernel.resolve_backend(cuda, "triton") == "triton"
+    assert kernel.resolve_backend(cuda) == ("torch" if kernel.DEFAULT_BACKEND == "torch" else "triton")
+    assert kernel.resolve_backend(cuda, "torch") == "torch"
+    assert kernel.resolve_backend(cpu, "triton" if TRITON_ON_CPU else "torch") == (
+        "triton" if TRITON_ON_CPU else "torch"
+    )
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernel.resolve_backend(cpu, "cutlass")
+
+
+def test_the_backend_variable_is_read_once_at_import(kernel, monkeypatch):
+    """SINK_FLASH_ATTN3_BACKEND sets DEFAULT_BACKEND when the package is imported; later changes of the environment
+    change nothing (the root conftest sets it to "torch" before the import); a bad value fails the import, naming
+    the variable."""
+    assert kernel.DEFAULT_BACKEND == kernel.interface.DEFAULT_BACKEND == os.environ.get(kernel.BACKEND_ENV_VAR, "auto")
+    cpu = torch.device("cpu")
+    before = kernel.resolve_backend(cpu, dtype=torch.float32)
+    monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "auto" if kernel.DEFAULT_BACKEND == "torch" else "torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if TRITON_ON_CPU else "1")
+    assert kernel.resolve_backend(cpu, dtype=torch.float32) == before
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    kernel.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True)  # the import-time choice, no error
+    for value, expected in (("Triton ", "triton"), ("", "auto")):
+        monkeypatch.setenv(kernel.BACKEND_ENV_VAR, value)
+        assert _fresh_interface(kernel, monkeypatch).DEFAULT_BACKEND == expected
+    monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "cutlass")
+    with pytest.raises(ValueError, match="SINK_FLASH_ATTN3_BACKEND must be one of"):
+        _fresh_interface(kernel, monkeypatch)
+
+
+def _fresh_interface(kernel, monkeypatch):
+    """A further import of the package (its own module name and op namespace), with the environment as it is now."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(kernel.interface.__file__).parent
+    name = f"_sink_flash_attn3_fresh_{next(_FRESH_IMPORTS)}"
+    spec = importlib.util.spec_from_file_location(name, path / "__init__.py", submodule_search_locations=[str(path)])
+    package = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, package)
+    try:
+        spec.loader.exec_module(package)
+    finally:  # (the submodules the import added leave sys.modules with the package, after the test)
+        for module in [m for m in sys.modules if m.startswith(f"{name}.")]:
+            monkeypatch.setitem(sys.modules, module, sys.modules.pop(module))
+    return package.interface
+
+
+_FRESH_IMPORTS = __import__("itertools").count()
 
 
 def _qkv(t=8, hq=4, hkv=2, d=64, dtype=torch.float32):
@@ -394,11 +458,7 @@ def test_backward_op_with_a_split_dkdv_grid_passes_opcheck(kernel, monkeypatch):
     grid split over each KV group's query heads (short full-attention layers on a GPU): its outputs must not alias
     one another, or the custom op refuses them."""
     pytest.importorskip("triton")
-    import importlib
-
-    triton_kernels = importlib.import_module(f"{kernel.interface.__package__}.triton_kernels")
-    splits = []
-    monkeypatch.setattr(triton_kernels, "_dkdv_head_splits", lambda *args: splits.append(2) or 2)
+    splits = _split_dkdv_grids(kernel, monkeypatch)
     ops = getattr(torch.ops, kernel.interface.OPS_NAMESPACE)
     q, k, v = _qkv(t=10)
     sinks = torch.randn(4)
@@ -406,7 +466,7 @@ def test_backward_op_with_a_split_dkdv_grid_passes_opcheck(kernel, monkeypatch):
     out, lse = ops.fwd.default(q, k, v, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton", False)
     args = (torch.randn_like(out), q, k, v, out, lse, sinks, cu, cu, 6, 6, 0.125, True, -1, 0, "triton", False)
     dq, dk, dv, dsink = ops.bwd.default(*args)
-    assert splits and dk.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr()
+    assert splits() == [2] and dk.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr()
     torch.library.opcheck(ops.bwd.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -423,15 +483,14 @@ def test_two_loaded_copies_do_not_clash(kernel, hub_kernel, built_kernel_repo):
     torch.testing.assert_close(a, b)
 
 
-def test_bf16_under_the_interpreter_takes_the_pytorch_path(kernel, monkeypatch):
+def test_bf16_under_the_interpreter_takes_the_pytorch_path(kernel):
     """With TRITON_INTERPRET=1, "auto" must not hand bf16 CPU tensors to the interpreter (its bf16 tl.dot is wrong):
     the result matches fp64 to bf16 precision (the interpreter's would be off by ~1e9)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(kernel.BACKEND_ENV_VAR, "auto")
+    assert kernel.interface._select("auto", torch.device("cpu"), torch.bfloat16, True) == "torch"
     torch.manual_seed(4)
     q, k, v = (torch.randn(1, 12, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
     sinks = torch.randn(4)
-    out = kernel.flash_attn_func(q, k, v, causal=True, s_aux=sinks)
+    out = kernel.flash_attn_func(q, k, v, causal=True, s_aux=sinks, backend="auto")
     ref = eager_sink_attention(q[0], k[0], v[0], sinks, 64**-0.5, True, (-1, -1))
     assert rel_err(out[0], ref) <= 2e-2
 

@@ -92,8 +92,9 @@ def test_every_launch_of_the_public_api_compiles_for_sm90(tk, gk, monkeypatch, c
     monkeypatch.setattr(tk, "_compiled", lambda device: True)  # the GPU's tile sizes, not the interpreter's
     monkeypatch.setattr(tk, "_device_capability", lambda device: (9, 0))
     monkeypatch.setattr(tk, "_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(tk, "_INTERPRETER_BF16", True)  # (no interpreter here: nothing runs)
-    monkeypatch.setattr(package.interface, "_select_backend", lambda q, backend: "triton")
+    # backend="auto" on a GPU: the Triton kernels, and the Gluon kernels where they win (CPU tensors would take the
+    # PyTorch path)
+    monkeypatch.setattr(package.interface, "_select_backend", lambda q, backend: "gluon")
     launches = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, *args, **kw: launches.append((fn, grid, args, kw)))
     monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Driver())

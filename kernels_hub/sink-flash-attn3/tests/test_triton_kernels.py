@@ -166,7 +166,10 @@ def make_case(
     )
 
 
-def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4, scale=None, deterministic=True):
+def run_and_compare(
+    tk, case, causal, window_left=-1, window_right=-1, tol=1e-4, scale=None, deterministic=True, gluon=True, plan=None
+):
+    """Forward and backward (``gluon`` and ``plan`` passed to both) against the fp64 reference."""
     q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = tk.sink_attention_forward(
@@ -182,6 +185,8 @@ def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4,
         causal,
         window_left,
         window_right,
+        gluon=gluon,
+        plan=plan,
     )
     dq, dk, dv, dsink = tk.sink_attention_backward(
         dout,
@@ -200,6 +205,8 @@ def run_and_compare(tk, case, causal, window_left=-1, window_right=-1, tol=1e-4,
         window_left,
         window_right,
         deterministic,
+        gluon=gluon,
+        plan=plan,
     )
     cu_q, cu_k = case["cu_q"].tolist(), case["cu_k"].tolist()
     r_out, r_lse, r_dq, r_dk, r_dv, r_dsink = reference(
@@ -280,20 +287,48 @@ def test_cached_calls_follow_every_part_of_their_signature(tk):
     offset_q = storage[2:].view_as(case["q"]).copy_(case["q"])
     run_and_compare(tk, dict(case, q=offset_q), True, 5, 0)
     assert len(tk._CALLS) == 2 * 6
+    # the backend choice (gluon) and a given plan are part of the signature too
+    run_and_compare(tk, case, True, 5, 0, gluon=False)
+    assert len(tk._CALLS) == 2 * 7
+    plan = tk._plan(case["q"], case["k"], case["v"], True, 23, 23)._replace(head_splits=2)
+    run_and_compare(tk, case, True, 5, 0, plan=plan)
+    assert len(tk._CALLS) == 2 * 8
 
 
-def test_gluon_switch_from_environment(tk, monkeypatch):
-    # SINK_FLASH_ATTN3_GLUON turns the Gluon kernels off; a typo must not silently mean "on"
-    for value, expected in (("auto", True), (" 1 ", True), ("ON", True), ("0", False), ("off", False)):
-        monkeypatch.setenv(tk.GLUON_ENV_VAR, value)
-        assert tk.gluon_enabled() is expected
-    monkeypatch.setenv(tk.GLUON_ENV_VAR, "yes please")
-    with pytest.raises(ValueError, match="SINK_FLASH_ATTN3_GLUON"):
-        tk.gluon_enabled()
-    # on CPU tensors the Gluon kernels never apply, whatever the switch says
-    monkeypatch.setenv(tk.GLUON_ENV_VAR, "1")
+def test_dispatch_reads_no_environment():
+    # The dispatch is a function of the call's tensors and its backend choice: no kernel module reads the environment
+    # when it is called. Only the interface reads it, once, at import (SINK_FLASH_ATTN3_BACKEND and TRITON_INTERPRET).
+    import ast
+
+    readers = {}
+    for path in sorted(PACKAGE_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                if names & {"environ", "getenv", "putenv"}:
+                    readers.setdefault(path.name, set()).add(getattr(node, "name", "<lambda>"))
+    assert readers == {"interface.py": {"_backend_from_environment"}}, readers
+    called = ast.parse((PACKAGE_DIR / "interface.py").read_text())
+    calls = [  # where _backend_from_environment is called: at module level only (import time)
+        node
+        for fn in ast.walk(called)
+        if isinstance(fn, ast.FunctionDef)
+        for node in ast.walk(fn)
+        if isinstance(node, ast.Name) and node.id == "_backend_from_environment"
+    ]
+    assert not calls
+
+
+def test_the_gluon_argument_is_the_only_gluon_switch(tk):
+    # gluon=False (backend="triton") keeps the Triton kernels; on CPU tensors the Gluon kernels never apply anyway
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
-    assert tk._plan(q, q[:, :1], q[:, :1], False, 1 << 14, 1 << 14) == ("fwd", "dkdv", "dq", False, False, False)
+    for gluon in (True, False):
+        assert tk._plan(q, q[:, :1], q[:, :1], False, 1 << 14, 1 << 14, gluon) == (
+            "fwd", "dkdv", "dq", False, False, False, 0
+        )  # fmt: skip
+    assert not hasattr(tk, "GLUON_ENV_VAR") and not hasattr(tk, "gluon_enabled")
 
 
 class _GluonStub:
@@ -318,15 +353,14 @@ def sm90(tk, monkeypatch):
     monkeypatch.setattr(tk, "_device_capability", lambda device: (9, 0))
     monkeypatch.setattr(tk, "_TensorDescriptor", object)
     monkeypatch.setitem(tk._GLUON, "module", stub)
-    monkeypatch.delenv(tk.GLUON_ENV_VAR, raising=False)
     return stub
 
 
-def test_dispatch_plan(tk, sm90, monkeypatch):
+def test_dispatch_plan(tk, sm90):
     # Which kernels run (sm_90 routing, checked on CPU): the Gluon forward on layers without a left window from
-    # _GLUON_FWD_MIN_SEQLEN queries, the Triton forward on sliding layers, short sequences and decode steps; the
-    # Gluon backward for every 16-bit head_dim-64 layer; Triton for fp32, other head dims and with Gluon off
-    n = tk._GLUON_FWD_MIN_SEQLEN
+    # GLUON_FWD_MIN_SEQLEN queries, the Triton forward on sliding layers, short sequences and decode steps; the
+    # Gluon backward for every 16-bit head_dim-64 layer; Triton for fp32, other head dims and with gluon=False
+    n = tk.GLUON_FWD_MIN_SEQLEN
     bf16 = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
     kv = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     assert tk._plan(bf16, bf16[:, :2], bf16[:, :2], False, n, n)[:3] == ("fwd", "dkdv", "dq")  # K/V rows strided
@@ -336,10 +370,11 @@ def test_dispatch_plan(tk, sm90, monkeypatch):
         "gluon_dq",
         True,
         False,
-        n >= tk._FUSED_MIN_SEQLEN,
+        n >= tk.FUSED_MIN_SEQLEN,
+        0,
     )
-    # the fused backward (deterministic=False): full-attention layers from _FUSED_MIN_SEQLEN keys
-    f = tk._FUSED_MIN_SEQLEN
+    # the fused backward (deterministic=False): full-attention layers from FUSED_MIN_SEQLEN keys
+    f = tk.FUSED_MIN_SEQLEN
     assert tk._plan(bf16, kv, kv, False, f, f).fused_bwd
     assert tk._plan(bf16, kv, kv, False, 1, f).fused_bwd  # (decode against a long cache)
     assert not tk._plan(bf16, kv, kv, False, f, f - 1).fused_bwd
@@ -354,43 +389,73 @@ def test_dispatch_plan(tk, sm90, monkeypatch):
     assert tk._plan(d128, kv128, kv128, False, n, n)[:3] == ("fwd", "dkdv", "dq")
     unaligned = torch.zeros(8 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 4, 64)  # rows not 16-byte aligned
     assert tk._plan(unaligned, kv, kv, False, n, n)[:3] == ("fwd", "dkdv", "dq")
-    monkeypatch.setenv(tk.GLUON_ENV_VAR, "0")
-    assert tk._plan(bf16, kv, kv, False, n, n)[:3] == ("fwd", "dkdv", "dq")
-    assert not tk._plan(bf16, kv, kv, False, f, f).fused_bwd
+    assert tk._plan(bf16, kv, kv, False, n, n, gluon=False)[:3] == ("fwd", "dkdv", "dq")  # backend="triton"
+    assert not tk._plan(bf16, kv, kv, False, f, f, gluon=False).fused_bwd
+    # the table of launch configurations is read-only (the thresholds are UPPER_CASE constants)
+    with pytest.raises(TypeError):
+        tk.CONFIGS[("gluon_fwd", 64)] = {}
+    with pytest.raises(TypeError):
+        tk.CONFIGS[("gluon_fwd", 64)]["STAGES"] = 3
+
+
+def test_a_given_plan_is_checked(tk, sm90):
+    # plan= runs kernels outside the shapes the dispatch gives them (tests, benchmarks), never ones that cannot run
+    bf16 = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    plan = tk._plan(bf16, kv, kv, False, 8, 8)
+    tk._check_plan(plan._replace(fwd="gluon_fwd", fused_bwd=True, head_splits=2), bf16, kv, kv)
+    f32, kv32 = bf16.float(), kv.float()
+    for bad, tensors, match in (
+        (plan._replace(fwd="gluon_fwd"), (f32, kv32, kv32), "Gluon kernels need"),
+        (plan._replace(dq="dq"), (bf16, kv, kv), "mixes Gluon and Triton"),
+        (plan._replace(head_splits=3), (bf16, kv, kv), "head_splits must divide"),
+        (plan._replace(concurrent=True), (bf16, kv, kv), "side stream needs CUDA"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tk._check_plan(bad, *tensors)
+    with pytest.raises(ValueError, match="fused backward needs"):
+        tk._check_plan(plan._replace(dkdv="dkdv", dq="dq", fused_bwd=True), bf16, kv, kv)
+    with pytest.raises(TypeError, match="plan must be"):
+        tk._check_plan(tuple(plan), bf16, kv, kv)
 
 
 def test_deterministic_selects_the_backward(tk, sm90, monkeypatch):
-    # deterministic=False runs the fused Gluon backward where the plan gives it (here every length), True the
-    # deterministic dK/dV + dQ launcher; both on the same inputs (the stub records launches, computes nothing)
-    monkeypatch.setattr(tk, "_FUSED_MIN_SEQLEN", 1)
+    # deterministic=False runs the fused Gluon backward where the plan gives it, True the deterministic dK/dV + dQ
+    # launcher; both on the same inputs (the stub records launches, computes nothing)
     q = torch.randn(8, 4, 64, dtype=torch.float16)
     k = torch.randn(8, 2, 64, dtype=torch.float16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     lse = torch.randn(4, 8)
     args = (q, q, k, k, q, lse, torch.zeros(4), cu, cu, 8, 8, 0.125, True, -1, -1)
+    fused = tk._plan(q, k, k, False, 8, 8)._replace(fused_bwd=True)  # (8 keys: below FUSED_MIN_SEQLEN)
     for deterministic, launched in ((False, "backward_fused"), (True, "backward")):
         sm90.calls.clear()
-        dq, dk, dv, dsink = tk.sink_attention_backward(*args, deterministic=deterministic)
+        dq, dk, dv, dsink = tk.sink_attention_backward(*args, deterministic=deterministic, plan=fused)
         assert sm90.calls == [launched]
         assert dq.shape == q.shape and dk.shape == k.shape and dsink.shape == (4,)
+    sm90.calls.clear()
+    tk.sink_attention_backward(*args, deterministic=False)  # the plan of 8 keys: the deterministic kernels
+    assert sm90.calls == ["backward"]
     sm90.calls.clear()
     tk.sink_attention_backward(*args[:-3], True, 127, 0, deterministic=False)  # a sliding layer
     assert sm90.calls == ["backward"]
     sm90.calls.clear()
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)  # PyTorch's deterministic mode
-    tk.sink_attention_backward(*args, deterministic=False)
+    tk.sink_attention_backward(*args, deterministic=False, plan=fused)
     assert sm90.calls == ["backward"]
 
 
 def test_gluon_failures_are_loud(tk, sm90, monkeypatch):
-    # a Gluon kernel that fails raises (naming the switch back to Triton) instead of switching Gluon off silently
+    # a Gluon kernel that fails raises (naming the way back to the Triton kernels) instead of switching Gluon off
+    # silently
     q = torch.randn(8, 2, 64, dtype=torch.float16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     monkeypatch.setitem(tk._GLUON, "module", _GluonStub(fail="fwd"))
-    monkeypatch.setattr(tk, "_GLUON_FWD_MIN_SEQLEN", 1)
-    with pytest.raises(RuntimeError, match="SINK_FLASH_ATTN3_GLUON=0") as info:
-        tk.sink_attention_forward(q, q, q, None, cu, cu, 8, 8, 0.125, True, -1, -1)
+    gluon_fwd = tk._plan(q, q, q, False, 8, 8)._replace(fwd="gluon_fwd")
+    with pytest.raises(RuntimeError, match="backend='triton'") as info:
+        tk.sink_attention_forward(q, q, q, None, cu, cu, 8, 8, 0.125, True, -1, -1, plan=gluon_fwd)
     assert "stub compile error" in str(info.value)
+    tk.sink_attention_forward(q, q, q, None, cu, cu, 8, 8, 0.125, True, -1, -1, gluon=False)  # the Triton kernels
     # a Triton without usable Gluon: one warning with the cause, then the Triton kernels (no warning per call)
     monkeypatch.setattr(tk, "_GLUON", {})
 
@@ -409,6 +474,7 @@ def test_gluon_failures_are_loud(tk, sm90, monkeypatch):
 
 def test_interpreter_refuses_bf16(tk):
     # Triton's interpreter multiplies raw bf16 bits in tl.dot (triton#11584): refused, never silently wrong
+    assert not tk._interpreter_bf16_dot_exact()  # the probe of the installed interpreter finds the bug
     q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="11584"):
@@ -570,13 +636,13 @@ def test_launches_on_the_inputs_device(tk, monkeypatch):
     assert probe(torch.zeros(1), 5) == "result" and seen[-1] == ([], 5, 0)  # CPU (the interpreter)
 
 
-def test_dkdv_head_splits(tk, monkeypatch):
+def test_dkdv_head_splits(tk):
     # the rule: GPT-OSS (group 8, dK/dV tiles of 64 keys) on 132 multiprocessors splits full layers below 8k only
     assert tk._dkdv_head_splits(8, 8 * 32, 132, windowed=False) == 4
     assert tk._dkdv_head_splits(8, 8 * 64, 132, windowed=False) == 2
     assert tk._dkdv_head_splits(8, 8 * 128, 132, windowed=False) == 1
     # the fused backward (128-key blocks, one program per multiprocessor) splits only a grid smaller than one wave
-    fused = tk._FUSED_PROGRAMS_PER_SM
+    fused = tk.FUSED_PROGRAMS_PER_SM
     assert tk._dkdv_head_splits(8, 8 * 16, 132, windowed=False, per_sm=fused) == 2
     assert tk._dkdv_head_splits(8, 8 * 32, 132, windowed=False, per_sm=fused) == 1
     assert tk._dkdv_head_splits(8, 8 * 64, 132, windowed=True) == 1
@@ -586,8 +652,8 @@ def test_dkdv_head_splits(tk, monkeypatch):
     case = make_case([37, 20], [37, 20], 8, 2, 64, seed=13)
     _, whole = run_and_compare(tk, case, True)
     for splits in (2, 4):
-        monkeypatch.setattr(tk, "_dkdv_head_splits", lambda *args, n=splits: n)
-        _, split = run_and_compare(tk, case, True)
+        plan = tk._plan(case["q"], case["k"], case["v"], False, 37, 37)._replace(head_splits=splits)
+        _, split = run_and_compare(tk, case, True, plan=plan)
         assert torch.equal(split[2], whole[2]) and torch.equal(split[5], whole[5])  # dq, dsink: untouched
         for a, b in zip(split[3:5], whole[3:5]):  # dk, dv: the same sums in another order
             assert a.shape == b.shape and a.dtype == b.dtype
@@ -618,7 +684,7 @@ def interpreter_bf16_dot(tk, monkeypatch):
         return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(builder, "create_dot", create_dot)
-    monkeypatch.setattr(tk, "_INTERPRETER_BF16", True)
+    assert tk._interpreter_bf16_dot_exact()  # the kernels' own probe sees the widened dot: bf16 runs
 
 
 @pytest.mark.parametrize(
@@ -662,34 +728,33 @@ GPU_CASES = [
 @GPU
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [(-1, -1), (128, 0)])
-@pytest.mark.parametrize("gluon", ["0", "auto"])
-def test_cuda_matches_fp64(monkeypatch, dtype, tol, window, gluon):
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "auto"])
+def test_cuda_matches_fp64(dtype, tol, window, gluon):
     # the default dispatch (Gluon where it applies on sm_90) and the Triton kernels alone
-    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
     tk_cuda = _load_kernels(interpret=False)
     case = make_case([700, 1029, 64], [700, 1029, 64], 16, 2, 64, dtype=dtype, seed=8, device="cuda")
-    run_and_compare(tk_cuda, case, True, *window, tol=tol)
+    run_and_compare(tk_cuda, case, True, *window, tol=tol, gluon=gluon)
 
 
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("window", [(-1, -1), (127, 0)])
-def test_cuda_concurrent_backward_is_bitwise_sequential(monkeypatch, window):
+def test_cuda_concurrent_backward_is_bitwise_sequential(window):
     # Without Gluon, sliding layers and short sequences run the dQ kernel on a side stream next to the dK/dV
     # kernel: the same programs in the same order per output, so every gradient must equal the sequential run's bit
     # for bit, and the caller's stream must see finished results (a missing join would show as stale or partial dQ)
-    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", "0")
     tk_cuda = _load_kernels(interpret=False)
     case = make_case([700, 1029, 64], [700, 1029, 64], 16, 2, 64, dtype=torch.bfloat16, seed=21, device="cuda")
     q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
     args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, True, *window)
-    out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
-    assert tk_cuda._plan(q, k, v, window[0] >= 0, case["max_q"], case["max_k"]).concurrent
+    out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args, gluon=False)
+    plan = tk_cuda._plan(q, k, v, window[0] >= 0, case["max_q"], case["max_k"], gluon=False)
+    assert plan.concurrent
     results = {}
-    plan = tk_cuda._plan
     for concurrent in (False, True):
-        monkeypatch.setattr(tk_cuda, "_plan", lambda *a, c=concurrent: plan(*a)._replace(concurrent=c))
-        grads = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
+        grads = tk_cuda.sink_attention_backward(
+            dout, q, k, v, out, lse, sinks, *args, plan=plan._replace(concurrent=concurrent)
+        )
         results[concurrent] = [g.clone() for g in grads]  # clone on the caller's stream: must see the final dQ
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), results[False], results[True]):
         assert torch.equal(a, b), f"{name} differs between the sequential and the concurrent backward"
@@ -699,25 +764,25 @@ def test_cuda_concurrent_backward_is_bitwise_sequential(monkeypatch, window):
 @SM90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seqlens_q, seqlens_k, hq, hkv, causal, window", GPU_CASES)
-def test_cuda_gluon_kernels(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
-    # The Gluon kernels (sm_90, 16-bit, head_dim 64: dK/dV, dQ, and the producer/consumer forward, here on every
-    # layer without a left window) against fp64, against the Triton kernels, and bitwise reproducible
-    monkeypatch.delenv("SINK_FLASH_ATTN3_GLUON", raising=False)
+def test_cuda_gluon_kernels(dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
+    # The Gluon kernels (sm_90, 16-bit, head_dim 64: dK/dV, dQ, and the producer/consumer forward, here given by the
+    # plan on every layer without a left window, short ones too) against fp64, against the Triton kernels, and bitwise
+    # reproducible
     tk_cuda = _load_kernels(interpret=False)
-    monkeypatch.setattr(tk_cuda, "_GLUON_FWD_MIN_SEQLEN", 1)
     case = make_case(seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, seed=31 + hq, device="cuda")
     q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
     plan = tk_cuda._plan(q, k, v, window[0] >= 0, case["max_q"], case["max_k"])
     assert plan.dkdv == "gluon_dkdv" and plan.dq == "gluon_dq", tk_cuda._GLUON.get("error")
-    assert plan.fwd == ("fwd_window" if window[0] >= 0 else "gluon_fwd")
-    run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
+    assert plan.fwd == ("fwd_window" if window[0] >= 0 else "fwd")  # (below GLUON_FWD_MIN_SEQLEN queries)
+    if window[0] < 0:
+        plan = plan._replace(fwd="gluon_fwd")
+    run_and_compare(tk_cuda, case, causal, *window, tol=2e-2, plan=plan)
     args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, causal, *window)
-    out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
-    first = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True)
-    again = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True)
-    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", "0")
-    triton_out, triton_lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
-    triton_grads = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
+    out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args, plan=plan)
+    first = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True, plan=plan)
+    again = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True, plan=plan)
+    triton_out, triton_lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args, gluon=False)
+    triton_grads = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, gluon=False)
     assert rel_err(out, triton_out) < 1e-2, f"Gluon and Triton forward differ by {rel_err(out, triton_out):.2e}"
     finite = torch.isfinite(triton_lse)
     assert torch.equal(finite, torch.isfinite(lse))
@@ -753,25 +818,26 @@ def test_cuda_inputs_on_another_device():
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("gluon", ["0", "auto"])
-def test_cuda_dkdv_head_splits(monkeypatch, gluon):
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "auto"])
+def test_cuda_dkdv_head_splits(gluon):
     # a dK/dV grid split over the query heads of each KV group (fp32 partial sums, reduced in a fixed order): the
     # same dK/dV within rounding, every other output bitwise the same; and the split runs by default on short full
     # layers of a real GPU
-    monkeypatch.setenv("SINK_FLASH_ATTN3_GLUON", gluon)
     tk_cuda = _load_kernels(interpret=False)
     case = make_case([700, 1029, 64], [700, 1029, 64], 16, 4, 64, dtype=torch.bfloat16, seed=41, device="cuda")
     q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
     args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, True, -1, -1)
     assert tk_cuda._dkdv_head_splits(4, 4 * 17 * 3, tk_cuda._multiprocessors(q.device), False) == 4
 
-    def run():
-        out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
-        return (out, lse, *tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True))
+    def run(plan=None):
+        out, lse = tk_cuda.sink_attention_forward(q, k, v, sinks, *args, gluon=gluon)
+        grads = tk_cuda.sink_attention_backward(
+            dout, q, k, v, out, lse, sinks, *args, deterministic=True, gluon=gluon, plan=plan
+        )
+        return (out, lse, *grads)
 
     split = run()
-    monkeypatch.setattr(tk_cuda, "_dkdv_head_splits", lambda *a: 1)
-    whole = run()
+    whole = run(tk_cuda._plan(q, k, v, False, case["max_q"], case["max_k"], gluon)._replace(head_splits=1))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), whole, split):
         if name in ("dk", "dv"):
             assert a.dtype == b.dtype and a.shape == b.shape
@@ -788,73 +854,51 @@ def test_cuda_gluon_forward_any_number_of_programs(monkeypatch, programs):
     # counters running over tiles of different lengths, skipped tiles past short sequences), a few, or one program
     # per tile must give the same output and LSE bit for bit (a tile's arithmetic does not depend on its program)
     tk_cuda = _load_kernels(interpret=False)
-    monkeypatch.setattr(tk_cuda, "_GLUON_FWD_MIN_SEQLEN", 1)
     case = make_case(
         [700, 1029, 64, 0, 5], [700, 1029, 64, 0, 300], 8, 2, 64, dtype=torch.bfloat16, seed=43, device="cuda"
     )
     q, k, v, sinks = case["q"], case["k"], case["v"], case["sinks"]
     args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 0.125, True, -1, -1)
-    assert tk_cuda._plan(q, k, v, False, case["max_q"], case["max_k"]).fwd == "gluon_fwd"
-    expected = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
-    monkeypatch.setattr(tk_cuda, "_multiprocessors", lambda device: programs)
+    plan = tk_cuda._plan(q, k, v, False, case["max_q"], case["max_k"])._replace(fwd="gluon_fwd")
+    expected = tk_cuda.sink_attention_forward(q, k, v, sinks, *args, plan=plan)
+    monkeypatch.setattr(tk_cuda, "_multiprocessors", lambda device: programs)  # a GPU of that many multiprocessors
     tk_cuda._CALLS.clear()
-    got = tk_cuda.sink_attention_forward(q, k, v, sinks, *args)
+    got = tk_cuda.sink_attention_forward(q, k, v, sinks, *args, plan=plan)
     for name, a, b in zip(("out", "lse"), got, expected):
         assert torch.equal(a, b), f"{name} changed with {programs} programs"
 
 
 @pytest.mark.gpu
 @SM90
-@pytest.mark.parametrize(
-    "seqlens_q, seqlens_k, causal, window",
-    [
-        ([700, 1029, 64], [700, 1029, 64], True, (-1, -1)),
-        ([5, 1, 300], [37, 23, 300], True, (-1, -1)),
-    ],
-)
-def test_cuda_gluon_deeper_pipelines(monkeypatch, seqlens_q, seqlens_k, causal, window):
-    # STAGES is a table entry: the kernels must stay correct at other depths
-    tk_cuda = _load_kernels(interpret=False)
-    monkeypatch.setattr(tk_cuda, "_GLUON_FWD_MIN_SEQLEN", 1)
-    for name in ("gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_bwd_fused"):
-        config = tk_cuda.CONFIGS[(name, 64)]
-        monkeypatch.setitem(tk_cuda.CONFIGS, (name, 64), dict(config, STAGES=config["STAGES"] + 1))
-    case = make_case(seqlens_q, seqlens_k, 8, 2, 64, dtype=torch.bfloat16, seed=41, device="cuda")
-    run_and_compare(tk_cuda, case, causal, *window, tol=2e-2)
-    plan = tk_cuda._plan
-    monkeypatch.setattr(tk_cuda, "_plan", lambda *a: plan(*a)._replace(fused_bwd=True))
-    run_and_compare(tk_cuda, case, causal, *window, tol=2e-2, deterministic=False)
-
-
-@pytest.mark.gpu
-@SM90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seqlens_q, seqlens_k, hq, hkv, causal, window", GPU_CASES)
-def test_cuda_fused_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
-    # deterministic=False on sm_90: the one-kernel backward (five products, dQ and dsink by atomic adds) against
-    # fp64 and against the deterministic kernels, with and without a split of the KV groups' query heads, with
-    # large sinks and without a sink. Both backwards take dsink from the fp32 tiles (the fused one through
-    # sum_j P_ij dP_ij = sum_j dS_ij + D_i (1 - w_i)): they agree far below the rounding of the 16-bit output.
-    monkeypatch.delenv("SINK_FLASH_ATTN3_GLUON", raising=False)
+def test_cuda_fused_backward(dtype, seqlens_q, seqlens_k, hq, hkv, causal, window):
+    # deterministic=False on sm_90: the one-kernel backward (five products, dQ and dsink by atomic adds; given by the
+    # plan on every shape here, sliding layers too) against fp64 and against the deterministic kernels, with and
+    # without a split of the KV groups' query heads, with large sinks and without a sink. Both backwards take dsink
+    # from the fp32 tiles (the fused one through sum_j P_ij dP_ij = sum_j dS_ij + D_i (1 - w_i)): they agree far
+    # below the rounding of the 16-bit output.
     tk_cuda = _load_kernels(interpret=False)
-    plan = tk_cuda._plan
-    fused_plan = lambda *a: plan(*a)._replace(fused_bwd=True)  # noqa: E731 - every shape, sliding layers too
+
+    def backward_calls():  # the cached backward calls, in order: whether each ran the fused kernel
+        return [call.fused for call in tk_cuda._CALLS.values() if isinstance(call, tk_cuda._BackwardCall)]
+
     for with_sink, sink_scale in ((True, 1.0), (True, 25.0), (False, 1.0)):
-        monkeypatch.setattr(tk_cuda, "_plan", fused_plan)
         case = make_case(
             seqlens_q, seqlens_k, hq, hkv, 64, dtype=dtype, sink_scale=sink_scale, with_sink=with_sink,
             seed=51 + hq, device="cuda",
         )  # fmt: skip
         q, k, v, dout, sinks = case["q"], case["k"], case["v"], case["dout"], case["sinks"]
-        assert tk_cuda._plan(q, k, v, window[0] >= 0, case["max_q"], case["max_k"]).dkdv == "gluon_dkdv"
-        calls = []
-        fused = tk_cuda._GLUON["module"].backward_fused
-        monkeypatch.setattr(tk_cuda._GLUON["module"], "backward_fused", lambda *a: calls.append(a[11]) or fused(*a))
-        errs, (out, lse, *grads) = run_and_compare(tk_cuda, case, causal, *window, tol=2e-2, deterministic=False)
-        assert len(calls) == 1, "deterministic=False must run the fused backward on sm_90"
+        plan = tk_cuda._plan(q, k, v, window[0] >= 0, case["max_q"], case["max_k"])._replace(fused_bwd=True)
+        assert plan.dkdv == "gluon_dkdv"
+        tk_cuda._CALLS.clear()
+        errs, (out, lse, *grads) = run_and_compare(
+            tk_cuda, case, causal, *window, tol=2e-2, deterministic=False, plan=plan
+        )
+        assert backward_calls() == [True], "deterministic=False must run the fused backward on sm_90"
         args = (case["cu_q"], case["cu_k"], case["max_q"], case["max_k"], 1.0 / math.sqrt(64), causal, *window)
-        exact = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True)
-        assert len(calls) == 1, "deterministic=True must not run the fused backward"
+        exact = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, deterministic=True, plan=plan)
+        assert backward_calls() == [True, False], "deterministic=True must not run the fused backward"
         for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, exact):
             if b is None:
                 assert a is None
@@ -862,10 +906,9 @@ def test_cuda_fused_backward(monkeypatch, dtype, seqlens_q, seqlens_k, hq, hkv, 
             assert a.dtype == b.dtype and a.shape == b.shape
             tol = 1e-4 if name == "dsink" else 1e-2
             assert rel_err(a, b) < tol, f"{name}: fused and deterministic backward differ by {rel_err(a, b):.2e}"
-        monkeypatch.setattr(tk_cuda, "_dkdv_head_splits", lambda *a: 1)  # the whole group in each program
-        whole = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
-        monkeypatch.undo()
-        monkeypatch.delenv("SINK_FLASH_ATTN3_GLUON", raising=False)
+        whole_group = plan._replace(head_splits=1)  # the whole group in each program
+        whole = tk_cuda.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, plan=whole_group)
+        assert backward_calls() == [True, False, True]
         for name, a, b in zip(("dq", "dk", "dv", "dsink"), whole, exact):
             if b is not None:
                 tol = 1e-4 if name == "dsink" else 1e-2

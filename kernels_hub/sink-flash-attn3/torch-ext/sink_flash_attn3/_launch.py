@@ -27,21 +27,25 @@ TMA descriptors are passed as ``Tile`` tuples, not as Triton's descriptor object
 the launcher's own ``make_tensordesc_arg``; the first launch of a key turns them into Triton's
 ``TensorDescriptor`` objects.
 
-Standard launches remain for every call when:
+The direct call reads Triton internals that a release may change without notice: the launcher object's closure (the
+C function it wraps) and that function's argument layout. So it is confined to the Triton releases it was written
+for and checked against (``DIRECT_LAYOUTS``); with any other release (``DIRECT_LAYOUT`` None) every launch goes
+through the public ``kernel[grid](...)``, and the first one warns once, naming the version. Standard launches also
+remain for every call when:
 
 - the interpreter runs (``TRITON_INTERPRET=1``: no compiled kernel);
 - a launch hook is installed (Triton's profiler), so the hooks see every launch;
 - a kernel needs a scratch allocation (or Triton's sanitizer instruments it);
-- the installed Triton's launcher has neither layout this module calls. This case warns once and names the Triton
-  version.
+- the launcher of a listed release does not have the layout expected of it (warned once, as above).
 
 The two launcher layouts:
 
-- Triton 3.6 generates a C launcher per kernel (module ``__triton_launcher``). It takes ``_BASE_ARGS_FORMAT``'s 13
-  arguments, then the kernel's arguments flattened, each descriptor expanded in place.
-- Triton 3.7 and later (the Triton of PyTorch 2.13) have one C launcher for every kernel, the driver's
-  ``utils.launch``. It takes 15 arguments, the last two the kernel's argument annotations and signature that the
-  ``CudaLauncher`` object built once, then the flattened arguments as one sequence.
+- ``"generated"``, Triton 3.6: a C launcher generated per kernel (module ``__triton_launcher``). It takes
+  ``_BASE_ARGS_FORMAT``'s 13 arguments, then the kernel's arguments flattened, each descriptor expanded in place.
+- ``"generic"``, Triton 3.7 (the GPU tests) and 3.9 (``tests/test_launch.py`` against that release's own
+  ``CudaLauncher``): one C launcher for every kernel, the driver's ``utils.launch``. It takes 15 arguments, the
+  last two the kernel's argument annotations and signature that the ``CudaLauncher`` object built once, then the
+  flattened arguments as one sequence.
 
 Two further savings for callers that launch the same kernels many times:
 
@@ -54,16 +58,32 @@ Two further savings for callers that launch the same kernels many times:
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
 import threading
 import warnings
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-__all__ = ["Tile", "current_device", "launch", "launch_at"]
+__all__ = ["DIRECT_LAYOUT", "DIRECT_LAYOUTS", "Tile", "checking_sites", "current_device", "launch", "launch_at"]
+
+# (major, minor) of each Triton release the direct path was written for -> its launcher layout (module docstring)
+DIRECT_LAYOUTS = MappingProxyType({(3, 6): "generated", (3, 7): "generic", (3, 9): "generic"})
+
+
+def direct_layout(version: str) -> str | None:
+    """The launcher layout this module calls directly with Triton ``version``; None: ``kernel[grid](...)`` only."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return DIRECT_LAYOUTS.get((int(match[1]), int(match[2]))) if match else None
+
+
+_TRITON_VERSION = triton.__version__
+DIRECT_LAYOUT = direct_layout(_TRITON_VERSION)
 
 
 class Tile(NamedTuple):
@@ -286,18 +306,19 @@ def _wrapped_launcher(wrapped):
     return raw if callable(raw) and not hasattr(raw, "__code__") else None
 
 
-def _raw_launcher(compiled) -> _Launcher | None:
-    """How to call ``compiled``'s C launcher directly, or None where the launcher has neither layout this module
-    knows."""
+def _raw_launcher(compiled, layout: str) -> _Launcher | None:
+    """How to call ``compiled``'s C launcher directly in ``layout``, or None where the launcher does not have it."""
     launcher = getattr(compiled, "run", None)
     driver = sys.modules.get(type(launcher).__module__)
     raw = _wrapped_launcher(getattr(launcher, "launch", None))
     if raw is None:
         return None
     expand = _descriptor_expander(driver)
-    if getattr(driver, "_BASE_ARGS_FORMAT", None) == _BASE_ARGS_FORMAT:  # Triton 3.6
-        return _Launcher(raw, expand, False) if getattr(raw, "__module__", None) == _LAUNCHER_MODULE else None
-    # Triton 3.7+: the CudaLauncher object keeps the argument annotations and the signature for utils.launch
+    if layout == "generated":  # Triton 3.6
+        generated = getattr(raw, "__module__", None) == _LAUNCHER_MODULE
+        ok = getattr(driver, "_BASE_ARGS_FORMAT", None) == _BASE_ARGS_FORMAT and generated
+        return _Launcher(raw, expand, False) if ok else None
+    # "generic", Triton 3.7+: the CudaLauncher object keeps the argument annotations and the signature for utils.launch
     annotations = getattr(launcher, "arg_annotations", None)
     signature = getattr(launcher, "kernel_signature", None)
     if annotations is None or not isinstance(signature, bytes) or getattr(launcher, "gsan_enabled", False):
@@ -305,27 +326,39 @@ def _raw_launcher(compiled) -> _Launcher | None:
     return _Launcher(raw, expand, True, annotations, signature)
 
 
-def _record(compiled, fn, args, constexprs):
-    """A direct launcher for ``compiled``, or None where this launch must keep Triton's standard path."""
+def _warn_standard(reason: str) -> None:
+    if not _UNSUPPORTED:
+        _UNSUPPORTED["triton"] = _TRITON_VERSION
+        warnings.warn(
+            f"sink_flash_attn3: with triton {_TRITON_VERSION} the kernels launch through kernel[grid](...), "
+            f"which costs more host time per call ({reason})",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def _record(compiled, fn, args, constexprs, layout: str | None = DIRECT_LAYOUT):
+    """A direct launcher for ``compiled`` in ``layout``, or None where this launch must keep Triton's standard
+    path."""
+    if layout is None:  # (a Triton release the direct path was not written for: its internals are never read)
+        _warn_standard(f"direct launches are written for Triton releases {_release_names()} only")
+        return None
     metadata = getattr(compiled, "metadata", None)
     if metadata is None or getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0):
         return None
     try:
-        found = _raw_launcher(compiled)
+        found = _raw_launcher(compiled, layout)
         if found is not None:
             return _Direct(compiled, fn, args, constexprs, found)
-        reason = "its launcher has neither layout this package calls directly"
+        reason = f"its launcher does not have the {layout} layout this package calls directly"
     except Exception as exc:  # noqa: BLE001 - a launcher this module does not know: the standard path, once warned
         reason = f"{type(exc).__name__}: {exc}"
-    if not _UNSUPPORTED:
-        _UNSUPPORTED["triton"] = triton.__version__
-        warnings.warn(
-            f"sink_flash_attn3: with triton {triton.__version__} the kernels launch through kernel[grid](...), "
-            f"which costs more host time per call ({reason})",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    _warn_standard(reason)
     return None
+
+
+def _release_names() -> str:
+    return ", ".join(f"{major}.{minor}" for major, minor in DIRECT_LAYOUTS)
 
 
 def _record_key(fn, device: int, args, constexprs: dict) -> tuple:
@@ -338,15 +371,18 @@ def launch(fn, grid: tuple, *args, **constexprs):
 
     Returns the direct launcher this call used or recorded, None where Triton's standard path ran."""
     # (under TRITON_INTERPRET=1 the kernels are InterpretedFunction objects: no compiled kernel to call)
-    if _KNOBS and isinstance(fn, JITFunction) and not fn.pre_run_hooks and not _hooks_installed():
+    if not (_KNOBS and isinstance(fn, JITFunction)) or fn.pre_run_hooks or _hooks_installed():
+        key = None
+    elif DIRECT_LAYOUT is None:  # (a Triton release the direct path was not written for: its internals stay unread)
+        _warn_standard(f"direct launches are written for Triton releases {_release_names()} only")
+        key = None
+    else:
         device = current_device()
         key = _record_key(fn, device, args, constexprs)
         direct = _RECORDS.get(key, False)
         if direct:
             direct(grid, _current_stream(device), args)
             return direct
-    else:
-        key = None
     standard = [_descriptor_object(a) if type(a) is Tile else a for a in args]
     compiled = fn[grid](*standard, **constexprs)
     if key is None:
@@ -361,8 +397,22 @@ def launch(fn, grid: tuple, *args, **constexprs):
     return direct
 
 
-# Tests set this: every launch_at hit also computes the full key and checks that it finds the same record.
+# Within ``checking_sites()``: every launch_at hit also computes the full key and checks that it finds the same record.
 _CHECK_SITES = False
+
+
+@contextlib.contextmanager
+def checking_sites():
+    """Within the block, every reuse of a ``launch_at`` site also computes the launch's full key and raises if that
+    key's record is not the site's: a check (for tests, it costs the host time sites save) that a caller's ``sites``
+    belong to one input signature."""
+    global _CHECK_SITES
+    previous, _CHECK_SITES = _CHECK_SITES, True
+    try:
+        yield
+    finally:
+        _CHECK_SITES = previous
+
 
 # Compile options of every kernel launched through launch_at. FMA contraction: the kernels were written and measured
 # with it (the softmax's scale and running max are one FFMA per score). Triton 3.9 warns that its default turns it

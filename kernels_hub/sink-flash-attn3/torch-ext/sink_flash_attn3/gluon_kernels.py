@@ -23,10 +23,13 @@ them (1-D copies; a per-row global load per step cost ~25% of that kernel's inst
 The forward ``_fwd_ws_kernel`` has FA4's sm_90 shape: a load warp and three consumer warpgroups of 64 query rows on
 128-key tiles, each issuing S_{j+1} = Q K_{j+1}^T with P_j V_j, the consumers taking turns on the tensor cores.
 It is persistent (one program per multiprocessor walking the tiles, as FlashAttention-3's tile schedulers do), so
-the next tile's loads overlap a tile's last products and output stores.  ``triton_kernels._plan`` runs it on
-layers without a left window from 2k queries.
+the next tile's loads overlap a tile's last products and output stores.
 
-Scope (``triton_kernels._plan`` checks it): CUDA sm_90, 16-bit inputs, head_dim 64, rows 16-byte aligned.  The
+Where they run (``triton_kernels._plan``, with ``backend="auto"``): only where they were measured faster than the
+Triton kernels (benchmarks/notes/attention.md).  The forward on layers without a left window from
+``GLUON_FWD_MIN_SEQLEN`` (2k) queries; the deterministic backward (``backward``) on every layer; with
+``deterministic=False`` the fused backward on layers without a left window from ``FUSED_MIN_SEQLEN`` (2k) keys.
+Scope (``triton_kernels._gluon_applies``): CUDA sm_90, 16-bit inputs, head_dim 64, rows 16-byte aligned.  The
 launch configurations are ``triton_kernels.CONFIGS`` ("gluon_*" entries), passed in by the caller.  Gluon has no
 interpreter, so CPU CI compiles these kernels for sm_90 (``tests/test_sm90_compile.py``) and the GPU tests compare
 them with an fp64 reference.

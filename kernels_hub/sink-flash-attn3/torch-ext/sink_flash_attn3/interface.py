@@ -10,17 +10,21 @@ The op namespace is derived from the name this package was imported under, so tw
 kernel loaded by ``kernels`` under its hashed module name, and the copy shipped inside ``hf_gptoss_rl``) never
 clash.
 
-Backend dispatch (per call, from the tensors):
+Backend dispatch: a function of the call's tensors (device, dtype, shapes) and of one backend choice, the ``backend=``
+argument of each call, whose default is ``DEFAULT_BACKEND``: the ``SINK_FLASH_ATTN3_BACKEND`` environment variable,
+read once when this module is imported (as Dao-AILab/flash-attention's ``flash_attn/flash_attn_interface.py`` reads
+``FLASH_ATTENTION_TRITON_AMD_ENABLE`` into ``USE_TRITON_ROCM``), else ``"auto"``.  Nothing else is read per call.
 
-- CUDA tensors -> the Triton kernels (``triton_kernels.py``; on sm_90 the backward, and the forward of long
-  full-attention layers, run the Gluon kernels of ``gluon_kernels.py``; ``SINK_FLASH_ATTN3_GLUON=0`` turns those
-  off; ``deterministic=False``, the default, lets full-attention layers from 2k keys there run the one-kernel backward,
-  whose dQ and dsink are summed with atomics);
-- CPU tensors -> plain PyTorch (``reference.py``); with ``TRITON_INTERPRET=1`` set, float16/float32 CPU tensors
-  run the Triton kernels in Triton's interpreter (how CI exercises the real kernel code), bf16 ones stay on PyTorch
-  (the interpreter multiplies raw bf16 bits in ``tl.dot``, triton-lang/triton#11584);
-- override with the ``backend=`` argument or the ``SINK_FLASH_ATTN3_BACKEND`` environment variable
-  (``"auto"`` | ``"triton"`` | ``"torch"``).
+- ``"auto"``, CUDA tensors -> the Triton kernels (``triton_kernels.py``), and on sm_90 with 16-bit inputs at
+  head_dim 64 the Gluon kernels of ``gluon_kernels.py`` for the shapes where they were measured faster (the backward;
+  the forward of full-attention layers from ``triton_kernels.GLUON_FWD_MIN_SEQLEN`` queries; with
+  ``deterministic=False``, the default, the one-kernel backward of full-attention layers from
+  ``triton_kernels.FUSED_MIN_SEQLEN`` keys, whose dQ and dsink are summed with atomics);
+- ``"auto"``, CPU tensors -> plain PyTorch (``reference.py``); when ``TRITON_INTERPRET=1`` was set at import,
+  float16/float32 CPU tensors run the Triton kernels in Triton's interpreter (how CI exercises the real kernel code),
+  bf16 ones stay on PyTorch (the interpreter multiplies raw bf16 bits in ``tl.dot``, triton-lang/triton#11584);
+- ``"triton"`` -> the Triton kernels alone (no Gluon kernel; on CPU under the interpreter);
+- ``"torch"`` -> plain PyTorch.
 """
 
 from __future__ import annotations
@@ -46,28 +50,32 @@ _MAX_HEAD_DIM = 256
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _triton_interpret_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+def _backend_from_environment() -> str:
+    choice = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in _BACKENDS:
+        raise ValueError(f"sink_flash_attn3: {BACKEND_ENV_VAR} must be one of {_BACKENDS}, got {choice!r}")
+    return choice
 
 
-def resolve_backend(device: torch.device, backend: str | None = None, dtype: torch.dtype | None = None) -> str:
-    """The backend (``"triton"`` or ``"torch"``) that runs attention on ``device`` for inputs of ``dtype``.
+# The backend of calls that pass none (``backend=None``): read once, here, not per call.
+DEFAULT_BACKEND = _backend_from_environment()
+# Whether Triton decorates kernels for its interpreter: it reads TRITON_INTERPRET when a kernel is decorated, so the
+# value at import is the one that holds for this package's kernels.
+TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
-    ``backend`` (or, when it is None, the ``SINK_FLASH_ATTN3_BACKEND`` environment variable) forces a choice;
-    ``"auto"`` picks Triton on CUDA, and on CPU only when ``TRITON_INTERPRET=1`` is set and ``dtype`` is not bf16
-    (Triton's interpreter multiplies raw bf16 bits in ``tl.dot``, triton-lang/triton#11584).  Asking for Triton on
-    CPU without the interpreter, or for bf16 CPU tensors, raises.
-    """
-    choice = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+
+def _select(choice: str, device: torch.device, dtype: torch.dtype | None, interpreter: bool) -> str:
+    """The kernels that run: ``"gluon"`` (the Triton kernels, and the Gluon kernels where they win), ``"triton"``
+    (the Triton kernels alone) or ``"torch"``; see :func:`resolve_backend` for the rule and the errors."""
     if choice not in _BACKENDS:
         raise ValueError(f"sink_flash_attn3: backend must be one of {_BACKENDS}, got {choice!r}")
     on_cpu = device.type == "cpu"
     if choice == "auto":
-        if device.type == "cuda" or (on_cpu and _triton_interpret_enabled() and dtype != torch.bfloat16):
-            return "triton"
-        return "torch"
+        if device.type == "cuda":
+            return "gluon"
+        return "triton" if on_cpu and interpreter and dtype != torch.bfloat16 else "torch"
     if choice == "triton" and on_cpu:
-        if not _triton_interpret_enabled():
+        if not interpreter:
             raise RuntimeError(
                 "sink_flash_attn3: the Triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
                 "imported; use backend='torch' for the plain PyTorch path"
@@ -80,7 +88,21 @@ def resolve_backend(device: torch.device, backend: str | None = None, dtype: tor
     return choice
 
 
+def resolve_backend(device: torch.device, backend: str | None = None, dtype: torch.dtype | None = None) -> str:
+    """The backend (``"triton"`` or ``"torch"``) that runs attention on ``device`` for inputs of ``dtype``.
+
+    ``backend`` (``DEFAULT_BACKEND`` when None) forces a choice; ``"auto"`` picks Triton on CUDA (with the Gluon
+    kernels where they win on sm_90), and on CPU only when ``TRITON_INTERPRET=1`` was set at import and ``dtype`` is
+    not bf16 (Triton's interpreter multiplies raw bf16 bits in ``tl.dot``, triton-lang/triton#11584); ``"triton"``
+    runs the Triton kernels alone.  Asking for Triton on CPU without the interpreter, or for bf16 CPU tensors, raises.
+    """
+    choice = DEFAULT_BACKEND if backend is None else backend
+    return "torch" if _select(choice, device, dtype, TRITON_INTERPRETER) == "torch" else "triton"
+
+
 _BACKEND_MODULES: dict = {}
+# Keyword arguments of each selection's backend functions: the Triton module runs with or without Gluon
+_BACKEND_KWARGS = {"gluon": {"gluon": True}, "triton": {"gluon": False}, "torch": {}}
 
 
 def _backend_module(backend: str) -> ModuleType:
@@ -88,7 +110,7 @@ def _backend_module(backend: str) -> ModuleType:
     # kernels are decorated.
     module = _BACKEND_MODULES.get(backend)
     if module is None:
-        name = "triton_kernels" if backend == "triton" else "reference"
+        name = "reference" if backend == "torch" else "triton_kernels"
         module = _BACKEND_MODULES[backend] = importlib.import_module(f".{name}", __package__)
     return module
 
@@ -125,6 +147,7 @@ def _forward(
         causal,
         window_left,
         window_right,
+        **_BACKEND_KWARGS[backend],
     )
 
 
@@ -169,6 +192,7 @@ def _backward_impl(
         dq_out=dq_out,
         dk_out=dk_out,
         dv_out=dv_out,
+        **_BACKEND_KWARGS[backend],
     )
 
 
@@ -183,7 +207,7 @@ def _backend_rows(t: torch.Tensor, backend: str) -> torch.Tensor:
     """``_tokens_major``, except that the Triton kernels take a dense ``[1, seqlen, heads, head_dim]`` as it is: a
     view per tensor and call costs host time that the small layers of a model (sliding windows, short sequences)
     feel, and its results then need no view back to the caller's shape either."""
-    if t.dim() == 4 and not (t.shape[0] == 1 and backend == "triton"):
+    if t.dim() == 4 and not (t.shape[0] == 1 and backend != "torch"):
         t = t.reshape(-1, t.shape[2], t.shape[3])
     return t if t.is_contiguous() else t.contiguous()
 
@@ -503,14 +527,15 @@ _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _select_backend(q: torch.Tensor, backend: str | None) -> str:
-    """Resolves the backend and checks what only the Triton kernels restrict (head_dim is a tile dimension)."""
-    resolved = resolve_backend(q.device, backend, q.dtype)
-    if resolved == "triton" and q.shape[-1] not in _TRITON_HEAD_DIMS:
+    """The kernels that run (``_select``), and a check of what only the Triton kernels restrict (head_dim is a tile
+    dimension)."""
+    selected = _select(DEFAULT_BACKEND if backend is None else backend, q.device, q.dtype, TRITON_INTERPRETER)
+    if selected != "torch" and q.shape[-1] not in _TRITON_HEAD_DIMS:
         raise ValueError(
             f"sink_flash_attn3: the Triton kernels support head_dim in {_TRITON_HEAD_DIMS}, got {q.shape[-1]}; "
             "use backend='torch' (or SINK_FLASH_ATTN3_BACKEND=torch) for other sizes"
         )
-    return resolved
+    return selected
 
 
 @functools.lru_cache(maxsize=64)
@@ -585,7 +610,9 @@ def flash_attn_func(
             tile, dQ and the sink gradient added up with atomics, so their last bits vary between runs. ``True``
             (or any other GPU, dtype or head_dim) reduces every gradient in a fixed order: bitwise reproducible.
         return_softmax_lse: also return the sink-inclusive log-sum-exp ``[batch, num_heads, seqlen_q]`` (fp32).
-        backend: ``"auto"`` (default, see module docstring), ``"triton"`` or ``"torch"``.
+        backend: ``"auto"`` (the Triton kernels, and the Gluon kernels where they win on sm_90), ``"triton"`` (the
+            Triton kernels alone) or ``"torch"``; None: ``DEFAULT_BACKEND`` (``SINK_FLASH_ATTN3_BACKEND`` at import,
+            else ``"auto"``).  See the module docstring.
 
     Returns:
         ``out [batch, seqlen_q, num_heads, head_dim]`` in q's dtype (and the LSE if requested).

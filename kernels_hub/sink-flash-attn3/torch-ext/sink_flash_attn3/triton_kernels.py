@@ -29,11 +29,15 @@ key block that loops over every query head of its KV group (GQA needs no repeate
 dQ by one program per query block that loops over key blocks, and dsink from per-block partial sums (written by the
 dQ kernel) reduced in a fixed order (``_dsink_finish``).
 
-On Hopper (sm_90) with 16-bit inputs at head_dim 64 the backward and the forward of long full-attention layers run
-the Gluon kernels of ``gluon_kernels.py`` instead (asynchronous warpgroup MMAs); ``SINK_FLASH_ATTN3_GLUON=0``
-turns them off.  There, with ``deterministic=False`` (FlashAttention's default), full-attention layers from
-``_FUSED_MIN_SEQLEN`` keys run the one-kernel backward (``gluon_kernels.backward_fused``: five products per tile,
-dQ and dsink added up with atomics).
+On Hopper (sm_90) with 16-bit inputs at head_dim 64, the entry points' ``gluon=True`` (the interface's
+``backend="auto"``) runs the Gluon kernels of ``gluon_kernels.py`` for the shapes where they were measured faster
+(asynchronous warpgroup MMAs): the backward, and the forward of full-attention layers from ``GLUON_FWD_MIN_SEQLEN``
+queries.  There, with ``deterministic=False`` (FlashAttention's default), full-attention layers from
+``FUSED_MIN_SEQLEN`` keys run the one-kernel backward (``gluon_kernels.backward_fused``: five products per tile, dQ
+and dsink added up with atomics).  ``gluon=False`` (``backend="triton"``) runs the Triton kernels alone.
+
+Dispatch is a pure function of the inputs (shapes, strides, dtypes, device) and of ``gluon``: ``_plan``, with the
+thresholds and launch configurations below as read-only constants.
 """
 
 from __future__ import annotations
@@ -41,13 +45,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import warnings
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from ._bands import host_cdiv as _cdiv
 from ._bands import key_block_ranges as _key_block_ranges
@@ -62,7 +67,16 @@ try:
 except ImportError:  # older Triton: the pointer paths only
     _TensorDescriptor = None
 
-__all__ = ["CONFIGS", "GLUON_ENV_VAR", "sink_attention_backward", "sink_attention_forward"]
+__all__ = [
+    "CONCURRENT_MAX_SEQLEN",
+    "CONFIGS",
+    "DKDV_PROGRAMS_PER_SM",
+    "FUSED_MIN_SEQLEN",
+    "FUSED_PROGRAMS_PER_SM",
+    "GLUON_FWD_MIN_SEQLEN",
+    "sink_attention_backward",
+    "sink_attention_forward",
+]
 
 LOG2E = 1.4426950408889634
 # constexpr copies for use inside kernels (compiled Triton only reads constexpr globals)
@@ -72,7 +86,7 @@ _LN2 = tl.constexpr(0.6931471805599453)
 _UNBOUNDED = 1 << 30
 
 # --------------------------------------------------------------------------------------------------------------
-# Launch configurations: one table, (kernel, head_dim) -> tile sizes and launch options.  Measured on an H200
+# Launch configurations: one read-only table, (kernel, head_dim) -> tile sizes and launch options.  Measured on an H200
 # (bf16, 64 query / 8 KV heads; benchmarks/notes/attention.md).  Triton kernels: "fwd" (layers without a left
 # window), "fwd_window" (sliding layers: short rows favour small tiles; 128 registers -> four programs per SM),
 # "dkdv", "dq"; head dims other than 64 and 128 take the 128 entries (smaller tiles at 256).  Gluon kernels (sm_90,
@@ -80,7 +94,7 @@ _UNBOUNDED = 1 << 30
 # sm_90 forward shape; consumers take CONSUMER_REGS registers, the load warp PRODUCER_REGS), "gluon_dkdv" (capped at
 # 168 registers: three programs per SM), "gluon_dq".  maxnreg is an NVIDIA compile option.
 # --------------------------------------------------------------------------------------------------------------
-CONFIGS: dict[tuple[str, int], dict[str, int]] = {
+_CONFIGS = {
     ("fwd", 64): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
     ("fwd", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     ("fwd_window", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128),
@@ -98,28 +112,27 @@ CONFIGS: dict[tuple[str, int], dict[str, int]] = {
         BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=3, MMA_REGS=216, DQ_REGS=64, LOAD_REGS=24, maxnreg=128
     ),
 }
-_INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # CPU (interpreter): numpy per block
-# The Gluon forward runs on full-attention layers from this many queries; below, and on sliding layers (a
-# window-128 program sees two or three key blocks, too few to fill its pipeline), the Triton forward is faster.
-_GLUON_FWD_MIN_SEQLEN = 2048
+CONFIGS: MappingProxyType = MappingProxyType({key: MappingProxyType(cfg) for key, cfg in _CONFIGS.items()})
+del _CONFIGS
+_INTERPRET_CONFIG = MappingProxyType(dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1))  # CPU: numpy per block
+
+# Dispatch thresholds (read-only; measured on an H200, bf16, 64 query / 8 KV heads, head_dim 64: the tables of
+# benchmarks/notes/attention.md).
+# The Gluon forward runs on full-attention layers from this many queries (max_seqlen_q): ahead of the Triton forward
+# from 3k and on packed 4 x 2k, a tie at 2k, behind at 1k; on sliding layers (a window-128 program sees two or three
+# key blocks, too few to fill its pipeline) the Triton forward is faster at every length.
+GLUON_FWD_MIN_SEQLEN = 2048
+# The fused backward (deterministic=False) runs on full-attention layers from this many keys (max_seqlen_k): below,
+# and on sliding layers, the deterministic kernels are as fast or faster.
+FUSED_MIN_SEQLEN = 2048
 # The dK/dV grid of a full layer is split over the query heads of a KV group until it has this many programs per
 # multiprocessor (``_dkdv_head_splits``): six for the deterministic dK/dV kernels (three share a multiprocessor),
-# one for the fused backward (one program per multiprocessor; more splits only add partial sums).  Measured on an
-# H200, 2k-16k keys (benchmarks/notes/attention.md).
-_DKDV_PROGRAMS_PER_SM = 6
-_FUSED_PROGRAMS_PER_SM = 1
-# The fused backward (deterministic=False) runs on full-attention layers from this many keys: below, and on
-# sliding layers, the deterministic kernels are as fast or faster (benchmarks/notes/attention.md).
-_FUSED_MIN_SEQLEN = 2048
+# one for the fused backward (one program per multiprocessor; more splits only add partial sums).  2k-16k keys.
+DKDV_PROGRAMS_PER_SM = 6
+FUSED_PROGRAMS_PER_SM = 1
 # Without the Gluon kernels, the dQ kernel runs on a side stream next to the dK/dV kernel for sliding layers and up
 # to this many keys (their programs then share the SMs; longer full layers already fill the GPU).
-_CONCURRENT_MAX_SEQLEN = 8192
-
-GLUON_ENV_VAR = "SINK_FLASH_ATTN3_GLUON"
-_GLUON_SETTINGS = {"auto": True, "1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
-# Triton's interpreter stores bf16 as uint16 and multiplies the raw bit patterns in tl.dot (triton-lang/triton#11584):
-# bf16 CPU tensors are refused rather than silently wrong.  (Tests widen the interpreter's bf16 dot and set this.)
-_INTERPRETER_BF16 = False
+CONCURRENT_MAX_SEQLEN = 8192
 
 
 def _compiled(device: torch.device) -> bool:
@@ -135,7 +148,7 @@ def _config(kernel: str, head_dim: int, device: torch.device) -> dict:
         cfg = dict(CONFIGS[(kernel, 128)])
         if head_dim > 128:
             cfg.update(BLOCK_M=64, BLOCK_N=32, num_stages=1)
-    cfg = dict(cfg)
+    cfg = dict(cfg)  # (the caller's own copy: it pops entries)
     if torch.version.hip is not None:
         cfg.pop("maxnreg", None)
     return cfg
@@ -144,15 +157,6 @@ def _config(kernel: str, head_dim: int, device: torch.device) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------------------------------------------
-def gluon_enabled() -> bool:
-    """``SINK_FLASH_ATTN3_GLUON`` (``auto`` / ``1`` default, ``0`` turns the Gluon kernels off); read at each call."""
-    value = os.environ.get(GLUON_ENV_VAR, "auto")
-    try:
-        return _GLUON_SETTINGS[value.strip().lower()]
-    except KeyError:
-        raise ValueError(f"{GLUON_ENV_VAR} must be one of {sorted(_GLUON_SETTINGS)}, got {value!r}") from None
-
-
 _GLUON: dict = {}
 
 
@@ -166,8 +170,8 @@ def _gluon_kernels():
             _GLUON["error"] = f"{type(exc).__name__}: {exc}"
             warnings.warn(
                 f"sink_flash_attn3: the Gluon kernels cannot be imported with triton {triton.__version__} "
-                f"({_GLUON['error']}); the Triton kernels run instead (slower on sm_90). Set "
-                f"{GLUON_ENV_VAR}=0 to choose that explicitly.",
+                f"({_GLUON['error']}); the Triton kernels run instead (slower on sm_90). Pass backend='triton' "
+                "(or set SINK_FLASH_ATTN3_BACKEND=triton) to choose that explicitly.",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -199,35 +203,64 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 class _Plan(NamedTuple):
+    """Which kernels a call runs (``_plan``); the entry points also take one as ``plan=``."""
+
     fwd: str  # "fwd" | "fwd_window" | "gluon_fwd"
     dkdv: str  # "dkdv" | "gluon_dkdv"
     dq: str  # "dq" | "gluon_dq"
     tma: bool  # Triton kernels load their streamed tiles through tensor descriptors
     concurrent: bool  # the Triton dQ kernel runs on a side stream next to the dK/dV kernel
     fused_bwd: bool  # with deterministic=False, the backward runs gluon_kernels.backward_fused
+    head_splits: int = 0  # programs sharing a (KV head, key block) of the dK/dV grid; 0: ``_dkdv_head_splits``
 
 
-def _plan(q, k, v, windowed: bool, max_seqlen_q: int, max_seqlen_k: int) -> _Plan:
-    """Which kernels run for these inputs: the one dispatch rule of the forward and the backward."""
-    tma = _tma_ok(q, k, v)
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    gluon = (
-        tma
-        and half
+def _gluon_applies(q, k, v) -> bool:
+    """Whether the Gluon kernels can run on these inputs: sm_90, 16-bit, head_dim 64, TMA-readable rows."""
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
         and _device_capability(q.device) == (9, 0)
         and ("gluon_dkdv", q.shape[-1]) in CONFIGS
-        and gluon_enabled()
+        and _tma_ok(q, k, v)
         and _gluon_kernels() is not None
     )
-    if gluon and not windowed and max_seqlen_q >= _GLUON_FWD_MIN_SEQLEN:
+
+
+def _plan(q, k, v, windowed: bool, max_seqlen_q: int, max_seqlen_k: int, gluon: bool = True) -> _Plan:
+    """Which kernels run for these inputs: the one dispatch rule of the forward and the backward, a function of the
+    inputs' shapes, strides, dtypes and device and of ``gluon`` (the Gluon kernels allowed where they win)."""
+    tma = _tma_ok(q, k, v)
+    gluon = gluon and _gluon_applies(q, k, v)
+    if gluon and not windowed and max_seqlen_q >= GLUON_FWD_MIN_SEQLEN:
         fwd = "gluon_fwd"
     else:
         fwd = "fwd_window" if windowed else "fwd"
-    concurrent = not gluon and q.device.type == "cuda" and (windowed or max_seqlen_k <= _CONCURRENT_MAX_SEQLEN)
-    # fp32 tiles through descriptors overflow the dK/dV kernel's shared memory at head_dim 128: the backward's
-    # Triton kernels use them for 16-bit inputs only (the forward for every dtype)
-    fused_bwd = gluon and not windowed and max_seqlen_k >= _FUSED_MIN_SEQLEN
+    concurrent = not gluon and q.device.type == "cuda" and (windowed or max_seqlen_k <= CONCURRENT_MAX_SEQLEN)
+    fused_bwd = gluon and not windowed and max_seqlen_k >= FUSED_MIN_SEQLEN
     return _Plan(fwd, "gluon_dkdv" if gluon else "dkdv", "gluon_dq" if gluon else "dq", tma, concurrent, fused_bwd)
+
+
+def _check_plan(plan: _Plan, q, k, v) -> None:
+    """A plan given to an entry point (tests and benchmarks run a kernel outside the shapes ``_plan`` gives it) must
+    name kernels that can run on these inputs."""
+    if not isinstance(plan, _Plan):
+        raise TypeError(f"sink_flash_attn3: plan must be a triton_kernels._Plan, got {type(plan).__name__}")
+    if plan.fwd not in ("fwd", "fwd_window", "gluon_fwd") or (plan.dkdv, plan.dq) not in (
+        ("dkdv", "dq"),
+        ("gluon_dkdv", "gluon_dq"),
+    ):
+        raise ValueError(f"sink_flash_attn3: plan names unknown kernels or mixes Gluon and Triton backwards: {plan}")
+    uses_gluon = plan.fwd == "gluon_fwd" or plan.dkdv == "gluon_dkdv" or plan.fused_bwd
+    if uses_gluon and not _gluon_applies(q, k, v):
+        raise ValueError(f"sink_flash_attn3: plan: the Gluon kernels need sm_90, 16-bit, head_dim 64, TMA rows: {plan}")
+    if plan.fused_bwd and plan.dkdv != "gluon_dkdv":
+        raise ValueError(f"sink_flash_attn3: plan: the fused backward needs the Gluon backward's plan: {plan}")
+    if plan.tma and not _tma_ok(q, k, v):
+        raise ValueError(f"sink_flash_attn3: plan: tensor descriptors need sm_90+ and 16-byte aligned rows: {plan}")
+    if plan.concurrent and q.device.type != "cuda":
+        raise ValueError(f"sink_flash_attn3: plan: a side stream needs CUDA tensors: {plan}")
+    group = q.shape[-2] // k.shape[-2]
+    if plan.head_splits < 0 or (plan.head_splits and group % plan.head_splits):
+        raise ValueError(f"sink_flash_attn3: plan: head_splits must divide the KV group ({group}): {plan}")
 
 
 def _run_gluon(name: str, *args) -> None:
@@ -237,8 +270,8 @@ def _run_gluon(name: str, *args) -> None:
     except Exception as exc:
         raise RuntimeError(
             f"sink_flash_attn3: the Gluon {name} kernel failed with triton {triton.__version__} "
-            f"({type(exc).__name__}: {exc}); set {GLUON_ENV_VAR}=0 to run the Triton kernels "
-            "instead"
+            f"({type(exc).__name__}: {exc}); pass backend='triton' (or set SINK_FLASH_ATTN3_BACKEND=triton) to run "
+            "the Triton kernels instead"
         ) from exc
 
 
@@ -265,15 +298,15 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _dkdv_head_splits(
-    group: int, programs: int, multiprocessors: int, windowed: bool, per_sm: int = _DKDV_PROGRAMS_PER_SM
+    group: int, programs: int, multiprocessors: int, windowed: bool, per_sm: int = DKDV_PROGRAMS_PER_SM
 ) -> int:
     """Programs that share one (KV head, key block) of the dK/dV kernel, each taking ``group / splits`` query heads.
 
     Without a left window the first key blocks see every query: a program loops over all ``group`` query heads of
     every query block, while the grid of a short sequence has few programs (8 KV heads x 64 key blocks at 4k), so
     those longest programs outlast the rest of the grid.  Splitting the group (a power of two dividing it) until the
-    grid has ``per_sm`` programs per multiprocessor shortens them (``_DKDV_PROGRAMS_PER_SM`` for the dK/dV kernels,
-    three of which share a multiprocessor; ``_FUSED_PROGRAMS_PER_SM`` for the fused backward, one per multiprocessor);
+    grid has ``per_sm`` programs per multiprocessor shortens them (``DKDV_PROGRAMS_PER_SM`` for the dK/dV kernels,
+    three of which share a multiprocessor; ``FUSED_PROGRAMS_PER_SM`` for the fused backward, one per multiprocessor);
     the partial sums cost one reduction.
     Sliding layers have short, even programs and stay whole."""
     if windowed or multiprocessors == 0:
@@ -293,8 +326,25 @@ def _check_inputs(tensors) -> None:
             )
 
 
+def _interpreter_bf16_dot_exact() -> bool:
+    """Whether Triton's interpreter multiplies bf16 ``tl.dot`` operands as numbers.  It stores bf16 as uint16 and
+    multiplies the raw bit patterns (triton-lang/triton#11584), so 1.0 x 1.0 comes out near 2.6e8.  Asked of the
+    interpreter itself (``InterpreterBuilder.create_dot``, the function that bug is in), so a Triton with the fix
+    runs bf16 on CPU; any failure of the probe counts as the bug."""
+    try:
+        import numpy as np  # noqa: PLC0415 - the interpreter's own array library
+        from triton.runtime import interpreter  # noqa: PLC0415
+
+        one = interpreter.TensorHandle(np.full((1, 1), 0x3F80, dtype=np.uint16), tl.bfloat16)  # bf16 bits of 1.0
+        acc = interpreter.TensorHandle(np.zeros((1, 1), dtype=np.float32), tl.float32)
+        product = interpreter.InterpreterBuilder().create_dot(one, one, acc, "ieee", 0)
+        return float(np.asarray(product.data).reshape(-1)[0]) == 1.0
+    except Exception:  # noqa: BLE001 - an interpreter this probe does not know: treated as the bug
+        return False
+
+
 def _check_interpreter_dtype(q: torch.Tensor) -> None:
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and not _INTERPRETER_BF16:
+    if q.dtype == torch.bfloat16 and _INTERPRETED and not _interpreter_bf16_dot_exact():
         raise TypeError(
             "sink_flash_attn3: the Triton kernels cannot run bf16 on CPU: Triton's interpreter "
             "multiplies raw bf16 bits in tl.dot (triton-lang/triton#11584); use the PyTorch backend "
@@ -1147,6 +1197,11 @@ def _sink_attn_bwd_dq(
     )
 
 
+# Whether this module's kernels were decorated for Triton's interpreter (TRITON_INTERPRET=1 when triton was imported:
+# CPU tensors) rather than compiled.
+_INTERPRETED = isinstance(_sink_attn_fwd, InterpretedFunction)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side: the contract used by the package's autograd function / custom ops
 # ----------------------------------------------------------------------------------------------------------
@@ -1168,9 +1223,10 @@ def _on_input_device(fn):
 
 
 # A forward or backward call first derives everything that follows from its inputs' shapes, strides, dtypes, 16-byte
-# alignment and parameters: checks, the plan, grids, tile sizes, buffer shapes. That is cached per key, together with
-# the call's launch records (``_launch.launch_at``), so later calls with the same signature (every layer of a model,
-# every step) only allocate and launch. The tensors' data never enters: only the values the key holds are read.
+# alignment and parameters (``gluon`` and a given ``plan`` included): checks, the plan, grids, tile sizes, buffer
+# shapes. That is cached per key, together with the call's launch records (``_launch.launch_at``), so later calls with
+# the same signature (every layer of a model, every step) only allocate and launch. The tensors' data never enters:
+# only the values the key holds are read, and the dispatch reads nothing else (its thresholds are constants).
 _CALLS: dict = {}
 _CALLS_MAX = 1024
 
@@ -1202,7 +1258,7 @@ class _ForwardCall(NamedTuple):
     strides: tuple = ()  # the Triton kernel's token and head strides of q, k, v, out, and lse's head stride
 
 
-def _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right) -> _ForwardCall:
+def _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, gluon, plan) -> _ForwardCall:
     _check_inputs((("q", q), ("k", k), ("v", v)))
     T_q, H_q, D = q.shape[-3:]
     H_kv = k.shape[-2]
@@ -1210,7 +1266,10 @@ def _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left
         raise ValueError(f"number of query heads {H_q} must be a multiple of KV heads {H_kv}")
     num_seqs = cu_seqlens_q.numel() - 1
     empty = T_q == 0 or num_seqs == 0 or max_seqlen_q == 0
-    plan = _plan(q, k, v, left < _UNBOUNDED, max_seqlen_q, max_seqlen_k)
+    if plan is None:
+        plan = _plan(q, k, v, left < _UNBOUNDED, max_seqlen_q, max_seqlen_k, gluon)
+    else:
+        _check_plan(plan, q, k, v)
     if plan.fwd == "gluon_fwd":
         return _ForwardCall((H_q, T_q), empty, plan.fwd, (), True, CONFIGS[("gluon_fwd", D)], {})
     cfg = _config(plan.fwd, D, q.device)
@@ -1244,6 +1303,9 @@ def sink_attention_forward(
     causal,
     window_left,
     window_right,
+    *,
+    gluon=True,
+    plan=None,
 ):
     """Sink-aware attention forward on packed sequences.
 
@@ -1251,16 +1313,22 @@ def sink_attention_forward(
     float32) or None;
     cu_seqlens int32 ``[B + 1]``.  Returns ``out [Tq, Hq, D]`` in q's dtype and the sink-inclusive natural-log
     ``lse [Hq, Tq]`` float32.  A row with no visible key gets out = 0 and lse = sink (or -inf without sink).
+
+    ``gluon``: the Gluon kernels where they win on sm_90 (``backend="auto"``), or the Triton kernels alone (False,
+    ``backend="triton"``).  ``plan``: the kernels to run instead of ``_plan``'s choice (a ``_Plan``; checked), for
+    tests and benchmarks that run a kernel outside the shapes the dispatch gives it.
     """
     _check_interpreter_dtype(q)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     left, right = _window_bounds(causal, window_left, window_right)
+    gluon = bool(gluon)
     key = (
         "fwd", q.device, _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(sinks), _tensor_key(cu_seqlens_q),
-        _tensor_key(cu_seqlens_k), max_seqlen_q, max_seqlen_k, left, right, gluon_enabled(),
+        _tensor_key(cu_seqlens_k), max_seqlen_q, max_seqlen_k, left, right, gluon, plan,
     )  # fmt: skip
     call = _cached_call(
-        key, lambda: _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right)
+        key,
+        lambda: _forward_call(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, gluon, plan),
     )
     out = torch.empty_like(q)  # same layout rule as the custom op's fake (q's strides when q is dense)
     lse = torch.empty(call.lse_shape, device=q.device, dtype=torch.float32)
@@ -1326,7 +1394,21 @@ class _BackwardCall(NamedTuple):
 
 
 def _backward_call(
-    dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic, outputs
+    dout,
+    q,
+    k,
+    v,
+    out,
+    sinks,
+    cu_seqlens_q,
+    max_seqlen_q,
+    max_seqlen_k,
+    left,
+    right,
+    deterministic,
+    outputs,
+    gluon,
+    plan,
 ) -> _BackwardCall:
     _check_inputs((("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
     for name, given, like in zip(("dq_out", "dk_out", "dv_out"), outputs, (q, k, v)):
@@ -1340,7 +1422,10 @@ def _backward_call(
     num_seqs = cu_seqlens_q.numel() - 1
     group = H_q // H_kv
     windowed = left < _UNBOUNDED
-    plan = _plan(q, k, v, windowed, max_seqlen_q, max_seqlen_k)
+    if plan is None:
+        plan = _plan(q, k, v, windowed, max_seqlen_q, max_seqlen_k, gluon)
+    else:
+        _check_plan(plan, q, k, v)
     dout_tma = plan.tma and _tma_ok(dout)
     gluon = plan.dkdv == "gluon_dkdv" and dout_tma  # (a dout that TMA cannot read: the Triton kernels this call)
     # (PyTorch's deterministic mode forces the deterministic backward, as it does for PyTorch's own atomic kernels)
@@ -1364,12 +1449,12 @@ def _backward_call(
     # dK / dV: written by the kernel, or, when the dK/dV grid is split over the heads of a KV group, its fp32 partial
     # sums [splits, T_k, H_kv, D] (dK's and dV's in one buffer), reduced in a fixed order
     if fused:
-        dkdv_block_n, per_sm = CONFIGS[("gluon_bwd_fused", D)]["BLOCK_N"], _FUSED_PROGRAMS_PER_SM
+        dkdv_block_n, per_sm = CONFIGS[("gluon_bwd_fused", D)]["BLOCK_N"], FUSED_PROGRAMS_PER_SM
     elif gluon:
-        dkdv_block_n, per_sm = CONFIGS[("gluon_dkdv", D)]["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
+        dkdv_block_n, per_sm = CONFIGS[("gluon_dkdv", D)]["BLOCK_N"], DKDV_PROGRAMS_PER_SM
     else:
-        dkdv_block_n, per_sm = _config("dkdv", D, q.device)["BLOCK_N"], _DKDV_PROGRAMS_PER_SM
-    head_splits = _dkdv_head_splits(
+        dkdv_block_n, per_sm = _config("dkdv", D, q.device)["BLOCK_N"], DKDV_PROGRAMS_PER_SM
+    head_splits = plan.head_splits or _dkdv_head_splits(
         group, H_kv * _cdiv(max_seqlen_k, dkdv_block_n) * num_seqs, _multiprocessors(q.device), windowed, per_sm
     )
     # the Triton kernels' grids and constexprs (the Gluon ones take their configurations from CONFIGS)
@@ -1447,6 +1532,9 @@ def sink_attention_backward(
     dq_out=None,
     dk_out=None,
     dv_out=None,
+    *,
+    gluon=True,
+    plan=None,
 ):
     """Gradients of :func:`sink_attention_forward`: ``dq [Tq,Hq,D]``, ``dk, dv [Tk,Hkv,D]`` (input dtype,
     summed over each KV group's query heads) and ``dsink [Hq]`` in the sink's dtype (None without sinks).  ``dq_out``,
@@ -1457,25 +1545,21 @@ def sink_attention_backward(
     head_dim 64: ``gluon_kernels.backward_fused``, five products per tile instead of seven), which adds dQ and dsink
     up with atomics: their rounding order varies between runs.  Everywhere else, with ``deterministic=True`` and
     under ``torch.use_deterministic_algorithms(True)``, every gradient is written in a fixed order (no atomics) and
-    the results are bitwise reproducible."""
+    the results are bitwise reproducible.  ``gluon`` and ``plan`` as in :func:`sink_attention_forward`."""
     _check_interpreter_dtype(q)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     left, right = _window_bounds(causal, window_left, window_right)
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    gluon = bool(gluon)
     lse = lse.contiguous()
     key = (
         "bwd", q.device, _tensor_key(dout), _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(out),
         _tensor_key(lse), _tensor_key(sinks), _tensor_key(cu_seqlens_q), _tensor_key(cu_seqlens_k), max_seqlen_q,
-        max_seqlen_k, left, right, deterministic, gluon_enabled(), _tensor_key(dq_out), _tensor_key(dk_out),
+        max_seqlen_k, left, right, deterministic, gluon, plan, _tensor_key(dq_out), _tensor_key(dk_out),
         _tensor_key(dv_out),
     )  # fmt: skip
-    outputs = (dq_out, dk_out, dv_out)
-    call = _cached_call(
-        key,
-        lambda: _backward_call(
-            dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic, outputs
-        ),
-    )
+    derive = (dout, q, k, v, out, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, deterministic)
+    call = _cached_call(key, lambda: _backward_call(*derive, (dq_out, dk_out, dv_out), gluon, plan))
     H_q = q.shape[-2]
     dq = torch.empty_like(q) if dq_out is None else dq_out
     if call.empty:
@@ -1545,7 +1629,7 @@ def sink_attention_backward(
             dv_sum.to(v.dtype) if dv_out is None else dv_out.copy_(dv_sum),
         )
 
-    if call.fused:  # (the plan gives it layers of at least _FUSED_MIN_SEQLEN keys)
+    if call.fused:  # (the plan gives it full-attention layers of at least FUSED_MIN_SEQLEN keys)
         dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
         _run_gluon(
             "backward_fused",

@@ -1,0 +1,620 @@
+"""Render every measured number in README.md and docs/*.md from the benchmark JSON files in `docs/benchmarks/`.
+
+The JSON files written by `benchmarks/*.py` are the one source of every measurement the documentation quotes. A
+page holds generated regions, inline or over several lines:
+
+    <!-- generated:NAME -->text rendered from the JSON<!-- /generated -->
+
+and this script replaces the text of each region with what the renderer ``NAME`` (in `RENDERERS` below) makes of
+the JSON. `tests/test_doc_numbers.py` fails when a page differs from its rendering, and when a number that looks
+measured (a time, a size, a ratio, a fraction, a decimal) stands outside a generated region without being listed
+there as a setting, a version or arithmetic; so a number can only change by re-running a benchmark.
+
+    python scripts/render_docs.py           # rewrite the regions of README.md and docs/*.md
+    python scripts/render_docs.py --check   # exit 1 naming each region that is out of date
+
+Ratios follow one direction everywhere (`benchmarks._cli.RATIO_RULE`): this project's time or memory ÷ the peer's.
+Stdlib only: it runs without torch or a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python scripts/render_docs.py` from anywhere: benchmarks._cli is stdlib only
+    sys.path.insert(0, str(REPO))
+
+from benchmarks._cli import ratio  # noqa: E402
+
+BENCHMARKS = REPO / "docs" / "benchmarks"
+REGION = re.compile(r"<!-- generated:(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /generated -->", re.S)
+OPENING = re.compile(r"<!-- generated:([\w.-]+) -->")
+CLOSING = "<!-- /generated -->"
+
+
+def doc_files(root: Path = REPO) -> list[Path]:
+    """The pages whose numbers are rendered: the README and the user documentation (the reports in
+    `docs/benchmarks/` are rendered by their own benchmark scripts)."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+class Data:
+    """The JSON files of one folder, loaded once each; a missing file or entry is an error naming it."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._cache: dict[str, dict] = {}
+
+    def __call__(self, name: str):
+        if name not in self._cache:
+            path = self.folder / f"{name}.json"
+            try:
+                self._cache[name] = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{path} is missing: run benchmarks/{name}.py first") from None
+        return self._cache[name]
+
+
+def _need(mapping, key, where: str):
+    """``mapping[key]``, or an error naming the JSON entry that is missing."""
+    try:
+        return mapping[key]
+    except (KeyError, IndexError, TypeError):
+        raise KeyError(f"{where}: no entry {key!r}") from None
+
+
+def _ms(value: float) -> str:
+    digits = 2 if value < 10 else (1 if value < 100 else 0)
+    return f"{value:.{digits}f} ms"
+
+
+def _sci(value: float, digits: int = 1) -> str:
+    """``2.5e-09`` -> ``2.5e-9``: scientific notation without the zero padding of the exponent."""
+    return re.sub(r"e([+-])0*(\d)", r"e\1\2", f"{value:.{digits}e}")
+
+
+def _order(value: float) -> str:
+    """The power of ten of ``value``: ``1.3e-11`` -> ``1e-11``."""
+    return _sci(10 ** round(math.log10(value)), 0)
+
+
+def _errors(acc: dict) -> str:
+    return " / ".join(_sci(acc[k]) for k in ("out", "dq", "dk", "dv", "dsink"))
+
+
+def _minutes(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
+def _command(command: str) -> str:
+    """The JSON's command as a user runs it: `python benchmarks/<script> <args>` without the output folder."""
+    command = re.sub(r"\s--out\s+\S+", "", command).strip()
+    command = re.sub(r"^(python3?\s+)?(-m\s+benchmarks\.|benchmarks/)?", "", command)
+    return f"python benchmarks/{command}"
+
+
+# ---------------------------------------------------------------------------------------------- README: the table
+
+# column names written by benchmarks/attention.py
+ATTN_OURS = "sink-flash-attn3"
+ATTN_FA4 = "FA4 (flash_attention_4)"
+ATTN_FLEX = "flex_attention"
+
+
+def attention_kernel_row(data: Data, seqlen: int, window) -> dict:
+    where = "docs/benchmarks/attention.json"
+    found = [
+        r for r in _need(data("attention"), "kernel_rows", where) if r["S"] == seqlen and r.get("window") == window
+    ]
+    if not found:
+        raise KeyError(f"{where}: no kernel row at S={seqlen}, window {window}")
+    return found[0]
+
+
+def attention_rows(data: Data) -> list[str]:
+    where = "docs/benchmarks/attention.json"
+    attention = data("attention")
+    link = "([attention](docs/benchmarks/attention.md))"
+    out = []
+    for seqlen, window, label in ((16384, None, "causal"), (16384, 128, "window 128"), (32768, None, "causal")):
+        row = attention_kernel_row(data, seqlen, window)
+        fa4 = row.get("fa4_ms")
+        peer = f"FA4 + `learnable_sink` {_ms(fa4)} ({ratio(row['public_ms'], fa4)})" if fa4 else "—"
+        out.append(
+            f"| attention fwd+bwd through `flash_attn_func`, S={seqlen // 1024}k {label}, GPT-OSS heads, bf16 {link} "
+            f"| {_ms(row['public_ms'])}, sink gradient included | {peer} |"
+        )
+    layers = [r for r in _need(attention, "layer_rows", where) if r["S"] == 16384 and not r.get("sliding")]
+    if not layers:
+        raise KeyError(f"{where}: no layer row at S=16384 (full attention)")
+    layer = layers[0]
+    peers = [
+        f"{name} {_ms(layer[key])} ({ratio(layer[ATTN_OURS], layer[key])})"
+        for name, key in (("FA4", ATTN_FA4), ("flex", ATTN_FLEX))
+        if layer.get(key) is not None
+    ]
+    out.append(
+        "| one transformers `GptOssAttention` layer (projections, RoPE, attention), S=16k full, fwd+bwd "
+        f"| {_ms(layer[ATTN_OURS])} | {'; '.join(peers) or '—'} |"
+    )
+    accuracy = [r for r in _need(attention, "accuracy", where) if r.get("case") == "S=16k causal"]
+    if not accuracy:
+        raise KeyError(f"{where}: no accuracy entry for 'S=16k causal'")
+    acc = accuracy[0]
+    fa4 = acc.get("fa4")
+    out.append(
+        "| attention bf16 error vs fp64, S=16k causal (out / dq / dk / dv / dsink) "
+        f"| {_errors(acc['ours'])} | {'FA4 on the same inputs ' + _errors(fa4) if fa4 else '—'} |"
+    )
+    return out
+
+
+# `AgenticGRPOConfig()`'s stack on a 140 GiB GPU: the sink kernel, memory-efficient experts, chunked log-probs,
+# Liger RMSNorm, fused RoPE and checkpoint_saves=["attention", "experts", "projections"], the experts outputs kept up
+# to ~33k tokens (checkpoint_experts_max_tokens' default). `project_default` measures exactly that; until a run has it, the
+# variant with the same settings at 32k (experts kept) stands for it.
+DEFAULT_FULL_STEP_VARIANTS = ("project_default", "project_sac_experts_liger_rope")
+
+
+def full_step_headline(data: Data) -> dict:
+    """The default configuration against FA4 + grouped_mm at 32k, both under bf16 autocast when the run has both."""
+    where = "docs/benchmarks/full_step.json"
+    steps = {}
+    for r in _need(data("full_step"), "results", where):
+        step = r.get("grpo_step") or {}
+        if "seconds" in step:
+            key = (r["variant"], r["seq_len"], bool(r.get("autocast")))
+            steps[key] = (step["seconds"], step["peak_gib"], r.get("repeats", 1))
+
+    def default_at(seq_len: int, autocast: bool):
+        return next((v for v in DEFAULT_FULL_STEP_VARIANTS if (v, seq_len, autocast) in steps), None)
+
+    autocast = default_at(32768, True) is not None and ("fa4_grouped_mm", 32768, True) in steps
+    name = default_at(32768, autocast)
+    if name is None or ("fa4_grouped_mm", 32768, autocast) not in steps:
+        raise KeyError(f"{where}: needs one of {DEFAULT_FULL_STEP_VARIANTS} and fa4_grouped_mm at S=32768")
+    sec, peak, repeats = steps[(name, 32768, autocast)]
+    fa4_sec, fa4_peak, _ = steps[("fa4_grouped_mm", 32768, autocast)]
+    longest = max((s for (v, s, a) in steps if a == autocast and v in DEFAULT_FULL_STEP_VARIANTS), default=32768)
+    out = dict(name=name, autocast=autocast, sec=sec, peak=peak, repeats=repeats, fa4_sec=fa4_sec, fa4_peak=fa4_peak)
+    out["ratio"] = ratio(sec, fa4_sec)
+    if longest > 32768:
+        out["longest"] = (longest, *steps[(default_at(longest, autocast), longest, autocast)][:2])
+    if ("project", 32768, False) in steps:
+        out["plain"] = steps[("project", 32768, False)][:2]
+    return out
+
+
+def full_step_rows(data: Data) -> list[str]:
+    h = full_step_headline(data)
+    how = ", bf16 autocast as in training" if h["autocast"] else ""
+    median = f" (median of {h['repeats']})" if h["repeats"] > 1 else ""
+    ours = [
+        f"default configuration (`{h['name']}`{how}): {h['sec']:.2f} s, {32768 / h['sec']:,.0f} tokens/s, "
+        f"{h['peak']:.1f} GiB{median}"
+    ]
+    if "longest" in h:
+        longest, l_sec, l_peak = h["longest"]
+        ours.append(f"{longest // 1024}k fits: {l_sec:.2f} s, {l_peak:.1f} GiB")
+    if "plain" in h:
+        ours.append(f"plain checkpointing (`project`, no autocast) {h['plain'][0]:.2f} s, {h['plain'][1]:.1f} GiB")
+    peer = (
+        f"FA4 + `grouped_mm` + full logits{how}{', same run' if h['autocast'] else ''}: {h['fa4_sec']:.2f} s, "
+        f"{h['fa4_peak']:.1f} GiB: **{h['ratio']}**"
+    )
+    return [
+        "| GRPO step, gpt-oss-20b shape, LoRA, S=32k ([full step](docs/benchmarks/full_step.md)) "
+        f"| {'; '.join(ours)} | {peer} |"
+    ]
+
+
+def ragged_headline(data: Data) -> dict:
+    where = "docs/benchmarks/full_step_ragged.json"
+    ragged_json = data("full_step_ragged")
+    rows = {r["variant"]: r for r in _need(ragged_json, "results", where) if "seconds" in (r.get("grpo_step") or {})}
+    ragged = _need(_need(ragged_json, "meta", where), "ragged", where)
+    packed = [v for v in (*DEFAULT_FULL_STEP_VARIANTS, "project_sac_liger_rope") if v in rows]
+    if not packed or "fa4_grouped_mm" not in rows:
+        raise KeyError(f"{where}: needs a packed project variant and fa4_grouped_mm")
+    ours, peer = rows[packed[0]], rows["fa4_grouped_mm"]
+    return dict(
+        name=packed[0], ours=ours, peer=peer, ragged=ragged,
+        ratio=ratio(ours["grpo_step"]["seconds"], peer["grpo_step"]["seconds"]),
+    )  # fmt: skip
+
+
+def ragged_rows(data: Data) -> list[str]:
+    h = ragged_headline(data)
+    ours, peer, ragged = h["ours"], h["peer"], h["ragged"]
+    useful_tps = ours["useful_tokens"] / ours["grpo_step"]["seconds"]
+    return [
+        f"| GRPO step on a ragged batch: {len(ragged['lengths'])} trajectories of {min(ragged['lengths']):,} to "
+        f"{max(ragged['lengths']):,} tokens ({sum(ragged['lengths']):,} in all), micro-batches of "
+        f"{ragged['micro_batch']} ([ragged](docs/benchmarks/full_step_ragged.md)) "
+        f"| packed (`{h['name']}`): {ours['grpo_step']['seconds']:.2f} s, {useful_tps:,.0f} useful tokens/s, "
+        f"{ours['grpo_step']['peak_gib']:.1f} GiB "
+        f"| FA4 + `grouped_mm`, padded as TRL pads ({peer['processed_tokens']:,} tokens): "
+        f"{peer['grpo_step']['seconds']:.2f} s, {peer['grpo_step']['peak_gib']:.1f} GiB: **{h['ratio']}** |"
+    ]
+
+
+def moe_rows(data: Data) -> list[str]:
+    where = "docs/benchmarks/moe.json"
+    at32 = _need(_need(data("moe"), "results", where), "32768", where + " results")
+    ours, base = _need(at32, "memory_efficient", where), _need(at32, "grouped_mm", where)
+    return [
+        "| one gpt-oss-20b MoE layer, T=32k, train fwd+bwd ([MoE](docs/benchmarks/moe.md)) "
+        f"| {_ms(ours['train_ms'])}, {ours['train_peak']:.2f} GiB "
+        f"| `grouped_mm` {_ms(base['train_ms'])}, {base['train_peak']:.2f} GiB "
+        f"({ratio(ours['train_ms'], base['train_ms'])} the time, {ratio(ours['train_peak'], base['train_peak'])} "
+        "the memory) |",
+        f"| same layer, no-grad (log-prob pass) | {_ms(ours['nograd_ms'])}, {ours['nograd_peak']:.2f} GiB "
+        f"| `grouped_mm` {_ms(base['nograd_ms'])}, {base['nograd_peak']:.2f} GiB "
+        f"({ratio(ours['nograd_ms'], base['nograd_ms'])} the time) |",
+    ]
+
+
+def logprobs_rows(data: Data) -> list[str]:
+    where = "docs/benchmarks/logprobs.json"
+    at32 = _need(_need(data("logprobs"), "results", where), "32768", where + " results")
+    fused, full, torch_ops = (_need(at32, k, where) for k in ("chunked_fused", "full_logits", "chunked_torch"))
+    return [
+        "| log-probs + entropies of the 201k-vocabulary head, S=32k, fwd+bwd "
+        "([log-probs](docs/benchmarks/logprobs.md)) "
+        f"| {_ms(fused['train_ms'])}, {fused['train_peak']:.1f} GiB (fused chunk kernels) "
+        f"| full logits {_ms(full['train_ms'])}, {full['train_peak']:.1f} GiB "
+        f"({ratio(fused['train_ms'], full['train_ms'])} the time); chunked PyTorch ops "
+        f"{_ms(torch_ops['train_ms'])} ({ratio(fused['train_ms'], torch_ops['train_ms'])}) |"
+    ]
+
+
+def sources(data: Data) -> list[str]:
+    """One line per JSON: the GPU, the versions, the date where recorded, and the command."""
+
+    def env_text(env: dict, keys) -> str:
+        return ", ".join(f"{k} {env[k]}" for k in keys if env.get(k))
+
+    attention, full_step, ragged = data("attention"), data("full_step"), data("full_step_ragged")
+    a_env, f_env = attention.get("env", {}), full_step["meta"]["env"]
+    m, lp = data("moe")["meta"], data("logprobs")["meta"]
+    moe_extra = f", default chunk {m.get('default_chunk_rows', 8192)} pairs"
+    return [
+        f"- `attention.json`: {a_env.get('gpu', '?')} "
+        f"({env_text(a_env, ('torch', 'triton', 'transformers', 'flash_attn_4'))}); "
+        f"`{_command(attention.get('command', 'attention.py'))}`",
+        f"- `full_step.json`: {f_env['device']} ({env_text(f_env, ('torch', 'transformers', 'peft', 'triton'))}); "
+        "rows of several runs, listed in its notes",
+        f"- `full_step_ragged.json`: {ragged['meta']['env']['device']} "
+        f"({env_text(ragged['meta']['env'], ('torch', 'transformers', 'peft', 'triton'))}); "
+        f"`{_command(ragged['meta']['command'])}`",
+        f"- `moe.json`: {m['device']} ({env_text(m, ('torch', 'transformers', 'triton'))}), {m['date']}{moe_extra}; "
+        f"`{_command(m['command'])}`",
+        f"- `logprobs.json`: {lp['device']} ({env_text(lp, ('torch', 'triton'))}), {lp['date']}; "
+        f"`{_command(lp['command'])}`",
+    ]
+
+
+def readme_table(data: Data) -> str:
+    lines = [
+        "",
+        "| what | this project | peer (ratio = this project ÷ peer) |",
+        "|---|---|---|",
+        *attention_rows(data),
+        *full_step_rows(data),
+        *ragged_rows(data),
+        *moe_rows(data),
+        *logprobs_rows(data),
+        "",
+        "Sources (in `docs/benchmarks/`; each `.md` there has the full table, the method and the plot):",
+        "",
+        *sources(data),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- docs/quickstart.md (CPU run)
+
+
+def _quickstart(data: Data) -> dict:
+    result = data("quickstart")
+    if result.get("failures"):
+        raise ValueError(f"docs/benchmarks/quickstart.json records a failed run: {result['failures']}")
+    return result
+
+
+def _quickstart_score(data: Data, stage: str) -> dict:
+    return _need(_quickstart(data)["scores"], stage, "docs/benchmarks/quickstart.json scores")
+
+
+def quickstart_log(data: Data) -> str:
+    q = _quickstart(data)
+    return "\n".join(["", "```", *q["lines"][:1], *q["cold_start_log"], *q["lines"][1:], "```", ""])
+
+
+def quickstart_timing(data: Data) -> str:  # a block: a paragraph of its own
+    q = _quickstart(data)
+    m = q["machine"]
+    # the cold start's step count and step time, from TRL's summary dict (train_runtime x steps per second)
+    summary = next((d for d in q["cold_start_log"] if d.startswith("{'train_runtime'")), None)
+    cold = ""
+    if summary:
+        fields = dict(re.findall(r"'(\w+)': '([^']*)'", summary))
+        runtime, per_s = float(fields["train_runtime"]), float(fields["train_steps_per_second"])
+        steps = round(runtime * per_s)
+        cold = f" ({steps} steps of {runtime / steps:.1f} s before its loss reached the target)"
+    grpo = q["done_s"] - q["cold_start_s"]
+    return (
+        f"\nMeasured wall time of `{q['command']}` with the defaults (setup excluded) on {m['cores']} cores of "
+        f"{m['cpu']} (load average {q['load_before']:.2f} at the start; torch {m['torch']}, transformers "
+        f"{m['transformers']}, trl {m['trl']}): **{_minutes(q['wall_s'])}** ({_minutes(q['cpu_s'])} of user + "
+        f"system CPU time). The cold start took {q['cold_start_s']:.0f} s of it{cold}, and the "
+        f"{q['grpo_steps']} GRPO steps with the scoring before and after them {grpo:.0f} s. "
+        "`python benchmarks/quickstart.py --out docs/benchmarks` measures it again and rewrites "
+        "`docs/benchmarks/quickstart.json`, from which this page's numbers are rendered.\n"
+    )
+
+
+def quickstart_accuracy(data: Data) -> str:
+    s = _quickstart_score(data, "before GRPO")
+    return f"{s['correct']}/{s['n']}"
+
+
+def quickstart_tool_rate(data: Data) -> str:
+    return f"{_quickstart_score(data, 'before GRPO')['tool_call_rate']:.2f}"
+
+
+def quickstart_k3_max(data: Data) -> str:
+    steps = _quickstart(data)["steps"]
+    if not steps:
+        raise KeyError("docs/benchmarks/quickstart.json: no GRPO step")
+    return _sci(max(s["k3_kl"] for s in steps))
+
+
+# ----------------------------------------------------------------------------------------------- docs/results.md
+
+
+def _mismatch_rows(data: Data, name: str, model: str) -> dict:
+    where = f"docs/benchmarks/{name}.json"
+    found = [r for r in _need(data(name), "results", where) if r.get("model") == model]
+    if not found:
+        raise KeyError(f"{where}: no results for model {model!r}")
+    return {row["attn_implementation"]: row for row in found[0]["rows"]}
+
+
+def results_mismatch_fp32(data: Data) -> str:
+    rows = _mismatch_rows(data, "mismatch_study_tiny_fp32", "tiny")
+    exact = [rows[k]["k3_kl"] for k in ("eager", "flex_attention", "hf-gptoss-rl/sink-flash-attn3") if k in rows]
+    dropped = _need(rows, "eager_without_sinks", "docs/benchmarks/mismatch_study_tiny_fp32.json rows")["k3_kl"]
+    orders = math.floor(math.log10(dropped / max(exact)))
+    return (
+        f"k3 at most {_sci(max(exact))}, while dropping the sinks moves k3 to {_sci(dropped)}, more than {orders} orders "
+        "of magnitude higher"
+    )
+
+
+def _learning_steps(data: Data, variant: str) -> list[dict]:
+    where = "docs/benchmarks/learning_run.json"
+    run = _need(_need(data("learning_run"), "variants", where), variant, where)
+    return [s for s in run["steps"] if s.get("mismatch_k3_kl") is not None]
+
+
+def results_learning_k3(data: Data) -> str:
+    kernel, dropping = _learning_steps(data, "sink_kernel"), _learning_steps(data, "sink_dropping")
+    return (
+        f"median k3 over the steps {_sci(statistics.median(s['mismatch_k3_kl'] for s in kernel))} with the kernel "
+        f"against {_sci(statistics.median(s['mismatch_k3_kl'] for s in dropping))} with sink-dropping training "
+        f"attention, whose per-step max |Δp| reaches {max(s['mismatch_prob_diff_max'] for s in dropping):.2f}"
+    )
+
+
+def results_full_step(data: Data) -> str:
+    h, r = full_step_headline(data), ragged_headline(data)
+    return (
+        f"the default configuration took {h['ratio']} of FA4 + grouped_mm's step time at 32k "
+        f"({h['sec']:.2f} s against {h['fa4_sec']:.2f} s, median of {h['repeats']} each, same run)"
+        + (", " if "longest" in h else " and ")
+        + f"{r['ratio']} of stock TRL's (padded) step time on the ragged batch ({r['ours']['grpo_step']['seconds']:.2f} s "
+        f"against {r['peer']['grpo_step']['seconds']:.2f} s)"
+        + (f", and its {h['longest'][0] // 1024}k step peaked at {h['longest'][2]:.1f} GiB" if "longest" in h else "")
+    )
+
+
+def results_attention_vs_fa4(data: Data) -> str:
+    row = attention_kernel_row(data, 16384, None)
+    return ratio(row["public_ms"], row["fa4_ms"])
+
+
+def results_sglang_probe(data: Data) -> str:
+    where = "docs/benchmarks/sglang_e2e.json"
+    syncs = [
+        s
+        for mode in _need(_need(_need(data("sglang_e2e"), "phases", where), "trainer", where), "result", where).values()
+        if isinstance(mode, dict)
+        for s in mode.get("syncs", [])
+        if s.get("kind") == "merged" and s.get("probe_tolerance") is not None
+    ]
+    if not syncs:
+        raise KeyError(f"{where}: no merged sync with a log-prob probe")
+    bound = statistics.median(s["probe_tolerance"] for s in syncs)
+    means = [s["probe_dlogp_mean"] for s in syncs]
+    return (
+        f"{bound:.2f} nats in this run, several times the probe's own mean deviation ({min(means):.3f} to "
+        f"{max(means):.3f} nats over the {len(syncs)} merged syncs)"
+    )
+
+
+def results_routing_replay(data: Data) -> str:  # a block: the run's summary and its three measured bullets
+    where = "docs/benchmarks/routing_replay.json"
+    result = data("routing_replay")
+    rows, cost, shape = (_need(result, key, where) for key in ("rows", "cost", "routing_shape"))
+    own, rep = _need(rows, "own routing", where), _need(rows, "replayed engine routing", where)
+    rounds = result.get("rounds") or {name: [row] for name, row in rows.items()}
+    cuts = [r["k3_kl"] / o["k3_kl"] for o, r in zip(rounds["own routing"], rounds["replayed engine routing"])]
+    disjoint = max(r["k3_kl"] for r in rounds["replayed engine routing"]) < min(
+        o["k3_kl"] for o in rounds["own routing"]
+    )
+    n, k = len(cuts), shape["top_k"]
+    span = f"{min(cuts):.2f}–{max(cuts):.2f}" if n > 1 else f"{cuts[0]:.2f}"
+    return "\n".join([
+        "",
+        "Report: [routing_replay.md](benchmarks/routing_replay.md) (numbers in `routing_replay.json`), one run on one "
+        f"H100 with SGLang {result.get('sglang_version', '?')}: a {shape['layers']}-layer model of gpt-oss-20b's "
+        f"shapes with random weights, {result['num_prompts']} prompts, {n} round{'s' if n > 1 else ''}, each sampled "
+        f"anew and scored both ways ({result['completion_tokens']:,} sampled tokens in all).",
+        "",
+        f"- **Agreement.** About {round(100 * (1 - own['agreement']))} % of the (token, layer) top-{k} sets of the "
+        f"bf16 trainer differ from SGLang's (median agreement {own['agreement']:.3f}, worst layer "
+        f"{own['agreement_min_layer']:.3f}): the same order as the R3 paper's 10 % of router decisions on "
+        "Qwen3-30B-A3B. Agreement counts the trainer's own choice, which replay leaves as it is within a layer; it "
+        f"is {rep['agreement']:.3f} with replay, because replaying the earlier layers brings the hidden states "
+        "closer to the server's.",
+        f"- **Mismatch.** Replaying the server's routing cuts k3 to {span} of its value with the trainer's own "
+        f"routing in {'every one of the ' + str(n) + ' rounds' if n > 1 else 'the round'} ({own['k3_kl']:.3g} → "
+        f"{rep['k3_kl']:.3g}, medians{'; the two ranges are disjoint' if disjoint and n > 1 else ''}), and the largest "
+        f"|Δp| from {own['prob_diff_max']:.2g} to {rep['prob_diff_max']:.2g}. One random-weight model: the size of "
+        "the effect on a trained gpt-oss-20b, and on learning, is not measured.",
+        f"- **Cost.** Generation with `return_routed_experts` took {cost['generate_ratio']:.2f}x the time without "
+        f"(median of {cost['repeats']}); the answer carries {cost['response_bytes_per_token']:.0f} bytes per routed "
+        f"token (base64 of int32), the trainer stores {cost['stored_bytes_per_token']} (uint8, {shape['layers']} "
+        f"layers x top-{k}; {24 * k} for gpt-oss-20b's 24 layers). The replayed log-prob pass took "
+        f"{rep['logprob_pass_s']:.3f} s against {own['logprob_pass_s']:.3f} s with the trainer's own routing, after a "
+        "warm-up.",
+        "",
+    ])  # fmt: skip
+
+
+# -------------------------------------------------------------------------------- trainer.md, sequence_parallel.md
+
+
+def routing_replay_cost(data: Data) -> str:
+    cost = _need(data("routing_replay"), "cost", "docs/benchmarks/routing_replay.json")
+    return f"{cost['generate_ratio']:.2f}x"
+
+
+def _fa4_peaks(data: Data) -> dict[int, float]:
+    return {
+        r["seq_len"]: r["grpo_step"]["peak_gib"]
+        for r in _need(data("full_step"), "results", "docs/benchmarks/full_step.json")
+        if r["variant"] == "fa4_grouped_mm" and not r.get("autocast") and "peak_gib" in (r.get("grpo_step") or {})
+    }
+
+
+def sp_stock_peak_32k(data: Data) -> str:
+    peaks = _fa4_peaks(data)
+    if 32768 not in peaks:
+        raise KeyError("docs/benchmarks/full_step.json: no fa4_grouped_mm GRPO step at S=32768 (no autocast)")
+    return f"{peaks[32768]:.1f} GiB"
+
+
+def sp_stock_slope(data: Data) -> str:
+    peaks = _fa4_peaks(data)
+    if not {16384, 32768} <= set(peaks):
+        raise KeyError("docs/benchmarks/full_step.json: no fa4_grouped_mm GRPO steps at S=16384 and S=32768")
+    return f"{(peaks[32768] - peaks[16384]) * 2**10 / (32768 - 16384):.1f} MiB"
+
+
+RENDERERS = {
+    "readme.table": readme_table,
+    "quickstart.log": quickstart_log,
+    "quickstart.timing": quickstart_timing,
+    "quickstart.accuracy": quickstart_accuracy,
+    "quickstart.tool_rate": quickstart_tool_rate,
+    "quickstart.k3_max": quickstart_k3_max,
+    "results.mismatch_fp32": results_mismatch_fp32,
+    "results.learning_k3": results_learning_k3,
+    "results.full_step": results_full_step,
+    "results.attention_vs_fa4": results_attention_vs_fa4,
+    "results.sglang_probe": results_sglang_probe,
+    "results.routing_replay": results_routing_replay,
+    "routing_replay.cost": routing_replay_cost,
+    "sp.stock_peak_32k": sp_stock_peak_32k,
+    "sp.stock_slope": sp_stock_slope,
+}
+
+
+# ------------------------------------------------------------------------------------------------------- rendering
+
+
+def check_markers(text: str, where: str) -> None:
+    """Every opening marker has its closing one, in order, none nested; every name has a renderer."""
+    depth, last = 0, None
+    for m in re.finditer(rf"{OPENING.pattern}|{re.escape(CLOSING)}", text):
+        line = text.count("\n", 0, m.start()) + 1
+        if m.group(0) == CLOSING:
+            if depth == 0:
+                raise ValueError(f"{where}:{line}: {CLOSING} without an opening <!-- generated:NAME -->")
+            depth = 0
+            continue
+        if depth:
+            raise ValueError(f"{where}:{line}: <!-- generated:{m.group(1)} --> inside the region {last!r}")
+        if m.group(1) not in RENDERERS:
+            raise ValueError(f"{where}:{line}: no renderer named {m.group(1)!r}; known: {sorted(RENDERERS)}")
+        depth, last = 1, m.group(1)
+    if depth:
+        raise ValueError(f"{where}: the region {last!r} is not closed with {CLOSING}")
+
+
+def check_layout(text: str, where: str) -> None:
+    """A region is a block (its markers alone on their lines) or inline (inside a line, never at its start, on one
+    line): CommonMark reads a line that starts with ``<!--`` as raw HTML, so an inline region there would stop the
+    markdown of the rest of its line from rendering."""
+    for m in REGION.finditer(text):
+        line_start = m.start() == 0 or text[m.start() - 1] == "\n"
+        line = text.count("\n", 0, m.start()) + 1
+        after = text[m.end() : m.end() + 1]
+        if line_start and not (m["body"].startswith("\n") and m["body"].endswith("\n") and after in ("", "\n")):
+            raise ValueError(f"{where}:{line}: the region {m['name']!r} starts a line, so it must be a block: its "
+                             "markers alone on their lines and its text between them")  # fmt: skip
+        if not line_start and "\n" in m["body"]:
+            raise ValueError(f"{where}:{line}: the inline region {m['name']!r} spans lines; make it a block")
+
+
+def render_text(text: str, data: Data, where: str) -> str:
+    check_markers(text, where)
+    rendered = REGION.sub(lambda m: f"<!-- generated:{m['name']} -->{RENDERERS[m['name']](data)}{CLOSING}", text)
+    check_layout(rendered, where)
+    return rendered
+
+
+def stale_regions(before: str, after: str) -> list[str]:
+    old = [(m["name"], m["body"]) for m in REGION.finditer(before)]
+    new = [(m["name"], m["body"]) for m in REGION.finditer(after)]
+    return [name for (name, a), (_, b) in zip(old, new) if a != b]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from its rendering")
+    parser.add_argument("--root", type=Path, default=REPO, help="the checkout whose README.md and docs/*.md to render")
+    parser.add_argument("--benchmarks", type=Path, default=None, help="folder of the JSON files (default: ROOT's)")
+    args = parser.parse_args(argv)
+    data = Data(args.benchmarks or args.root / "docs" / "benchmarks")
+    stale = []
+    for path in doc_files(args.root):
+        current = path.read_text()
+        try:
+            updated = render_text(current, data, str(path.relative_to(args.root)))
+        except (KeyError, ValueError, FileNotFoundError) as e:
+            print(f"{path.relative_to(args.root)}: {e.args[0] if e.args else e}", file=sys.stderr)
+            return 2
+        if updated != current:
+            stale.append(f"{path.relative_to(args.root)}: {', '.join(stale_regions(current, updated))}")
+            if not args.check:
+                path.write_text(updated)
+    if args.check and stale:
+        print("out of date (run python scripts/render_docs.py):\n  " + "\n  ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
