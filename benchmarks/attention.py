@@ -13,8 +13,10 @@ Rows (B=1, 64 query / 8 KV heads, head_dim 64, bf16, forward + backward with the
 - FA4: ``flash_attn.cute.flash_attn_func(..., learnable_sink=)`` on the same inputs, when importable;
 - a stack of layers: each implementation's calls for N layers (each its own q, k, v and sinks), then one backward
   through all of them, as a model's forward and backward run its layers; per layer = the stack's time / N;
-- one GPT-OSS attention layer of transformers (``GptOssAttention``: projections, RoPE, attention) with
-  ``attn_implementation`` = this kernel's hub id (through ``kernels``), ``flash_attention_4`` and ``flex_attention``;
+- one GPT-OSS attention layer of transformers (``GptOssAttention``: projections, RoPE, sinks, attention) with
+  ``attn_implementation`` = this kernel's hub id (through ``kernels``), ``flash_attention_4`` and ``flex_attention``:
+  causal and window 128 from 4k to 32k, a packed row of ragged sequences (``position_ids`` restarting per sequence,
+  as the trainer packs them) and ``deterministic=True``; ours ÷ each peer, a peer that did not run named with why;
 - a mixed workload: 4k causal timed first in the process, then again after fp16, varlen, decode and fp32 calls;
 - accuracy: relative L2 errors of out, dq, dk, dv and dsink against an fp64 reference, this kernel and FA4 on the
   same inputs, 8k-16k, with large sinks (logits x25) too.
@@ -41,7 +43,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
+from benchmarks._cli import OUT_HELP, RATIO_RULE, exit_if_failed, output_dir, ratio, without_local_paths
 
 KERNEL_REPO_ID = "hf-gptoss-rl/sink-flash-attn3"
 IMPL_OURS = "sink-flash-attn3"
@@ -60,11 +62,16 @@ def load_kernel():
     return import_kernel_sources()
 
 
+FA4_MISSING = None  # why FA4 is not in this run (set by `load_fa4`): the layer table names it as a skipped peer
+
+
 def load_fa4():
+    global FA4_MISSING
     try:
         from flash_attn.cute import flash_attn_func  # noqa: PLC0415
     except ImportError as exc:
-        print(f"[fa4] not importable ({exc}): FA4 rows are left out")
+        FA4_MISSING = f"flash_attn.cute not importable ({exc}); install flash-attn-4"
+        print(f"[fa4] {FA4_MISSING}: FA4 rows are left out")
         return None
     return flash_attn_func
 
@@ -522,6 +529,57 @@ def register_hub_kernel() -> tuple[str, str]:
     return KERNEL_REPO_ID, "transformers hub-kernel loader after hf_gptoss_rl.register()"
 
 
+#: layer modes of ``--layer-shapes`` (``S`` alone is ``causal``)
+LAYER_MODES = ("causal", "sliding", "packed", "deterministic")
+#: the packed row's sequence lengths, in sixteenths of S: ragged, as the trainer packs RL trajectories of unequal length
+PACKED_SIXTEENTHS = (7, 3, 1, 4, 1)
+
+
+def parse_layer_shapes(spec: str) -> list[tuple[int, str]]:
+    """``--layer-shapes``: comma-separated ``S`` (causal) or ``S/MODE`` with MODE in `LAYER_MODES`."""
+    shapes = []
+    for item in filter(None, spec.split(",")):
+        S, _, mode = item.partition("/")
+        mode = mode or "causal"
+        if mode not in LAYER_MODES or not S.isdigit():
+            raise SystemExit(f"--layer-shapes: {item!r} is not S or S/MODE with MODE one of {', '.join(LAYER_MODES)}")
+        shapes.append((int(S), mode))
+    return shapes
+
+
+def packed_lengths(S: int) -> list[int]:
+    """The sequence lengths of the packed row of S tokens (`PACKED_SIXTEENTHS`, the last taking the remainder)."""
+    lengths = [S * n // 16 for n in PACKED_SIXTEENTHS[:-1]]
+    lengths.append(S - sum(lengths))
+    if min(lengths) < 1:
+        raise SystemExit(f"--layer-shapes: S={S} is too short to pack {len(PACKED_SIXTEENTHS)} sequences")
+    return lengths
+
+
+def layer_case(S: int, mode: str) -> str:
+    if mode == "packed":
+        return f"{seq_name(S)} packed ({len(PACKED_SIXTEENTHS)} sequences, causal)"
+    if mode == "deterministic":
+        return f"{seq_name(S)} full (causal), deterministic=True"
+    return f"{seq_name(S)} " + ("sliding (window 128)" if mode == "sliding" else "full (causal)")
+
+
+def layer_skip_reason(impl: str, S: int, mode: str, flex_seqlens) -> str | None:
+    """Why the implementation ``impl`` has no cell in the layer row (S, mode), or None when it runs."""
+    if impl == "flex_attention" and mode == "deterministic":
+        return "flex_attention has no deterministic switch"
+    if impl == "flex_attention" and S not in flex_seqlens:
+        return "not in --flex-seqlens (each shape compiles for a minute or more)"
+    if impl == "flash_attention_4" and mode == "deterministic":
+        from flash_attn.cute import flash_attn_func  # noqa: PLC0415
+
+        # transformers passes `deterministic` only to a function whose signature takes it, and drops it silently
+        # otherwise (modeling_flash_attention_utils._lazy_define_process_function): the row would time FA4's default
+        if "deterministic" not in inspect.signature(flash_attn_func).parameters:
+            return "flash_attn.cute.flash_attn_func takes no `deterministic`"
+    return None
+
+
 def gptoss_layer_config(sliding: bool):
     from transformers import GptOssConfig  # noqa: PLC0415
 
@@ -538,12 +596,25 @@ def gptoss_layer_config(sliding: bool):
     )
 
 
-def layer_step(impl: str, S: int, sliding: bool, seed=0):
+def layer_step(impl: str, S: int, mode: str, seed=0):
+    """One ``GptOssAttention`` layer's fwd+bwd closure (and its forward) for ``impl``, ``mode`` in `LAYER_MODES`.
+
+    ``packed``: one row of ragged sequences with ``position_ids`` restarting at 0 for each, given to the layer as
+    the trainer gives it to the model (`hf_gptoss_rl.packing`): the varlen ``FlashAttentionKwargs`` for the flash
+    path, the block-diagonal mask of `packed_attention_masks` for the mask-based ones (flex_attention).
+    ``deterministic``: ``deterministic=True`` passed with the call, which transformers' flash path hands to the
+    attention function."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: PLC0415
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding  # noqa: PLC0415
 
-    from hf_gptoss_rl.packing import cache_keyword  # noqa: PLC0415
+    from hf_gptoss_rl.packing import (  # noqa: PLC0415
+        PACKED_MASK_ATTENTION,
+        cache_keyword,
+        flash_varlen_kwargs,
+        packed_attention_masks,
+    )
 
+    sliding = mode == "sliding"
     config = gptoss_layer_config(sliding)
     config._attn_implementation = impl
     torch.manual_seed(seed)
@@ -553,20 +624,31 @@ def layer_step(impl: str, S: int, sliding: bool, seed=0):
     rotary = GptOssRotaryEmbedding(config).to(DEVICE)
     hidden = torch.randn(1, S, config.hidden_size, device=DEVICE, dtype=DTYPE, requires_grad=True)
     grad_out = torch.randn_like(hidden)
-    position_ids = torch.arange(S, device=DEVICE)[None]
+    if mode == "packed":
+        position_ids = torch.cat([torch.arange(n, device=DEVICE) for n in packed_lengths(S)])[None]
+    else:
+        position_ids = torch.arange(S, device=DEVICE)[None]
     position_embeddings = rotary(hidden, position_ids)
-    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
-    params = inspect.signature(make_mask).parameters
-    mask_kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, **{cache_keyword(make_mask): None})
-    if "cache_position" in params:
-        mask_kwargs["cache_position"] = torch.arange(S, device=DEVICE)
-    if "position_ids" in params:
-        mask_kwargs["position_ids"] = position_ids
-    mask = make_mask(**mask_kwargs)
+    extra = {}
+    if mode == "packed" and impl in PACKED_MASK_ATTENTION:
+        mask = packed_attention_masks(config, position_ids, DTYPE)["full_attention"]
+    else:
+        make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+        params = inspect.signature(make_mask).parameters
+        mask_kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, **{cache_keyword(make_mask): None})
+        if "cache_position" in params:
+            mask_kwargs["cache_position"] = torch.arange(S, device=DEVICE)
+        if "position_ids" in params:
+            mask_kwargs["position_ids"] = position_ids
+        mask = make_mask(**mask_kwargs)
+        if mode == "packed":
+            extra = dict(position_ids=position_ids, **flash_varlen_kwargs(position_ids))
+    if mode == "deterministic":
+        extra["deterministic"] = True
     inputs = [hidden, *layer.parameters()]
 
     def forward():
-        return layer(hidden, position_embeddings=position_embeddings, attention_mask=mask)[0]
+        return layer(hidden, position_embeddings=position_embeddings, attention_mask=mask, **extra)[0]
 
     def step():
         return torch.autograd.grad(forward(), inputs, grad_out)
@@ -577,19 +659,22 @@ def layer_step(impl: str, S: int, sliding: bool, seed=0):
 def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
     rows = []
     start = time.time()
-    for S, sliding in shapes:
+    for S, mode in shapes:
         if time.time() - start > budget_s:
-            print(f"[layer] time budget spent: S={S} sliding={sliding} and later rows left out", flush=True)
+            print(f"[layer] time budget spent: S={S} {mode} and later rows left out", flush=True)
             break
-        row = dict(
-            case=f"{seq_name(S)} " + ("sliding (window 128)" if sliding else "full (causal)"), S=S, sliding=sliding
-        )
-        steps, forwards, errors = {}, {}, {}
+        row = dict(case=layer_case(S, mode), S=S, sliding=mode == "sliding", mode=mode)
+        steps, forwards, errors, skipped = {}, {}, {}, {}
         for label, impl in layer_impls.items():
-            if impl == "flex_attention" and S not in flex_seqlens:
+            try:
+                reason = layer_skip_reason(impl, S, mode, flex_seqlens)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot be inspected is a table entry
+                reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if reason:
+                skipped[label] = reason
                 continue
             try:
-                steps[label], forwards[label] = layer_step(impl, S, sliding)
+                steps[label], forwards[label] = layer_step(impl, S, mode)
             except Exception as exc:  # noqa: BLE001 - a layer that cannot be built is a table entry
                 row[label] = None
                 errors[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -604,6 +689,8 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
                 outputs[label] = forward().float()
         if errors:
             row["errors"] = errors
+        if skipped:
+            row["skipped"] = skipped
         del steps, forwards
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -709,6 +796,47 @@ def targets(result):
     return out
 
 
+def layer_peers(result) -> list[str]:
+    """The layer table's peer columns: every implementation but ours, run or skipped, in a fixed order."""
+    return [label for label in (*result["layer_impls"], *result["layer_skipped"]) if label != IMPL_OURS]
+
+
+def layer_table_head(result) -> list[str]:
+    peers = layer_peers(result)
+    cols = [IMPL_OURS, *peers, *(f"ours ÷ {p}" for p in peers), "max rel. output diff to ours"]
+    return ["| case | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+
+
+def layer_table_row(result, r, diffs) -> str:
+    """One layer row: ms per implementation (``skipped`` / ``error`` where there is none), then ours ÷ each peer."""
+    skipped = {**result["layer_skipped"], **r.get("skipped", {})}
+
+    def cell(label):
+        if r.get(label) is not None:
+            return fmt(r[label], ".3f")
+        return "skipped" if label in skipped else "error" if label in r.get("errors", {}) else "-"
+
+    ours, peers = r.get(IMPL_OURS), layer_peers(result)
+    ratios = [ratio(ours, r[p]) if ours and r.get(p) else "-" for p in peers]
+    return f"| {r['case']} | " + " | ".join([cell(IMPL_OURS), *map(cell, peers), *ratios, diffs]) + " |"
+
+
+def layer_skip_lines(result) -> list[str]:
+    """The layer table's notes: units, the packed and deterministic rows, and why a peer has no number."""
+    sizes = ", ".join(f"{n}/16" for n in PACKED_SIXTEENTHS)
+    lines = [
+        "",
+        f"Times in ms; {RATIO_RULE}. Packed: {len(PACKED_SIXTEENTHS)} sequences of {sizes} of S in one row, "
+        "`position_ids` restarting at 0 for each, as the trainer packs them. deterministic=True: passed with the "
+        "layer call; transformers' flash path hands it to the attention function.",
+        "",
+    ]
+    lines += [f"- {label}: skipped in every row: {why}" for label, why in result["layer_skipped"].items()]
+    for r in result["layer_rows"]:
+        lines += [f"- {label}, {r['case']}: skipped: {why}" for label, why in r.get("skipped", {}).items()]
+    return lines
+
+
 def write_markdown(result, path):
     env = result["env"]
     lines = [
@@ -794,9 +922,16 @@ def write_markdown(result, path):
             "| case | " + " | ".join(impls) + " | max rel. output diff to ours |",
             "|---|" + "---|" * len(impls) + "---|",
         ]
+        if "layer_skipped" in result:  # reports from before the ratio columns render as they were
+            lines[-2:] = layer_table_head(result)
         for r in result["layer_rows"]:
             diffs = ", ".join(f"{k} {v:.1e}" for k, v in r["max_rel_diff_to_ours"].items()) or "-"
+            if "layer_skipped" in result:
+                lines.append(layer_table_row(result, r, diffs))
+                continue
             lines.append(f"| {r['case']} | " + " | ".join(fmt(r.get(i), ".3f") for i in impls) + f" | {diffs} |")
+        if "layer_skipped" in result:
+            lines += layer_skip_lines(result)
     mixed = result.get("mixed")
     if mixed:
         lines += [
@@ -917,7 +1052,11 @@ def main():
         help="rows timed as a stack of layers with one backward: S (causal) or S/window, comma-separated",
     )
     parser.add_argument("--stack-layers", type=int, default=12, help="layers per stack (GPT-OSS-20B: 12 window-128)")
-    parser.add_argument("--layer-shapes", default="4096,4096/sliding,16384,16384/sliding")
+    parser.add_argument(
+        "--layer-shapes",
+        default="4096,4096/sliding,16384,16384/sliding,32768,32768/sliding,16384/packed,16384/deterministic",
+        help=f"GptOssAttention rows: S (causal) or S/MODE, MODE one of {', '.join(LAYER_MODES)}, comma-separated",
+    )
     parser.add_argument(
         "--flex-seqlens",
         default="4096",
@@ -926,7 +1065,7 @@ def main():
     parser.add_argument(
         "--layer-budget-s",
         type=float,
-        default=120.0,
+        default=300.0,
         help="stop starting layer rows after this many seconds in that section",
     )
     parser.add_argument(
@@ -938,6 +1077,7 @@ def main():
     parser.add_argument("--from-json", help="only re-render attention.md / .png from a saved attention.json")
     args = parser.parse_args()
     out_dir = output_dir(args.out, "attention.json", "attention.md", "attention.png")
+    layer_shapes = parse_layer_shapes(args.layer_shapes)  # a bad spec stops the run before anything is measured
     if args.from_json:
         result = without_local_paths(json.loads(Path(args.from_json).read_text()))
         result["targets"] = targets(result)
@@ -1033,13 +1173,15 @@ def main():
         layer_impls[IMPL_OURS], layer_how = register_hub_kernel()
     except Exception as exc:  # noqa: BLE001
         print(f"[layer] the hub id could not be registered ({type(exc).__name__}: {exc}); layer rows left out")
+    layer_skipped = {}  # peers not in this run, with the reason: a table entry, not a silently missing column
     if layer_impls and fa4 is not None:
         layer_impls["FA4 (flash_attention_4)"] = "flash_attention_4"
+    elif layer_impls:
+        layer_skipped["FA4 (flash_attention_4)"] = FA4_MISSING or "not run on CPU (FA4 needs a CUDA GPU)"
     if layer_impls:
         layer_impls["flex_attention"] = "flex_attention"
-    layer_shapes = [(int(s.partition("/")[0]), s.endswith("/sliding")) for s in args.layer_shapes.split(",") if s]
     flex_seqlens = {int(s) for s in args.flex_seqlens.split(",") if s}
-    result.update(layer_impls=layer_impls, layer_how=layer_how)
+    result.update(layer_impls=layer_impls, layer_how=layer_how, layer_skipped=layer_skipped)
     if layer_impls:
         result["layer_rows"] = time_layers(layer_impls, layer_shapes, flex_seqlens, args.layer_budget_s)
     save()

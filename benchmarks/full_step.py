@@ -779,8 +779,19 @@ def cell_peak(m: dict | None) -> str:
 _CLOCKS = {"device": "GPU", "cpu": "CPU"}  # the names older reports stored
 
 
-# NVIDIA H200 SXM datasheet: 1,979 TFLOPS bf16 Tensor Core "with sparsity"; dense is half of that
-H200_DENSE_BF16_TFLOPS = 989.5
+# Dense bf16 Tensor Core peak, TFLOP/s, by the GPU name the run recorded (`torch.cuda.get_device_name`), most specific
+# first. NVIDIA's H100 and H200 datasheets give bf16 "with sparsity" (SXM: 1,979; NVL: 1,671; H100 PCIe: 1,513);
+# dense is half of that.
+DENSE_BF16_PEAK_TFLOPS = {"H100 PCIe": 756.5, "H100 NVL": 835.5, "H200 NVL": 835.5, "H100": 989.5, "H200": 989.5}
+
+
+def dense_bf16_peak(device_name: str | None) -> tuple[str, float] | None:
+    """(the table's name, its dense bf16 peak in TFLOP/s) of the GPU named ``device_name``; None for a device not in
+    `DENSE_BF16_PEAK_TFLOPS` (a CPU, another GPU) or a report that recorded none."""
+    for name, peak in DENSE_BF16_PEAK_TFLOPS.items():
+        if device_name and name in device_name:
+            return name, peak
+    return None
 
 
 def grpo_step_flops(config, seq_len: int, prompt_len: int) -> dict:
@@ -820,20 +831,23 @@ def _row_order(r: dict) -> tuple:
     return r["seq_len"], bool(r.get("autocast")), list(VARIANTS).index(r["variant"])
 
 
-def flop_limit_lines(results: list[dict], layers: int) -> list[str]:
-    """What is left to the FLOP limit: each measured GRPO step against the model FLOPs at the dense bf16 peak."""
+def flop_limit_lines(results: list[dict], layers: int, device_name: str | None) -> list[str]:
+    """What is left to the FLOP limit: each measured GRPO step against the model FLOPs at the dense bf16 peak of the
+    GPU the run recorded (``device_name``); no section where that peak is unknown (a CPU run, a report without it)."""
     from hf_gptoss_rl.testing import gptoss_20b_config
 
     config = gptoss_20b_config(num_hidden_layers=layers)
     rows = [r for r in results if "seconds" in (r.get("grpo_step") or {})]
-    if not rows:
+    found = dense_bf16_peak(device_name)
+    if not rows or found is None:
         return []
+    gpu, peak = found
     lines = [
         "## What is left to the FLOP limit",
         "",
         f"Model FLOPs of one GRPO step (`grpo_step_flops`: forward + backward of the {layers}-layer model with "
-        "frozen base weights, recomputation not counted, the same work for every variant) against the H200's dense "
-        f"bf16 peak of {H200_DENSE_BF16_TFLOPS:g} TFLOP/s (NVIDIA's datasheet: 1,979 with sparsity). "
+        f"frozen base weights, recomputation not counted, the same work for every variant) against the {gpu}'s dense "
+        f"bf16 peak of {peak:g} TFLOP/s (NVIDIA's datasheet: {2 * peak:,.0f} with sparsity). "
         "The limit is the step time at that peak; MFU = limit / measured.",
         "",
         "| S | linear TFLOP | attention TFLOP | LM head TFLOP | total TFLOP | limit s | limit tokens/s |",
@@ -842,14 +856,14 @@ def flop_limit_lines(results: list[dict], layers: int) -> list[str]:
     per_len = {}
     for s in sorted({r["seq_len"] for r in rows}):
         f = per_len[s] = grpo_step_flops(config, s, s // 8)
-        limit = f["total"] / (H200_DENSE_BF16_TFLOPS * 1e12)
+        limit = f["total"] / (peak * 1e12)
         lines.append(
             f"| {s:,} | {f['linear'] / 1e12:.0f} | {f['attention'] / 1e12:.0f} | {f['lm_head'] / 1e12:.0f} | "
             f"{f['total'] / 1e12:.0f} | {limit:.3f} | {s / limit:,.0f} |"
         )
     lines += ["", "| variant | S | GRPO step s | MFU |", "|---|---|---|---|"]
     for r in sorted(rows, key=_row_order):
-        limit = per_len[r["seq_len"]]["total"] / (H200_DENSE_BF16_TFLOPS * 1e12)
+        limit = per_len[r["seq_len"]]["total"] / (peak * 1e12)
         sec = r["grpo_step"]["seconds"]
         lines.append(f"| {row_label(r)} | {r['seq_len']:,} | {sec:.2f} | {limit / sec:.0%} |")
     return lines + [""]
@@ -921,7 +935,7 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     lines += ratio_lines or ["- (no pair measured)"]
     lines += ["", f"![full step]({meta['png_name']})", ""]
     if meta.get("model") == "20b":
-        lines += flop_limit_lines(results, meta["layers"])
+        lines += flop_limit_lines(results, meta["layers"], (meta.get("env") or {}).get("device"))
     profiled = [r for r in results if r.get("step_profile")]
     for r in sorted(profiled, key=_row_order):
         prof = r["step_profile"]

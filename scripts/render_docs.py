@@ -132,7 +132,11 @@ def attention_rows(data: Data) -> list[str]:
             f"| attention fwd+bwd through `flash_attn_func`, S={seqlen // 1024}k {label}, GPT-OSS heads, bf16 {link} "
             f"| {_ms(row['public_ms'])}, sink gradient included | {peer} |"
         )
-    layers = [r for r in _need(attention, "layer_rows", where) if r["S"] == 16384 and not r.get("sliding")]
+    layers = [  # the plain causal row: not sliding, and not packed or deterministic (older reports have no "mode")
+        r
+        for r in _need(attention, "layer_rows", where)
+        if r["S"] == 16384 and not r.get("sliding") and r.get("mode", "causal") == "causal"
+    ]
     if not layers:
         raise KeyError(f"{where}: no layer row at S=16384 (full attention)")
     layer = layers[0]

@@ -341,7 +341,7 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
             "--stack-layers",
             "3",
             "--layer-shapes",
-            "64",
+            "64,64/packed,64/deterministic",
             "--flex-seqlens",
             "",
             "--accuracy",
@@ -366,6 +366,9 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
         assert max(row["ours"].values()) < 1e-5, row
     for row in res["layer_rows"]:  # present where `kernels` can load the hub id
         assert row["sink-flash-attn3"] > 0, row
+    if res["layer_rows"]:
+        assert [r["mode"] for r in res["layer_rows"]] == ["causal", "packed", "deterministic"]
+        assert "FA4 (flash_attention_4)" in res["layer_skipped"]  # CPU: named as skipped, not dropped
     assert (tmp_path / "attention.md").read_text().startswith("# Attention benchmark")
 
 
@@ -429,6 +432,49 @@ def test_attention_bare_autograd_row_computes_the_public_gradients(monkeypatch):
     (target,) = [t for t in bench.targets(dict(kernel_rows=[row], accuracy=[])) if t["target"].startswith("S=4k w")]
     assert target["value"] == "0.700 ms (FA4 0.800, raw 0.230; raw in a bare autograd.Function 0.620)"
     assert target["met"] is False
+
+
+def test_attention_layer_rows_packed_deterministic_and_skipped_peers(monkeypatch):
+    """The GptOssAttention rows: the packed row keeps its sequences apart through this kernel's hub id (its output
+    is eager's with the block-diagonal mask the trainer builds), the deterministic row runs, and the table prints
+    ours ÷ each peer and names a skipped peer with its reason."""
+    from benchmarks import attention as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "HEADS", (4, 2))
+    assert bench.parse_layer_shapes("64,64/packed,32/deterministic") == [
+        (64, "causal"), (64, "packed"), (32, "deterministic")
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="64/packd"):
+        bench.parse_layer_shapes("64/packd")
+    assert bench.packed_lengths(64) == [28, 12, 4, 16, 4]
+    ours, _ = bench.register_hub_kernel()
+    _, packed = bench.layer_step(ours, 64, "packed")
+    _, eager = bench.layer_step("eager", 64, "packed")
+    with torch.no_grad():
+        torch.testing.assert_close(packed(), eager(), rtol=1e-4, atol=1e-5)
+    step, _ = bench.layer_step(ours, 32, "deterministic")
+    assert all(g is not None for g in step())
+
+    impls = {bench.IMPL_OURS: ours, "flex_attention": "flex_attention"}
+    result = dict(layer_impls=impls, layer_skipped={"FA4 (flash_attention_4)": "flash_attn.cute not importable"})
+    row = {"case": "S=4k full (causal)", bench.IMPL_OURS: 1.5, "flex_attention": 3.0, "max_rel_diff_to_ours": {}}
+    det = {"case": "S=4k full (causal), deterministic=True", bench.IMPL_OURS: 2.0, "max_rel_diff_to_ours": {}}
+    det["skipped"] = {"flex_attention": bench.layer_skip_reason("flex_attention", 4096, "deterministic", {4096})}
+    result["layer_rows"] = [row, det]
+    assert bench.layer_table_head(result)[0].endswith(
+        "| ours ÷ flex_attention | ours ÷ FA4 (flash_attention_4) | max rel. output diff to ours |"
+    )
+    assert bench.layer_table_row(result, row, "-") == "| S=4k full (causal) | 1.500 | 3.000 | skipped | 0.50x | - | - |"
+    assert bench.layer_table_row(result, det, "-").startswith(
+        "| S=4k full (causal), deterministic=True | 2.000 | skipped"
+    )
+    notes = "\n".join(bench.layer_skip_lines(result))
+    assert "FA4 (flash_attention_4): skipped in every row: flash_attn.cute not importable" in notes
+    assert (
+        "flex_attention, S=4k full (causal), deterministic=True: skipped: flex_attention has no deterministic" in notes
+    )
 
 
 def test_attention_bench_interleaves_rounds_and_keeps_failures(monkeypatch):
@@ -510,3 +556,20 @@ def test_grpo_step_flops_by_hand():
     assert f["attention"] == 3.5 * 2 * 2 * pairs * 2 * 4  # QK^T and PV, head_dim 2, 4 heads; backward 2.5x
     assert f["lm_head"] == 2 * 2 * 8 * 10 * (s - prompt)
     assert f["total"] == f["linear"] + f["attention"] + f["lm_head"]
+
+
+def test_full_step_mfu_uses_the_recorded_gpu_peak():
+    """The report's MFU section: the model FLOPs over the step time over the dense bf16 peak of the GPU the run
+    recorded, by NVIDIA's datasheet table; no section for a device without a known peak or a report without one."""
+    from benchmarks.full_step import VARIANTS, flop_limit_lines, grpo_step_flops
+    from hf_gptoss_rl.testing import gptoss_20b_config
+
+    name = next(iter(VARIANTS))
+    results = [{"variant": name, "seq_len": 4096, "grpo_step": {"seconds": 2.0}}]
+    flops = grpo_step_flops(gptoss_20b_config(num_hidden_layers=2), 4096, 4096 // 8)["total"]
+    lines = flop_limit_lines(results, 2, "NVIDIA H100 80GB HBM3")
+    assert "against the H100's dense bf16 peak of 989.5 TFLOP/s (NVIDIA's datasheet: 1,979 with sparsity)" in lines[2]
+    mfu = flops / 989.5e12 / 2.0
+    assert lines[-2] == f"| {VARIANTS[name]['label']} | 4,096 | 2.00 | {mfu:.0%} |"
+    assert "H100 PCIe's dense bf16 peak of 756.5" in flop_limit_lines(results, 2, "NVIDIA H100 PCIe")[2]
+    assert flop_limit_lines(results, 2, "cpu") == flop_limit_lines(results, 2, None) == []

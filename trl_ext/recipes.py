@@ -17,6 +17,7 @@ evaluation and a one-line-per-step progress printer.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from transformers import TrainerCallback
 
@@ -65,6 +66,18 @@ def to_math_row(example: dict) -> dict:
     solution = answer if isinstance(answer, str) and "####" in answer else ""
     answer = _gsm8k_answer(answer) if solution else str(answer)
     return {"prompt": [{"role": "user", "content": question + ANSWER_FORMAT}], "answer": answer, "solution": solution}
+
+
+def demo_dataset_path(name: str = "gsm8k_train_mini.jsonl") -> str:
+    """A GSM8K slice shipped in the repository's ``data/`` folder, found from this package's location, so that the
+    examples and the notebook run from any working directory."""
+    path = Path(__file__).resolve().parents[1] / "data" / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: the demo data ships in the repository's data/ folder (a source checkout, or "
+            "`pip install -e .`); pass --dataset_name with a .jsonl file or a Hub dataset instead"
+        )
+    return str(path)
 
 
 def load_math_dataset(name: str, config: str | None = None, split: str = "train", limit: int | None = None):
