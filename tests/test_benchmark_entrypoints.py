@@ -283,7 +283,12 @@ def test_committed_reports_are_their_json_rendered_again(tmp_path, script, saved
     assert json.loads((out / saved).read_text()) == json.loads((REPORTS / saved).read_text())
 
 
-LOCAL = re.compile(r"(?<![\w.])(/tmp/|/var/tmp/|/work/|/home/|/root/)|Previous run|Previous headline")
+# absolute paths into a machine's scratch, work or home folders, and notes about an earlier run of a report
+_MACHINE_FOLDERS = ("tmp", "var/tmp", "work", "home", "root")
+_EARLIER_RUN = ("Previous run", "Previous headline")
+LOCAL = re.compile(
+    r"(?<![\w.])/(" + "|".join(map(re.escape, _MACHINE_FOLDERS)) + r")/|" + "|".join(map(re.escape, _EARLIER_RUN))
+)
 
 
 def test_reports_name_no_local_path_and_no_earlier_run():

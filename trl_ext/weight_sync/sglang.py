@@ -106,26 +106,11 @@ class ServerState:
         )
 
 
-# SGLang stores q/k/v and gate/up LoRA weights fused; `--lora-target-modules` is compared after the same renaming
-# (`get_normalized_target_modules` in sglang/srt/lora/utils.py)
-_LORA_FUSED = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
-
-
-def _normalized_lora_modules(names) -> set[str]:
-    return {_LORA_FUSED.get(n.rsplit(".", 1)[-1], n.rsplit(".", 1)[-1]) for n in names}
-
-
 def check_lora_servers(states: list[ServerState], *, rank: int, target_modules) -> None:
     """Start-up check for LoRA sync: every server was launched able to load an adapter of this ``rank`` on these
     ``target_modules`` (PEFT's names). Raises `WeightSyncError` listing each server and the flag it lacks; a limit
     the server infers from ``--lora-paths`` (reported as None) is checked by SGLang at the first load instead."""
-    wanted = _normalized_lora_modules(target_modules)
+    wanted = checks.sglang_lora_modules(target_modules)
     problems = []
     for s in states:
         if not s.enable_lora:
@@ -134,7 +119,7 @@ def check_lora_servers(states: list[ServerState], *, rank: int, target_modules) 
         if s.max_lora_rank is not None and s.max_lora_rank < rank:
             problems.append(f"{s.url} has --max-lora-rank {s.max_lora_rank}, below the adapter's rank {rank}")
         if s.lora_target_modules is not None and "all" not in s.lora_target_modules:
-            missing = sorted(wanted - _normalized_lora_modules(s.lora_target_modules))
+            missing = sorted(wanted - checks.sglang_lora_modules(s.lora_target_modules))
             if missing:
                 problems.append(
                     f"{s.url} has --lora-target-modules {' '.join(s.lora_target_modules)}, without {', '.join(missing)}"

@@ -62,6 +62,13 @@ def sglang_param_name(name: str) -> str:
     return name
 
 
+def sglang_lora_modules(names: Iterable[str]) -> set[str]:
+    """LoRA target modules (PEFT's leaf names, or SGLang's ``--lora-target-modules``) as SGLang stores them: q/k/v in
+    ``qkv_proj``, gate/up in ``gate_up_proj`` (``get_normalized_target_modules`` in ``sglang/srt/lora/utils.py``)."""
+    fused = {shard: param for param, shard in (*_STACKED, *_DENSE_MLP)}
+    return {fused.get(leaf, leaf) for leaf in (n.rsplit(".", 1)[-1] for n in names)}
+
+
 def server_param_names(names: Iterable[str]) -> set[str]:
     """Parameter names as ``/weights_checker`` reports them, with LoRA wrappers' ``.base_layer`` removed."""
     return {n.replace(".base_layer.", ".") for n in names}
