@@ -38,13 +38,21 @@ Precision (`--precision`): `fp32` trains and rolls out in fp32; `bf16` keeps fp3
 bf16 autocast (`bf16=True`, as `accelerate` does), while the engine serves bf16 (SGLang `--dtype bfloat16`).
 
 Writes `learning_run.{md,png,json}` (`learning_run_sglang.*` with `--rollout-backend sglang`) into `--out`
-(default `docs/benchmarks/`, only while no such report is there: name the folder to replace one). Exits non-zero
-when a check fails, a run finished no optimizer step, logged a non-finite loss, or never had reward variance inside
-a group (`--require-reward-signal`).
+(default `docs/benchmarks/`, only while no such report is there: name the folder to replace one), again after every
+run, so that a script stopped part-way leaves a report of the runs that finished (marked partial, naming the runs
+of `--arms` x `--seeds` that are missing). Exits non-zero when a check fails, a run finished no optimizer step,
+logged a non-finite loss, or never had reward variance inside a group (`--require-reward-signal`).
+
+Splitting the grid (several processes, one GPU or several, or several sittings): `--save-warm-start DIR` runs the
+warm-up once and saves it; every `--warm-start DIR` process then starts its runs from those exact weights (the
+file's SHA-256 is in each report), e.g. one process per arm with one SGLang server each
+(`scripts/learning_run_sglang.sh`); `--merge A.json B.json ...` renders one report from their reports, refusing
+parts whose settings or warm start differ.
 
     python benchmarks/learning_run.py --out results                              # GPU, embedded engine
     python benchmarks/learning_run.py --rollout-backend sglang \\
         --server-cmd "/opt/sglang/bin/python -m sglang.launch_server" --out results  # GPU, real SGLang server
+    python benchmarks/learning_run.py --merge part_*/learning_run_sglang.json --rollout-backend sglang --out results
     python benchmarks/learning_run.py --device cpu --model-size tiny --steps 2 --cold-start-steps 2 \\
         --num-generations 2 --batch-size 2 --max-completion-length 16 --eval-limit 2 --seeds 0 \\
         --no-policy-check --no-require-reward-signal --out /tmp/lr                    # CPU smoke
@@ -70,6 +78,9 @@ if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstr
 from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
 
 REPO = Path(__file__).resolve().parents[1]
+# the reward columns compare the mean of the first and of the last REWARD_WINDOW logged steps: with fewer than twice
+# that many steps the two windows overlap and the comparison says nothing
+REWARD_WINDOW = 10
 
 # no "flash" in the name: transformers routes attention names containing "flash" through its flash-attention
 # preparation (fp32 inputs cast to half precision, its own mask handling), which is not what this function expects
@@ -126,6 +137,7 @@ STEP_METRICS = (
     ("timing/rollout_s", "rollout_s"),
     ("timing/step_s", "step_s"),
     ("timing/weight_sync_s", "weight_sync_s"),
+    ("timing/weight_sync_verify_s", "weight_sync_verify_s"),
     (SAMPLED_ACCURACY, "sampled_accuracy"),
     ("loss", "loss"),
     ("learning_rate", "learning_rate"),
@@ -249,9 +261,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-fraction-static", type=float, default=0.5, help="SGLang's share of GPU memory")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--ready-timeout-s", type=float, default=600.0, help="deadline for the server to become healthy")
+    p.add_argument(
+        "--server-start-lock",
+        default=None,
+        help="a file locked while this script's server starts: processes that share a GPU start their servers one "
+        "at a time (SGLang sizes its KV cache from the memory free during its own start)",
+    )
+    p.add_argument("--note", default="", help="a sentence for the report's setup (e.g. how the runs shared a GPU)")
+    # splitting the grid
+    p.add_argument("--save-warm-start", default=None, help="run the warm-up, save it into DIR and exit")
+    p.add_argument("--warm-start", default=None, help="start every run from the warm-up saved in DIR")
+    p.add_argument(
+        "--merge", nargs="+", default=None, help="render one report into --out from these reports (JSON), and exit"
+    )
     p.add_argument("--out", default=None, help=OUT_HELP)
     p.add_argument("--from-json", help="only rewrite the report's .md/.png in --out from a saved .json")
     args = p.parse_args(argv)
+    if args.save_warm_start and args.warm_start:
+        p.error("--save-warm-start and --warm-start exclude each other")
     args.arms = _csv(args.arms)
     unknown = sorted(set(args.arms) - set(ARMS))
     if unknown or not args.arms:
@@ -434,14 +461,15 @@ class Rollouts:
             return
         from benchmarks.sglang_e2e import ServerManager
         from trl_ext.rollout import SGLangEngine
-        from trl_ext.weight_sync import WeightSyncConfig
+        from trl_ext.weight_sync import WeightSyncConfig, write_served_model
         from trl_ext.weight_sync.settings import DEFAULT_SGLANG_VERIFY
 
         model_dir = self.work_dir / "served_model"
-        save_served_model(warm_model, model_dir)
-        dtype = "bfloat16" if self.args.precision == "bf16" else "float32"
+        write_served_model(warm_model, model_dir, self.dtype)  # SGLang builds its layers in config.json's dtype
+        dtype = str(self.dtype).removeprefix("torch.")
         self.server = ServerManager(self.args, model_dir, self.work_dir / "logs", launch_flags=["--dtype", dtype])
-        self.url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
+        with start_lock(self.args.server_start_lock):
+            self.url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
         launch = self.server.launches[-1]
         self.info.update(
             {
@@ -503,18 +531,25 @@ class Rollouts:
             self.server.stop()
 
 
-def save_served_model(model, model_dir: Path) -> None:
-    """``model`` as SGLang loads it: safetensors and a config.json with what its GPT-OSS loader reads
-    (`swiglu_limit`, and `torch_dtype` for the transformers release SGLang pins)."""
-    from trl_ext.weight_sync import save_config_for_sglang
+def start_lock(path: str | None):
+    """An exclusive lock on the file ``path`` (created if missing) for the duration of a ``with``; nothing without
+    a path."""
+    import contextlib
+    import fcntl
 
-    model.save_pretrained(model_dir, safe_serialization=True)
-    save_config_for_sglang(model.config, model_dir)
-    path = model_dir / "config.json"
-    config = json.loads(path.read_text())
-    if "torch_dtype" not in config and config.get("dtype"):
-        config["torch_dtype"] = config["dtype"]
-        path.write_text(json.dumps(config, indent=2))
+    if not path:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def locked():
+        with open(path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    return locked()
 
 
 # %% Accuracy -----------------------------------------------------------------------------------------------------------
@@ -613,6 +648,131 @@ def policy_window(score: dict, args) -> list[str]:
     if not lo <= score["tool_call_rate"] <= hi:
         problems.append(f"tool-call rate {score['tool_call_rate']:.2f} is outside [{lo}, {hi}]")
     return problems
+
+
+# %% Warm start shared by several processes ----------------------------------------------------------------------------
+# the settings that decide the warm-up's weights: a saved warm start is only used where they are the same
+WARM_START_KEYS = (
+    "model_size", "init_seed", "sink_mean", "sink_std", "cold_start_steps", "cold_start_batch",
+    "cold_start_target_nll", "cold_start_problems", "cold_start_lr", "train_file",
+)  # fmt: skip
+
+
+def warm_start_key(args) -> dict:
+    return {k: (Path(v).name if k == "train_file" else v) for k, v in vars(args).items() if k in WARM_START_KEYS}
+
+
+def state_digest(state: dict) -> str:
+    """SHA-256 over a state dict's names, dtypes, shapes and bytes (name order): equal digests, equal weights."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_warm_start(model, folder: Path, key: dict, practised: list[int], cold_seconds: float) -> str:
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+    digest = state_digest(state)
+    torch.save(state, folder / "warm_state.pt")
+    meta = {"key": key, "practised": list(practised), "cold_start_seconds": cold_seconds, "sha256": digest}
+    (folder / "warm_start.json").write_text(json.dumps(meta, indent=2))
+    return digest
+
+
+def load_warm_start(model, folder: Path, key: dict) -> tuple[list[int], float]:
+    """Load the warm-up saved by ``--save-warm-start`` into ``model``; SystemExit naming the first setting that
+    differs from this command's, or a file whose weights no longer match their recorded digest."""
+    import torch
+
+    meta_path = folder / "warm_start.json"
+    if not meta_path.is_file():
+        raise SystemExit(f"--warm-start {folder}: no warm_start.json there (write it with --save-warm-start)")
+    meta = json.loads(meta_path.read_text())
+    differing = {k: (meta["key"].get(k), v) for k, v in key.items() if meta["key"].get(k) != v}
+    if differing:
+        shown = ", ".join(f"{k}: saved {a!r}, here {b!r}" for k, (a, b) in differing.items())
+        raise SystemExit(f"--warm-start {folder} was saved with other settings ({shown})")
+    state = torch.load(folder / "warm_state.pt", map_location="cpu")
+    if state_digest(state) != meta["sha256"]:
+        raise SystemExit(f"--warm-start {folder}: warm_state.pt does not match the digest in warm_start.json")
+    model.load_state_dict(state)
+    return list(meta["practised"]), float(meta["cold_start_seconds"])
+
+
+def mark_missing_runs(result: dict, arms: list[str], seeds: list[int]) -> None:
+    """``result["missing_runs"]``: the ``arm seed`` pairs of the planned grid that have no run (yet)."""
+    have = {(name, str(seed)) for name, arm in result.get("arms", {}).items() for seed in arm.get("runs", {})}
+    result["planned"] = {"arms": list(arms), "seeds": list(seeds)}
+    result["missing_runs"] = [f"{a} {s}" for s in seeds for a in arms if (a, str(s)) not in have]
+
+
+# settings every part of a merged report must share (the warm start's digest included)
+MERGE_SAME = (
+    "model_size", "parameters", "precision", "rollout_backend", "num_generations", "batch_size", "num_iterations",
+    "learning_rate", "warmup_steps", "max_completion_length", "max_turns", "steps_requested", "max_seconds",
+    "sink_init", "rl_problems", "train_rows", "eval_rows", "eval_every", "eval_slice",
+)  # fmt: skip
+
+
+def merge_reports(parts: list[dict], args) -> dict:
+    """One report from the reports of processes that ran parts of the grid from one warm start: the runs of every
+    part, each part's checks (sink control, warm policy) kept with it; `SystemExit` when the parts differ in a
+    setting of `MERGE_SAME` or in the warm start, or two parts hold the same run."""
+    parts = [upgrade_result(part) for part in parts]
+    if not parts:
+        raise SystemExit("--merge needs at least one report")
+    first = parts[0]["setup"]
+    for i, part in enumerate(parts[1:], 2):
+        setup = part["setup"]
+        for key in MERGE_SAME + ("warm_start",):
+            a, b = first.get(key), setup.get(key)
+            if key == "warm_start":
+                a, b = (a or {}).get("sha256"), (b or {}).get("sha256")
+            if a != b:
+                raise SystemExit(f"--merge: part {i} differs from part 1 in {key} ({b!r} vs {a!r})")
+    arms: dict = {}
+    for i, part in enumerate(parts, 1):
+        for name, arm in part["arms"].items():
+            entry = arms.setdefault(name, {"description": arm["description"], "runs": {}})
+            for seed, run in arm["runs"].items():
+                if seed in entry["runs"]:
+                    raise SystemExit(f"--merge: {name} seed {seed} is in two parts (part {i} and an earlier one)")
+                entry["runs"][seed] = {**run, "part": i}
+    order = [a for a in ARMS if a in arms]
+    merged = {
+        "command": "python benchmarks/learning_run.py " + " ".join(["--merge", *(str(Path(Path(p).parent.name) / Path(p).name) for p in args.merge)]),
+        "environment": parts[0]["environment"],
+        "setup": {**first, "arms": order, "seeds": sorted({int(s) for a in arms.values() for s in a["runs"]})},
+        "arms": {name: arms[name] for name in order},
+        "check_failures": [f for part in parts for f in part.get("check_failures", [])],
+        "parts": [
+            {
+                "part": i,
+                "command": part["command"],
+                "environment": part["environment"],
+                "rollouts": part["setup"].get("rollouts"),
+                "sink_control": part.get("sink_control"),
+                "before": part.get("before"),
+                "runs": [f"{a} {s}" for a, arm in part["arms"].items() for s in arm["runs"]],
+            }
+            for i, part in enumerate(parts, 1)
+        ],
+    }
+    # the first part's checks head the report; every part's are listed with it
+    for key in ("sink_control", "before"):
+        if parts[0].get(key) is not None:
+            merged[key] = parts[0][key]
+    mark_missing_runs(merged, args.arms, args.seeds)
+    return merged
 
 
 # %% One run ------------------------------------------------------------------------------------------------------------
@@ -810,19 +970,23 @@ def _series(run: dict, key: str) -> list[tuple[int, float]]:
 
 
 def run_summary(run: dict) -> dict:
-    """One run's numbers for the table: reward over its first / last 10 logged generation steps, the last sampled
-    accuracy, the peak pre-clip gradient norm, the mean mismatch, the median time split."""
+    """One run's numbers for the table: reward over its first / last `REWARD_WINDOW` logged steps (None for both
+    when the two windows would overlap), the last sampled accuracy, the peak pre-clip gradient norm, the mean
+    mismatch, the median time split."""
     rewards = [v for _, v in _series(run, "reward")]
+    enough = len(rewards) >= 2 * REWARD_WINDOW
     sampled = [v for _, v in _series(run, "sampled_accuracy")]
     start = (run.get("sampled_accuracy_start") or {}).get("accuracy")
     rollout = _finite(s.get("rollout_s") for s in run["steps"])
     step = _finite(s.get("step_s") for s in run["steps"])
     sync = _finite(s.get("weight_sync_s") for s in run["steps"])
+    verify = _finite(s.get("weight_sync_verify_s") for s in run["steps"])
     grad = _finite(s.get("grad_norm") for s in run["steps"])
     signal = [v for _, v in _series(run, "reward_std")]
     return {
-        "reward_first": _mean(rewards[:10]),
-        "reward_last": _mean(rewards[-10:]),
+        "reward_steps": len(rewards),
+        "reward_first": _mean(rewards[:REWARD_WINDOW]) if enough else None,
+        "reward_last": _mean(rewards[-REWARD_WINDOW:]) if enough else None,
         "sampled_accuracy_start": start,
         "sampled_accuracy_last": sampled[-1] if sampled else start,
         "practised_after": (run.get("practised_after") or {}).get("accuracy"),
@@ -838,6 +1002,7 @@ def run_summary(run: dict) -> dict:
         "rollout_s_median": statistics.median(rollout) if rollout else None,
         "step_s_median": statistics.median(step) if step else None,
         "weight_sync_s_median": statistics.median(sync) if sync else None,
+        "weight_sync_verify_s_median": statistics.median(verify) if verify else None,
     }
 
 
@@ -872,6 +1037,15 @@ def separation(summaries: dict, key: str, reference: str = "sink_kernel") -> dic
         disjoint = other["max"] < ref["min"] or other["min"] > ref["max"]
         out[name] = "separated" if disjoint else "overlap"
     return out
+
+
+def _reward_cell(summary: dict, runs: list[dict]) -> str:
+    """The reward column: first → last window, or why there is none."""
+    first, last = summary.get("reward_first"), summary.get("reward_last")
+    if first and first["n"]:
+        return f"{_pm(first)} → {_pm(last)}"
+    logged = sorted({run_summary(r)["reward_steps"] for r in runs})
+    return f"too few steps ({'/'.join(map(str, logged)) or 0} logged, needs {2 * REWARD_WINDOW})"
 
 
 def _pm(stat: dict | None, spec: str = ".3g") -> str:
@@ -978,7 +1152,44 @@ def write_report(result: dict, out: Path) -> None:
         ),
         "",
     ]
+    if s.get("note"):
+        lines += [s["note"], ""]
+    if s.get("warm_start"):
+        ws = s["warm_start"]
+        lines += [
+            f"Every run starts from the same warm-up weights (SHA-256 `{ws['sha256'][:16]}…`"
+            f"{', saved once and loaded by each process' if ws.get('loaded') else ''}).",
+            "",
+        ]
+    if result.get("missing_runs"):
+        lines += [
+            f"**Partial report**: {len(result['missing_runs'])} of the planned "
+            f"{len(result['planned']['arms']) * len(result['planned']['seeds'])} runs are missing "
+            f"({', '.join(result['missing_runs'])}).",
+            "",
+        ]
     control = result.get("sink_control")
+    if control and result.get("parts"):
+        lines += ["Checks before the arms, per process (each against its own server):", ""]
+        for part in result["parts"]:
+            c, b = part.get("sink_control"), part.get("before")
+            text = f"- part {part['part']} (runs {', '.join(part['runs']) or 'none'}): "
+            if c:
+                text += (
+                    f"sink control {fmt(c['mean_abs_logp_diff_with_sinks'])} with sinks vs "
+                    f"{fmt(c['mean_abs_logp_diff_without_sinks'])} without ({c['tokens']} tokens, shift "
+                    f"{c['sink_shift']:+g}): {'passed' if c['passed'] else 'FAILED'}"
+                )
+            if b:
+                text += (
+                    f"; warm policy sampled accuracy {fmt(b['sampled_slice']['accuracy'], '.2f')}, tool-call rate "
+                    f"{fmt(b['sampled_slice']['tool_call_rate'], '.2f')}, greedy {b['practised']['correct']}/"
+                    f"{b['practised']['n']} practised, {b['held_out']['correct']}/{b['held_out']['n']} held out"
+                )
+            lines.append(text)
+        lines.append("")
+        control = None
+    before = result.get("before") if not result.get("parts") else None
     if control:
         lines += [
             (
@@ -989,7 +1200,6 @@ def write_report(result: dict, out: Path) -> None:
             ),
             "",
         ]
-    before = result.get("before")
     if before:
         lines += [
             (
@@ -1002,8 +1212,9 @@ def write_report(result: dict, out: Path) -> None:
             "",
         ]
     lines += [
-        "Mean ± standard deviation over seeds (no ± with one seed). Reward: mean of the first / last 10 logged "
-        "steps. Sampled accuracy: temperature 1, practised slice, at step 0 and at the last measurement. Greedy "
+        f"Mean ± standard deviation over seeds (no ± with one seed). Reward: mean of the first / last {REWARD_WINDOW} "
+        f"logged steps (runs with fewer than {2 * REWARD_WINDOW} logged steps have none: the windows would overlap). "
+        "Sampled accuracy: temperature 1, practised slice, at step 0 and at the last measurement. Greedy "
         "accuracy after RL: practised and held-out problems.",
         "",
         "| arm | trainer attention | seeds | steps | reward first → last 10 | sampled acc. start → last | greedy "
@@ -1017,7 +1228,7 @@ def write_report(result: dict, out: Path) -> None:
         steps = sorted({r["steps_done"] for r in runs})
         lines.append(
             f"| {name} | {arm['description']} (`{runs[0]['attention'] if runs else '–'}`) | {len(runs)} | "
-            f"{'/'.join(map(str, steps))} | {_pm(m.get('reward_first'))} → {_pm(m.get('reward_last'))} | "
+            f"{'/'.join(map(str, steps))} | {_reward_cell(m, runs)} | "
             f"{_pm(m.get('sampled_accuracy_start'), '.2f')} → {_pm(m.get('sampled_accuracy_last'), '.2f')} | "
             f"{_pm(m.get('practised_after'), '.2f')} / {_pm(m.get('held_out_after'), '.2f')} | "
             f"{_pm(m.get('tool_call_rate_last'), '.2f')} | {_pm(m.get('grad_norm_peak'))} | {_pm(m.get('k3_mean'))} | "
@@ -1034,16 +1245,17 @@ def write_report(result: dict, out: Path) -> None:
     lines += [
         "",
         "Time per optimizer step, median over steps then mean over seeds (s): rollout (generation steps only), whole "
-        "step before the sync (rollout, log-probs, forward, backward, update), weight sync (export, load, checks).",
+        "step before the sync (rollout, log-probs, forward, backward, update), weight sync (export, load, checks), "
+        "and of the sync its verification (served version and `/weights_checker` checksums).",
         "",
-        "| arm | rollout | step | weight sync |",
-        "|---|---|---|---|",
+        "| arm | rollout | step | weight sync | of which verification |",
+        "|---|---|---|---|---|",
     ]
     for name in result["arms"]:
         m = summaries[name]
         lines.append(
             f"| {name} | {_pm(m.get('rollout_s_median'))} | {_pm(m.get('step_s_median'))} | "
-            f"{_pm(m.get('weight_sync_s_median'))} |"
+            f"{_pm(m.get('weight_sync_s_median'))} | {_pm(m.get('weight_sync_verify_s_median'))} |"
         )
     lines += [
         "",
@@ -1089,10 +1301,20 @@ def run_failures(result: dict, *, require_reward_signal: bool = True) -> list[st
 def main(argv=None) -> dict:
     args = parse_args(argv)
     names = report_names(args.rollout_backend)
-    args.out = output_dir(args.out, *names)
+    if not args.save_warm_start:  # that writes no report
+        args.out = output_dir(args.out, *names)
     if args.from_json:
         result = upgrade_result(json.loads(Path(args.from_json).read_text()))
         write_report(result, args.out)
+        return result
+    if args.merge:
+        result = merge_reports([json.loads(Path(path).read_text()) for path in args.merge], args)
+        write_report(result, args.out)
+        exit_if_failed(
+            "benchmarks/learning_run.py",
+            run_failures(result, require_reward_signal=args.require_reward_signal),
+            args.out,
+        )
         return result
     wants_cpu = args.device == "cpu"
     if wants_cpu:  # the kernel's Triton code runs on CPU tensors only if this is set before triton.jit runs
@@ -1154,11 +1376,19 @@ def main(argv=None) -> dict:
     )
     stop = [StopAtLoss(args.cold_start_target_nll)] if args.cold_start_target_nll else None
     practised = []
-    if args.cold_start_steps > 0:
-        practised = cold_start(
-            model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems, callbacks=stop
-        )
-    cold_seconds = time.perf_counter() - start
+    warm_key = warm_start_key(args)
+    if args.warm_start:
+        practised, cold_seconds = load_warm_start(model, Path(args.warm_start), warm_key)
+    else:
+        if args.cold_start_steps > 0:
+            practised = cold_start(
+                model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems, callbacks=stop
+            )
+        cold_seconds = time.perf_counter() - start
+    if args.save_warm_start:
+        digest = save_warm_start(model, Path(args.save_warm_start), warm_key, practised, cold_seconds)
+        print(f"warm start saved in {args.save_warm_start} (sha256 {digest[:16]}, {cold_seconds:.0f} s)", flush=True)
+        return {"warm_start": {"sha256": digest, "cold_start_seconds": cold_seconds, "practised": len(practised)}}
     full_train_rows = len(train_dataset)
     # "practised": training problems the warm-up saw, scored like the held-out set (memorisation vs generalisation);
     # without a warm-up, the first training problems
@@ -1170,6 +1400,7 @@ def main(argv=None) -> dict:
     model.config.use_cache = True
     warm_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     parameters = sum(p.numel() for p in model.parameters())
+    warm_digest = state_digest(warm_state)
 
     result = {
         "command": "python benchmarks/learning_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -1203,10 +1434,13 @@ def main(argv=None) -> dict:
             "steps_requested": args.steps,
             "max_seconds": args.max_seconds,
             "sink_init": [args.sink_mean, args.sink_std],
+            "warm_start": {"sha256": warm_digest, "loaded": bool(args.warm_start)},
+            "note": args.note,
         },
         "arms": {},
         "check_failures": [],
     }
+    mark_missing_runs(result, args.arms, args.seeds)
     rollouts = Rollouts(args, device, Path(tempfile.mkdtemp(prefix="learning_run_rollouts_")))
     rollouts.pad_token_id = tokenizer.pad_token_id
     try:
@@ -1258,8 +1492,11 @@ def main(argv=None) -> dict:
                 for arm in args.arms:
                     entry = result["arms"].setdefault(arm, {"description": ARMS[arm], "runs": {}})
                     entry["runs"][str(seed)] = run_arm(arm, seed, ctx)
+                    mark_missing_runs(result, args.arms, args.seeds)
+                    write_report(result, args.out)  # a script stopped later still leaves this run's numbers
     finally:
         rollouts.stop()
+    mark_missing_runs(result, args.arms, args.seeds)
     write_report(result, args.out)
     for name, arm in result["arms"].items():
         summary = arm_summary(arm)

@@ -88,6 +88,7 @@ import torch
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
 from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
+from trl_ext.sglang_serve import server_environment
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -229,7 +230,7 @@ class ServerManager:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=_new_session_dying_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=server_environment(),  # SGLang's own environment: the trainer's PYTHONPATH stays here
             )
         try:
             self._wait_ready(self.url, timeout_s)

@@ -20,8 +20,10 @@
 #   sglang_offline.sh serve TARGET MODEL_DIR PORT [extra sglang args...]
 #
 # `install` also writes TARGET/bin/python (this machine's python with
-# PYTHONPATH=TARGET), so the server command is the same as for a virtual
-# environment in that directory: /opt/sglang/bin/python -m sglang.launch_server
+# PYTHONPATH=TARGET and nothing else on it), so the server command is the same as
+# for a virtual environment in that directory:
+#   /opt/sglang/bin/python -m sglang.launch_server
+#   sglang_offline.sh wrapper TARGET              (writes only TARGET/bin/python)
 set -euo pipefail
 
 PY=${PYTHON:-python3}
@@ -187,7 +189,9 @@ write_python_wrapper() {
   mkdir -p "$target/bin"
   printf '#!/bin/sh\n# written by sglang_offline.sh install: %s with the SGLang install in %s\n' "$python" "$target" \
     >"$target/bin/python"
-  printf 'PYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec "%s" "$@"\n' "$target" "$python" >>"$target/bin/python"
+  # SGLang's own environment: the caller's PYTHONPATH (a trainer environment, say) is replaced, not extended, so it
+  # cannot shadow the versions SGLang pins
+  printf 'unset PYTHONHOME\nPYTHONPATH="%s" exec "%s" "$@"\n' "$target" "$python" >>"$target/bin/python"
   chmod +x "$target/bin/python"
 }
 
@@ -251,5 +255,6 @@ case $sub in
   slim) cmd_slim "$@" ;;
   check) cmd_check "$@" ;;
   serve) cmd_serve "$@" ;;
-  *) die "usage: $0 {download WHEELDIR|slim WHEELDIR OUTDIR|install WHEELDIR [TARGET]|check [TARGET]|serve TARGET MODEL_DIR PORT [args...]} (TARGET: $DEFAULT_TARGET)" ;;
+  wrapper) mkdir -p "${1:?usage: wrapper TARGET}" && write_python_wrapper "$1" ;;
+  *) die "usage: $0 {download WHEELDIR|slim WHEELDIR OUTDIR|install WHEELDIR [TARGET]|wrapper TARGET|check [TARGET]|serve TARGET MODEL_DIR PORT [args...]} (TARGET: $DEFAULT_TARGET)" ;;
 esac

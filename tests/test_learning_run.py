@@ -112,6 +112,62 @@ def test_learning_run_against_a_server_that_honours_sinks_and_sync(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_the_grid_split_over_processes_merges_into_one_report(tmp_path):
+    """`--save-warm-start` once, two processes with `--warm-start` (one seed each, a server each), `--merge`: one
+    report with both runs, both processes' checks, the grid's missing run named (partial), and no reward comparison
+    from runs too short for one. Refused: a warm start saved with other settings, parts that differ in a setting or
+    in their warm start, and a run present in two parts."""
+    warm = ["--arms", "sink_dropping", "--no-policy-check", "--no-require-reward-signal"]
+    saved = learning_run.main(SMOKE + warm + ["--save-warm-start", str(tmp_path / "warm")])
+    digest = saved["warm_start"]["sha256"]
+    parts = []
+    for seed in (0, 1):
+        out = tmp_path / f"part{seed}"
+        learning_run.main(
+            SMOKE + _fake_server_cmd() + warm + ["--seeds", str(seed), "--warm-start", str(tmp_path / "warm"),
+                                                  "--out", str(out)]
+        )  # fmt: skip
+        parts.append(out / "learning_run_sglang.json")
+        part = json.loads(parts[-1].read_text())
+        assert part["setup"]["warm_start"] == {"sha256": digest, "loaded": True} and part["missing_runs"] == []
+    merged = learning_run.main(
+        ["--merge", *map(str, parts), "--rollout-backend", "sglang", "--arms", "sink_dropping", "--seeds", "0,1,2",
+         "--no-require-reward-signal", "--out", str(tmp_path / "merged")]
+    )  # fmt: skip
+    assert set(merged["arms"]["sink_dropping"]["runs"]) == {"0", "1"} and merged["missing_runs"] == ["sink_dropping 2"]
+    assert [p["runs"] for p in merged["parts"]] == [["sink_dropping 0"], ["sink_dropping 1"]]
+    table = (tmp_path / "merged" / "learning_run_sglang.md").read_text()
+    assert "**Partial report**: 1 of the planned 3 runs are missing (sink_dropping 2)" in table
+    assert "part 1 (runs sink_dropping 0): sink control" in table and "part 2 (runs sink_dropping 1)" in table
+    assert "too few steps (2 logged, needs 20)" in table and digest[:16] in table
+
+    with pytest.raises(SystemExit, match="saved with other settings .*init_seed"):
+        learning_run.main(
+            SMOKE + warm + ["--init-seed", "3", "--warm-start", str(tmp_path / "warm"), "--out", str(tmp_path / "x")]
+        )
+    other = json.loads(parts[1].read_text())
+    for key, value in (("learning_rate", 1.0), ("warm_start", {"sha256": "0" * 64, "loaded": True})):
+        changed = tmp_path / f"changed_{key}.json"
+        changed.write_text(json.dumps({**other, "setup": {**other["setup"], key: value}}))
+        with pytest.raises(SystemExit, match=f"part 2 differs from part 1 in {key}"):
+            learning_run.main(["--merge", str(parts[0]), str(changed), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="sink_dropping seed 0 is in two parts"):
+        learning_run.main(["--merge", str(parts[0]), str(parts[0]), "--out", str(tmp_path / "x")])
+
+
+def test_reward_windows_need_twice_their_length():
+    """With fewer than 20 logged steps the first and last 10 overlap: no reward comparison, the table says why."""
+    short = {"steps": [{"step": i, "reward": 0.1 * i} for i in range(1, 13)], "steps_done": 12}
+    summary = learning_run.run_summary(short)
+    assert summary["reward_first"] is None and summary["reward_last"] is None and summary["reward_steps"] == 12
+    long = {"steps": [{"step": i, "reward": float(i >= 11)} for i in range(1, 21)], "steps_done": 20}
+    summary = learning_run.run_summary(long)
+    assert (summary["reward_first"], summary["reward_last"]) == (0.0, 1.0)
+    arm = learning_run.arm_summary({"runs": {"0": short}})
+    assert learning_run._reward_cell(arm, [short]) == "too few steps (12 logged, needs 20)"
+
+
+@pytest.mark.timeout(600)
 def test_learning_run_sink_control_catches_a_server_without_sinks(tmp_path):
     """Positive control of the control: a server that serves attention without the sinks fails it, no arm runs."""
     with pytest.raises(SystemExit, match="sink control failed"):

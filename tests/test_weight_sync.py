@@ -144,3 +144,37 @@ def test_lora_on_expert_parameters_under_fsdp_names_what_is_unsupported():
     with pytest.raises(WeightSyncError, match="linear layers only"):
         with export_policy_weights(policy, accelerator=_GatheringAccelerator(), is_fsdp=True) as named:
             dict(named())
+
+
+def test_a_served_model_is_stored_in_the_dtype_it_is_served_in(tmp_path):
+    """SGLang builds GPT-OSS's layers in config.json's dtype, so a checkpoint written from fp32 master weights and
+    served with ``--dtype bfloat16`` stops its warm-up. `write_served_model` stores the tensors and the config in
+    the served dtype and leaves the model in fp32; `convert_checkpoint` gives the same files from a saved fp32
+    checkpoint. Control: what `save_pretrained` writes from the same model is float32 throughout."""
+    import json
+
+    from trl_ext.weight_sync import checkpoint_dtypes, convert_checkpoint, write_served_model
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_gptoss_config(vocab_size=256))
+    n = len(model.state_dict())
+    model.save_pretrained(tmp_path / "plain")
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert checkpoint_dtypes(tmp_path / "plain") == {"float32": n} and plain["dtype"] == "float32"  # the control
+
+    write_served_model(model, tmp_path / "served", torch.bfloat16)
+    served = json.loads((tmp_path / "served" / "config.json").read_text())
+    assert checkpoint_dtypes(tmp_path / "served") == {"bfloat16": n}
+    assert served["dtype"] == served["torch_dtype"] == "bfloat16" and "swiglu_limit" in served
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the master weights are left as they are
+
+    convert_checkpoint(tmp_path / "plain", tmp_path / "converted", torch.bfloat16)
+    converted = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert checkpoint_dtypes(tmp_path / "converted") == {"bfloat16": n} and converted["dtype"] == "bfloat16"
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "served" / "model.safetensors"))
+    b = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="output folder is the input folder"):
+        convert_checkpoint(tmp_path / "plain", tmp_path / "plain", torch.bfloat16)

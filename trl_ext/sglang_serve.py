@@ -9,6 +9,13 @@ SGLang pins its own torch and transformers, so it runs from a Python environment
 them (routing replay), LoRA adapter sync when asked, and CUDA graphs on. It prints the exact command, waits until
 ``/health`` answers, prints the URL and the trainer flags that use it, then serves until interrupted (Ctrl-C stops the
 server's whole process group). Flags after ``--`` go to SGLang unchanged.
+
+The server's environment is its own: the trainer's ``PYTHONPATH`` (and ``PYTHONHOME``) are not passed on
+(`server_environment`), so packages of the trainer's environment cannot shadow the versions SGLang pins. A
+checkpoint is served in the dtype it is stored in; ``--dtype`` with another dtype needs ``--convert-to DIR`` (a copy
+stored in that dtype is written there and served), because SGLang builds GPT-OSS's layers in ``config.json``'s dtype
+(``params_dtype=config.dtype`` in sglang/srt/models/gpt_oss.py) and a ``--dtype`` that differs stops its warm-up
+("mat1 and mat2 must have the same dtype").
 """
 
 from __future__ import annotations
@@ -59,11 +66,61 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--lora-target-modules", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"])
     p.add_argument("--disable-cuda-graph", action="store_true", help="faster start, slower decoding")
+    p.add_argument("--dtype", default=None, help="serve in this dtype (default: the dtype the checkpoint stores)")
+    p.add_argument(
+        "--convert-to",
+        default=None,
+        help="with --dtype other than the checkpoint's: write a copy stored in --dtype into this folder and serve it",
+    )
     p.add_argument("--ready-timeout-s", type=float, default=900.0, help="deadline of the start (weights, graphs)")
     args = p.parse_args(argv)
+    if any(flag == "--dtype" or flag.startswith("--dtype=") for flag in extra):
+        p.error("pass --dtype before `--` (it is checked against the checkpoint), not to SGLang directly")
+    if args.convert_to and not args.dtype:
+        p.error("--convert-to needs --dtype")
     if args.moe_runner_backend in ("triton_kernel", "flashinfer_mxfp4") and not args.no_routing_replay:
         p.error(f"--moe-runner-backend {args.moe_runner_backend} records no routing; use triton or marlin")
     return args, extra
+
+
+# variables of the trainer's Python that must not reach SGLang's own environment
+TRAINER_ONLY_VARIABLES = ("PYTHONPATH", "PYTHONHOME")
+
+
+def server_environment(environ=None) -> dict[str, str]:
+    """The environment an SGLang server is started with: this process's, without `TRAINER_ONLY_VARIABLES` (a
+    trainer environment on ``PYTHONPATH`` would shadow SGLang's pinned packages), output unbuffered."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in TRAINER_ONLY_VARIABLES}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def prepare_model(args) -> str:
+    """The checkpoint folder to serve: ``--model``, or its copy in ``--dtype`` (``--convert-to``). `SystemExit` when
+    ``--dtype`` differs from the dtype the checkpoint stores and no copy was asked for."""
+    import torch
+
+    from .weight_sync import checkpoint_dtypes, convert_checkpoint
+
+    if not args.dtype:
+        return args.model
+    try:
+        stored = checkpoint_dtypes(args.model)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"sglang_serve: {exc}") from None
+    wanted = str(getattr(torch, args.dtype, args.dtype)).removeprefix("torch.")
+    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise SystemExit(f"sglang_serve: --dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+    if set(stored) <= {wanted}:
+        return args.model
+    held = ", ".join(f"{n} tensors in {d}" for d, n in sorted(stored.items()))
+    if not args.convert_to:
+        raise SystemExit(
+            f"sglang_serve: {args.model} stores {held}; SGLang serving it as --dtype {wanted} stops at its warm-up "
+            f"(it builds the layers in config.json's dtype). Pass --convert-to DIR to serve a copy stored in {wanted}."
+        )
+    print(f"writing a copy of {args.model} in {wanted} to {args.convert_to} (it stores {held})", flush=True)
+    return str(convert_checkpoint(args.model, args.convert_to, getattr(torch, wanted)))
 
 
 def server_command(args, extra: list[str]) -> list[str]:
@@ -88,6 +145,8 @@ def server_command(args, extra: list[str]) -> list[str]:
         ]
     if args.disable_cuda_graph:
         cmd.append("--disable-cuda-graph")
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     return cmd + extra
 
 
@@ -111,10 +170,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 def main(argv=None) -> int:
     args, extra = parse_args(argv)
+    args.model = prepare_model(args)
     cmd = server_command(args, extra)
     url = f"http://{args.host}:{args.port}"
     print(f"launching: {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)  # its own process group: stopped as a whole
+    proc = subprocess.Popen(cmd, start_new_session=True, env=server_environment())  # own group: stopped as a whole
 
     def stop(*_):
         if proc.poll() is None:

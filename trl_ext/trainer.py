@@ -1286,6 +1286,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
             error = exc
         self._metrics["train"]["timing/weight_sync_s"].append(time.perf_counter() - start)
+        verify_s = getattr(getattr(self.rollout_engine, "weight_sync", None), "last_verify_s", None)
+        if error is None and verify_s is not None:  # SGLang: the sync's checks (served version, checksums)
+            self._metrics["train"]["timing/weight_sync_verify_s"].append(verify_s)
         if self.args.rollout_backend == "sglang" and self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 

@@ -17,7 +17,13 @@ from collections.abc import Callable
 
 from .export import LoRAAdapter, export_lora_adapter, export_policy_weights
 from .settings import SYNC_MODES, VERIFY_MODES, WeightSyncConfig, WeightSyncError
-from .transport import load_state_tensors, save_config_for_sglang
+from .transport import (
+    checkpoint_dtypes,
+    convert_checkpoint,
+    load_state_tensors,
+    save_config_for_sglang,
+    write_served_model,
+)
 from .verify import reference_logprobs
 
 __all__ = [
@@ -26,12 +32,15 @@ __all__ = [
     "LoRAAdapter",
     "WeightSyncConfig",
     "WeightSyncError",
+    "checkpoint_dtypes",
+    "convert_checkpoint",
     "export_lora_adapter",
     "export_policy_weights",
     "load_state_tensors",
     "push_policy_weights",
     "reference_logprobs",
     "save_config_for_sglang",
+    "write_served_model",
 ]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -163,6 +164,7 @@ class SGLangHTTPWeightSync:
         self._weight_dir = Path(config.weight_dir) if config.weight_dir else None
         self._own_weight_dir = config.weight_dir is None
         self._names: dict[str, _LoadedNames] = {}
+        self.last_verify_s: float | None = None  # seconds the last successful sync spent in `verify`
         self._checksums: dict[str, dict] = {}  # url -> /weights_checker answer after the last verified sync
         self._sent = checks.SentFingerprints()
         self._requested_adapters: dict[str, set[str]] = {}  # url -> adapter names whose load was requested
@@ -330,7 +332,9 @@ class SGLangHTTPWeightSync:
             raise self.fail(f"weight sync to version {version} failed ({detail}); servers: {states_text}")
         if in_place:
             self._release_requests()
+        verify_start = time.perf_counter()
         await self.verify(states, version, changed=changed, check_sums=check_sums)
+        self.last_verify_s = time.perf_counter() - verify_start
         if check_sums:
             self._sent.commit()
         self.version = version

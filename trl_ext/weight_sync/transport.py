@@ -4,7 +4,8 @@
 - `plan_buckets` + `flatten_bucket`: SGLang's ``FlattenedTensorBucket`` layout, one NCCL broadcast per bucket.
 - `init_weight_update_group`: the standalone NCCL/gloo group shared by the trainer and the engine ranks.
 - `write_checkpoint`, `write_adapter`, `save_config_for_sglang`: what ``/update_weights_from_disk`` and
-  ``/load_lora_adapter`` read.
+  ``/load_lora_adapter`` read; `write_served_model`, `checkpoint_dtypes`, `convert_checkpoint`: a checkpoint stored in
+  the dtype its server serves (what SGLang's start needs).
 - `load_state_tensors`: the in-process receiver (the embedded engine).
 
 SGLang behaviour this follows is cited by upstream file and function (sglang 0.5.17 and 0.5.23 wheels).
@@ -315,6 +316,82 @@ def save_config_for_sglang(config, out_dir: str | Path) -> None:
     if "swiglu_limit" not in data:
         data["swiglu_limit"] = float(getattr(config, "swiglu_limit", None) or GPTOSS_DEFAULT_SWIGLU_LIMIT)
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# SGLang 0.5.17 started with ``--dtype bfloat16`` on a checkpoint stored in float32 stops at its warm-up with
+# "mat1 and mat2 must have the same dtype, but got BFloat16 and Float" (``F.linear`` in
+# sglang/srt/layers/quantization/unquant.py): a served checkpoint must be stored in the dtype it is served in.
+SAFETENSORS_FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def write_served_model(model: torch.nn.Module, out_dir: str | Path, dtype: torch.dtype) -> None:
+    """``model`` as an SGLang server started with ``--dtype <dtype>`` loads it: its floating-point tensors stored in
+    ``dtype`` (the model itself is left as it is, e.g. fp32 master weights), ``config.json`` naming ``dtype``
+    (``dtype`` and the ``torch_dtype`` that SGLang's pinned transformers reads) and `save_config_for_sglang`'s keys."""
+    out_dir = Path(out_dir)
+    state = {
+        k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).to("cpu").contiguous()
+        for k, v in model.state_dict().items()
+    }
+    model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    save_config_for_sglang(model.config, out_dir)
+    _set_config_dtype(out_dir / "config.json", dtype)
+
+
+def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    data = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    data["dtype"] = data["torch_dtype"] = name
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        return json.loads(fh.read(size))
+
+
+def checkpoint_dtypes(model_dir: str | Path) -> dict[str, int]:
+    """Floating-point dtype name -> number of tensors stored in it, over the ``*.safetensors`` files of
+    ``model_dir`` (headers only: nothing is loaded). Integer tensors (MXFP4 blocks and scales) are not counted."""
+    counts: dict[str, int] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    for path in files:
+        for name, entry in _safetensors_header(path).items():
+            dtype = SAFETENSORS_FLOAT_DTYPES.get(entry.get("dtype")) if name != "__metadata__" else None
+            if dtype:
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return counts
+
+
+def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """A copy of the checkpoint in ``model_dir`` with every floating-point tensor stored in ``dtype``, shard by shard
+    (one shard in memory at a time), the shard index's sizes and ``config.json``'s dtype updated, every other file
+    (tokenizer, chat template, generation config) copied. Returns ``out_dir``."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.resolve() == model_dir.resolve():
+        raise ValueError(f"convert_checkpoint: the output folder is the input folder ({model_dir})")
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}/config.json not found")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for path in sorted(model_dir.iterdir()):
+        if path.suffix == ".safetensors":
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            save_file(tensors, str(out_dir / path.name), metadata=_safetensors_header(path).get("__metadata__"))
+        elif path.is_file() and not path.name.endswith(".safetensors.index.json"):
+            shutil.copy2(path, out_dir / path.name)
+    for index in model_dir.glob("*.safetensors.index.json"):
+        data = json.loads(index.read_text())
+        data.setdefault("metadata", {})["total_size"] = total
+        (out_dir / index.name).write_text(json.dumps(data, indent=2) + "\n")
+    _set_config_dtype(out_dir / "config.json", dtype)
+    return out_dir
 
 
 def default_weight_dir() -> Path:
