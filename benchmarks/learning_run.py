@@ -749,7 +749,8 @@ def merge_reports(parts: list[dict], args) -> dict:
                 entry["runs"][seed] = {**run, "part": i}
     order = [a for a in ARMS if a in arms]
     merged = {
-        "command": "python benchmarks/learning_run.py " + " ".join(["--merge", *(str(Path(Path(p).parent.name) / Path(p).name) for p in args.merge)]),
+        "command": "python benchmarks/learning_run.py "
+        + " ".join(["--merge", *(str(Path(Path(p).parent.name) / Path(p).name) for p in args.merge)]),
         "environment": parts[0]["environment"],
         "setup": {**first, "arms": order, "seeds": sorted({int(s) for a in arms.values() for s in a["runs"]})},
         "arms": {name: arms[name] for name in order},
