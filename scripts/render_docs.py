@@ -30,7 +30,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/render_docs.py` from anywhere: benchmarks._cli is stdlib only
     sys.path.insert(0, str(REPO))
-
 from benchmarks._cli import ratio  # noqa: E402
 
 BENCHMARKS = REPO / "docs" / "benchmarks"
@@ -420,6 +419,54 @@ def results_learning_k3(data: Data) -> str:
     )
 
 
+def results_learning_sglang(data: Data) -> str:  # a block: what was run against SGLang, and per arm its numbers
+    where = "docs/benchmarks/learning_run_sglang.json"
+    from benchmarks.learning_run import arm_summary
+
+    result = data("learning_run_sglang")
+    setup, arms = _need(result, "setup", where), _need(result, "arms", where)
+    rollouts = setup.get("rollouts") or {}
+    runs = {name: ", ".join(sorted(arm["runs"], key=int)) for name, arm in arms.items()}
+    missing = result.get("missing_runs") or []
+    steps = sorted({r["steps_done"] for arm in arms.values() for r in arm["runs"].values()})
+
+    def stat(summary: dict, key: str, spec: str) -> str:
+        value = summary.get(key) or {}
+        if value.get("mean") is None:
+            return "–"
+        std = f" ± {value['std']:{spec}}" if value.get("std") is not None else ""
+        return f"{value['mean']:{spec}}{std}"
+
+    lines = [
+        "",
+        f"Report: [learning_run_sglang.md](benchmarks/learning_run_sglang.md) (numbers in `learning_run_sglang.json`): "
+        f"{result['environment'].get('device')}, SGLang {rollouts.get('sglang_version', '?')} serving "
+        f"{rollouts.get('served_dtype', '?')}, {sum(len(arm['runs']) for arm in arms.values())} runs "
+        f"({'; '.join(f'{n}: seeds {r}' for n, r in runs.items())}), "
+        f"{'/'.join(map(str, steps))} optimizer steps per run."
+        + (f" **Partial**: missing {', '.join(missing)}." if missing else ""),
+        "",
+        "| arm | seeds | reward first → last 10 | sampled accuracy start → last | peak grad norm | k3 vs the server | "
+        "stale trajectories |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, arm in arms.items():
+        m = arm_summary(arm)
+        stale = sum(s.get("stale_trajectories") or 0 for r in arm["runs"].values() for s in r["steps"])
+        reward = (
+            f"{stat(m, 'reward_first', '.3f')} → {stat(m, 'reward_last', '.3f')}"
+            if (m.get("reward_first") or {}).get("mean") is not None
+            else "too few steps"
+        )
+        lines.append(
+            f"| {name} | {len(arm['runs'])} | {reward} | {stat(m, 'sampled_accuracy_start', '.2f')} → "
+            f"{stat(m, 'sampled_accuracy_last', '.2f')} | {stat(m, 'grad_norm_peak', '.3g')} | "
+            f"{stat(m, 'k3_mean', '.2g')} | {stale:g} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
 def results_full_step(data: Data) -> str:
     h, r = full_step_headline(data), ragged_headline(data)
     return (
@@ -535,6 +582,7 @@ RENDERERS = {
     "quickstart.k3_max": quickstart_k3_max,
     "results.mismatch_fp32": results_mismatch_fp32,
     "results.learning_k3": results_learning_k3,
+    "results.learning_sglang": results_learning_sglang,
     "results.full_step": results_full_step,
     "results.attention_vs_fa4": results_attention_vs_fa4,
     "results.sglang_probe": results_sglang_probe,
