@@ -111,7 +111,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             GPT-OSS, `completions` holds, for chat prompts, each completion's messages as TRL's tool loop builds them:
             `{"role": "assistant", "thinking": <analysis>, "tool_calls": [...], "content": <final answer>}` per turn
             (`thinking` / `tool_calls` only when present) and `{"role": "tool", "name": ..., "content": ...}` after a
-            call; for text prompts, the final-channel answer as a string (`""` when none). So a reward written for
+            call (a turn cut off by the token budget keeps its partial `thinking` / `content`, as TRL's parser does);
+            for text prompts, TRL's decoding of the completion ids (`batch_decode(..., skip_special_tokens=True)`:
+            every turn, channel names included, never empty when the model sampled a token). So a reward written for
             TRL's tool calling, or for a tool-free answer (`trl.rewards.accuracy_reward`), works unchanged. Each also
             receives the per-trajectory lists `final_text` (the final-channel answer, `""` when none), `num_turns`
             (assistant turns, i.e. generate calls: not a message count), `num_tool_calls` (the calls the model made),
@@ -849,20 +851,20 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return out
 
     @staticmethod
-    def _reward_completions(prompts: list, trajectories: list) -> list:
+    def _reward_completions(prompts: list, trajectories: list) -> list | None:
         """The `completions` TRL would hand reward functions for these harmony trajectories.
 
         Chat prompts: the completion's messages, as TRL's tool loop builds them (`GRPOTrainer._tool_call_loop` with
         `parse_response`): each assistant turn with its `thinking` (analysis), `tool_calls` and `content` (final
-        answer), each tool result as a `tool` message (`Trajectory.messages`). Text prompts: TRL passes the decoded
-        completion as a string; here that string is the final-channel answer (`""` when there is none), as the
-        decoded harmony text would hold every channel's text and the channel names.
+        answer, partial when cut off), each tool result as a `tool` message (`Trajectory.messages`). Text prompts:
+        None, i.e. TRL's own decoding (`processing_class.batch_decode(completion_ids, skip_special_tokens=True)`),
+        which is never empty when the model sampled a token; the final answer alone is the `final_text` keyword.
         """
         from trl.data_utils import is_conversational
 
         # TRL decides per batch, from the first prompt (`GRPOTrainer._generate`)
         if not is_conversational({"prompt": prompts[0]}):
-            return [traj.final_text or "" for traj in trajectories]
+            return None
         # a trajectory that sampled nothing (an aborted request) gets what TRL parses from an empty completion
         return [list(traj.messages) or [{"role": "assistant", "content": ""}] for traj in trajectories]
 
@@ -873,7 +875,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._pending_completions = None
         output = super()._generate(prompts)
         completions, self._pending_completions = self._pending_completions, None
-        if completions is None:  # a user's `rollout_func`, or a model without harmony turns: TRL's decoding
+        if completions is None:  # text prompts, a user's `rollout_func`, a model without harmony: TRL's decoding
             return output
         # TRL 1.16: (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)
         return (*output[:3], completions, *output[4:])
