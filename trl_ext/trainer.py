@@ -249,7 +249,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
         # after the engine's copy of the policy: the hooks serve the trainer's routers only
         self.routing_replay = None
-        self._replay_flip = False  # True during the extra pass of `routing_mismatch_both`
+        self._replay_flip = False  # True during the extra pass of `routing_mismatch_every`
         self._pending_routing: dict[str, torch.Tensor] | None = None  # this generation's records, TRL's layout
         self._pending_completions: list | None = None  # this generation's `completions` for the rewards (`_generate`)
         if self._routing_shape is not None:
@@ -1024,7 +1024,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         routing = self._routing_for(input_ids)
         inputs = self._loss_inputs
         other_logps = None
-        if routing is not None and inputs is not None and self.args.routing_mismatch_both:
+        if routing is not None and inputs is not None and self._routing_mismatch_step():
             # before the loss forward, whose plan the checkpoint recompute of its backward replays
             with torch.no_grad():
                 self._replay_flip = True
@@ -1048,6 +1048,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 self._log_mismatch_by_routing(logps, other_logps, inputs)
             self._apply_rollout_correction(logps, inputs)
         return logps, entropies, aux_loss
+
+    def _routing_mismatch_step(self) -> bool:
+        """Whether this step's loss batches are also scored under the other routing (`routing_mismatch_every`)."""
+        every = self.args.routing_mismatch_every
+        return every > 0 and self.model.training and self.state.global_step % every == 0
 
     def _dispatch_logps(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
         """One log-prob pass on the path this batch takes: sequence-parallel, packed, padded with routing, TRL's."""
@@ -1075,7 +1080,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def _log_mismatch_by_routing(self, logps, other_logps, inputs) -> None:
         """`routing/k3_kl_{replayed,own}` and `routing/prob_diff_max_{replayed,own}`: the mismatch against the
         rollout with the engine's routing replayed and with the trainer's own, on the same tokens (one of the two
-        is the loss forward, the other the extra pass of `routing_mismatch_both`)."""
+        is the loss forward, the other the extra pass of `routing_mismatch_every`)."""
         replayed = self.args.routing_replay is not False
         by_name = {"replayed": logps, "own": other_logps} if replayed else {"replayed": other_logps, "own": logps}
         mask = inputs["completion_mask"]
@@ -1107,7 +1112,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def _replay(self, routing: torch.Tensor):
         """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
         # None (auto) replays whenever the engine recorded routing; False only measures the agreement; the extra
-        # pass of `routing_mismatch_both` runs the other way
+        # pass of `routing_mismatch_every` runs the other way
         replay = (self.args.routing_replay is not False) != self._replay_flip
         self.routing_replay.set_plan(routing, replay=replay, device=self.accelerator.device)
 
