@@ -530,10 +530,13 @@ class AssistantTurn:
         * ``tool_calls`` only for a call whose arguments are a JSON object:
           ``[{"type": "function", "function": {"name": ..., "arguments": {...}}}]``. A malformed call has none, as
           TRL parses none.
-        * ``content``: the final-channel answer, ``""`` when the turn has none or it was cut off.
+        * ``content``: the text of the last final-channel message, also when it was cut off (TRL's parser keeps a
+          partial answer; :attr:`final` does not); ``""`` when the turn has none.
 
         Commentary text without a recipient (a preamble) is left out, as TRL's template leaves it out. Unlike TRL's
-        template, both recipient placements are understood (see :func:`parse_assistant_turn`).
+        template, both recipient placements are understood (see :func:`parse_assistant_turn`); TRL's parser reads a
+        malformed or cut-off call in the re-rendered placement (``to=`` before ``<|channel|>``) as one plain-text
+        ``content`` (its fallback), here it is a turn without a call, as in the sampled placement.
         """
         message: dict[str, Any] = {"role": "assistant"}
         if self.analysis:
@@ -546,7 +549,8 @@ class AssistantTurn:
             if arguments is not None:
                 function = {"name": self.tool_call.name, "arguments": arguments}
                 message["tool_calls"] = [{"type": "function", "function": function}]
-        message["content"] = self.final or ""
+        finals = [m.content for m in self.messages if m.channel == "final"]
+        message["content"] = finals[-1] if finals else ""
         return message
 
 

@@ -551,6 +551,19 @@ def routing_replay_cost(data: Data) -> str:
     return f"{cost['generate_ratio']:.2f}x"
 
 
+def routing_mismatch_cost(data: Data) -> str:
+    report = data("routing_mismatch_cost")
+    summary = _need(report, "summary", "docs/benchmarks/routing_mismatch_cost.json")
+    config, machine = report["config"], report["machine"]
+    return (
+        f"{summary['extra_over_forward_backward']:.0%} of the loss forward and backward it rides on, "
+        f"{summary['extra_over_step']:.0%} of the whole step with generation (median of {summary['steps_measured']} "
+        f"steps, CPU: {machine['cpu']}, {machine['cores']} cores; a random GPT-OSS of {config['layers']} layers, "
+        f"hidden {config['hidden']}, {config['experts']} experts, {config['batch']} trajectories of "
+        f"{config['completion_length']} tokens; `{report['command']}`)"
+    )
+
+
 def _fa4_peaks(data: Data) -> dict[int, float]:
     return {
         r["seq_len"]: r["grpo_step"]["peak_gib"]
@@ -588,6 +601,7 @@ RENDERERS = {
     "results.sglang_probe": results_sglang_probe,
     "results.routing_replay": results_routing_replay,
     "routing_replay.cost": routing_replay_cost,
+    "routing_mismatch.cost": routing_mismatch_cost,
     "sp.stock_peak_32k": sp_stock_peak_32k,
     "sp.stock_slope": sp_stock_slope,
 }

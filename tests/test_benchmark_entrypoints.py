@@ -211,6 +211,7 @@ DEFAULT_OUT_RUNS = {
     "sequence_parallel": [],
     "sglang_e2e": ["--from-json", "{reports}/sglang_e2e.json"],
     "routing_replay": ["--from-json", "{reports}/routing_replay.json"],
+    "routing_mismatch_cost": [],  # refused before anything is measured
 }
 
 

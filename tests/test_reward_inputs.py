@@ -201,12 +201,58 @@ def test_accuracy_reward_grades_the_final_answer(tmp_path, tokenizer):
     assert list(trainer._logs["rewards"]["accuracy_reward"]) == [1.0, 1.0]  # this trainer's one batch
 
 
-def test_text_prompt_gets_the_final_answer_as_a_string(tmp_path, tokenizer):
-    """TRL passes a text prompt's completion as a string: here the final answer, without reasoning or markup."""
+# A turn cut off by the token budget in its reasoning: no final answer, but the model wrote something.
+TRUNCATED_TURN = "<|channel|>analysis<|message|>Let me add the two numbers, 2 and 3"
+
+
+def test_text_prompt_gets_trls_decoding_of_a_truncated_completion(tmp_path, tokenizer):
+    """TRL passes a text prompt's completion as `processing_class.batch_decode(completion_ids,
+    skip_special_tokens=True)`: a truncated completion, which has no final answer, is not empty."""
+    seen: dict = {}
+    agentic_scores(tmp_path, tokenizer, [TRUNCATED_TURN], recording_reward(seen), rows(QUESTION))
+    assert seen["finish_reason"] == ["length", "length"] and seen["final_text"] == ["", ""]
+    assert seen["completions"] == tokenizer.batch_decode(seen["completion_ids"], skip_special_tokens=True)
+    assert seen["completions"] == ["analysisLet me add the two numbers, 2 and 3"] * 2
+
+
+def test_text_prompt_gets_trls_decoding_of_the_whole_trajectory(tmp_path, tokenizer):
+    """With a tool call, the decoded completion is the whole trajectory (turns and tool message), as TRL decodes the
+    completion ids it trains on; the final answer comes as `final_text`."""
     seen: dict = {}
     agentic_scores(tmp_path, tokenizer, [TOOL_TURN, ANSWER_TURN], recording_reward(seen), rows(QUESTION))
-    assert seen["completions"] == ["\\boxed{5}", "\\boxed{5}"]
-    assert seen["num_tool_calls"] == [1, 1]
+    assert seen["completions"] == tokenizer.batch_decode(seen["completion_ids"], skip_special_tokens=True)
+    assert seen["completions"][0].endswith("assistantfinal\\boxed{5}") and "functions.add" in seen["completions"][0]
+    assert seen["final_text"] == ["\\boxed{5}", "\\boxed{5}"] and seen["num_tool_calls"] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        TRUNCATED_TURN,  # cut in the reasoning: the partial reasoning under `thinking`
+        "<|channel|>analysis<|message|>2 + 3 = 5.<|end|><|start|>assistant<|channel|>final<|message|>\\boxed{5",
+        "<|channel|>final<|message|>The answer is",  # cut in the answer: the partial answer as `content`
+        "<|channel|>analysis<|message|>2 + 3 = 5.<|end|><|start|>assistant<|channel|>fin",  # cut in a header
+        SAMPLED_TOOL_TURN[: SAMPLED_TOOL_TURN.index("3}")],  # cut in a call's arguments: no call
+        "The sky is blue",  # no harmony structure at all
+        ANSWER_TURN,  # the positive control: a complete turn
+    ],
+    ids=["analysis", "final-after-analysis", "final", "header", "call-arguments", "no-structure", "complete"],
+)
+def test_truncated_turn_message_is_what_trls_parser_gives(tokenizer, text):
+    """`AssistantTurn.to_message` against TRL's own parse of the same ids (`trl.chat_template_utils.parse_response`
+    with TRL's GPT-OSS response template, the prompt as prefix), for turns cut off anywhere."""
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    from hf_gptoss_rl.harmony import parse_assistant_turn
+
+    trl_tokenizer = copy.deepcopy(tokenizer)
+    trl_tokenizer.chat_template = gptoss_chat_template
+    add_response_schema(trl_tokenizer)
+    prompt = trl_tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert parse_assistant_turn(ids).to_message() == parse_response(trl_tokenizer, ids, prefix=prompt)
 
 
 CALL_MESSAGE = EXPECTED[0]
@@ -230,9 +276,9 @@ BAD_JSON_CALL = '<|channel|>commentary to=functions.add <|constrain|>json<|messa
         ([TOOL_TURN], {"max_turns": 1}, [CALL_MESSAGE]),
         # the tool result does not fit the budget: its tokens are not appended, nor its message
         ([TOOL_TURN], {"max_completion_tokens": 40}, [CALL_MESSAGE]),
-        # a final answer cut off by the token budget is no answer
+        # a final answer cut off by the token budget: its partial text, as TRL's parser gives it (`final_text` is "")
         (["<|channel|>analysis<|message|>2 + 3 = 5.<|end|><|start|>assistant<|channel|>final<|message|>\\boxed{5}"
-          "<|return|>"], {"max_new_tokens": 14}, [{"role": "assistant", "thinking": "2 + 3 = 5.", "content": ""}]),
+          "<|return|>"], {"max_new_tokens": 21}, [{"role": "assistant", "thinking": "2 + 3 = 5.", "content": "\\boxed{5"}]),
     ],
     ids=["end-stop", "bad-json", "max-turns", "no-room-for-result", "cut-answer"],
 )  # fmt: skip
@@ -250,10 +296,11 @@ def test_trajectory_messages(tokenizer, turns, limits, expected):
 
 
 def test_a_trajectory_that_sampled_nothing_is_an_empty_answer():
-    """An aborted request can return no token: the reward gets what TRL parses from an empty completion."""
+    """An aborted request can return no token: the reward gets what TRL makes of an empty completion."""
     from trl_ext.rollout.types import Trajectory
 
     empty = Trajectory(prompt_ids=[1], finish_reason="abort")
     chat = [{"role": "user", "content": QUESTION}]
     assert AgenticGRPOTrainer._reward_completions([chat], [empty]) == [[{"role": "assistant", "content": ""}]]
-    assert AgenticGRPOTrainer._reward_completions([QUESTION], [empty]) == [""]
+    # text prompts: TRL's own decoding of the completion ids (for an empty trajectory, a pad: "")
+    assert AgenticGRPOTrainer._reward_completions([QUESTION], [empty]) is None

@@ -430,16 +430,68 @@ def test_routing_replay_benchmark_fails_when_replay_raises_the_mismatch():
     assert checks({"rounds": rounds}) == []
 
 
+def _count_policy_forwards(trainer) -> dict[str, list]:
+    """Counts the policy's forwards (a hook on the trainer's model: the engine serves its own copy), with and without
+    gradient, and records the inputs of each loss micro-batch (`_compute_loss`)."""
+    seen: dict[str, list] = {"grad": [], "no_grad": [], "loss_inputs": []}
+    trainer.model.register_forward_hook(
+        lambda module, args, output: seen["grad" if torch.is_grad_enabled() else "no_grad"].append(1)
+    )
+    compute_loss = trainer._compute_loss
+
+    def recording_compute_loss(model, inputs):
+        seen["loss_inputs"].append(inputs)
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = recording_compute_loss
+    return seen
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_default_config_runs_one_policy_forward_per_micro_batch_with_replay(tmp_path, padding_free):
+    """The on-policy promise in the default configuration, routing replay on: exactly one policy forward per loss
+    micro-batch, with gradient; none without (no old log-probs, no extra diagnostic pass); the PPO ratio is 1."""
+    trainer = _trainer(tmp_path, gradient_accumulation_steps=2, padding_free=padding_free)
+    seen = _count_policy_forwards(trainer)
+    trainer.train()
+    assert trainer.routing_replay is not None and _logged(trainer, "routing/agreement") == [1.0]  # replay was on
+    assert len(seen["loss_inputs"]) == 2  # two micro-batches
+    assert len(seen["grad"]) == len(seen["loss_inputs"]) and seen["no_grad"] == []
+    assert all("old_per_token_logps" not in inputs for inputs in seen["loss_inputs"])
+    assert _logged(trainer, "clip_ratio/region_mean") == [0.0]
+    assert not _logged(trainer, "routing/k3_kl_own")  # the diagnostic is off by default
+
+
+def test_routing_mismatch_every_pays_one_extra_forward_on_its_steps_only(tmp_path):
+    """The positive control of the count: `routing_mismatch_every=2` over three steps scores steps 1 and 3 (global
+    steps 0 and 2) again under the other routing, one forward without gradient per micro-batch, and logs
+    `routing/k3_kl_*` on those steps only."""
+    trainer = _trainer(tmp_path, gradient_accumulation_steps=2, max_steps=3, routing_mismatch_every=2)
+    seen = _count_policy_forwards(trainer)
+    trainer.train()
+    assert len(seen["loss_inputs"]) == 6 and len(seen["grad"]) == 6
+    assert len(seen["no_grad"]) == 4  # two micro-batches on each of the two steps that pay
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [("routing/k3_kl_own" in h, "routing/k3_kl_replayed" in h) for h in logged] == [
+        (True, True), (False, False), (True, True)
+    ]  # fmt: skip
+
+
+def test_routing_mismatch_every_refuses_a_negative_period(tmp_path):
+    with pytest.raises(ValueError, match="routing_mismatch_every must be >= 0"):
+        _trainer(tmp_path, routing_mismatch_every=-1)
+
+
 def test_trainer_logs_the_mismatch_with_and_without_replay(tmp_path):
-    """`routing_mismatch_both`: one run, whichever mode it trains in, logs k3 with the engine's routing replayed and
-    with the trainer's own, on the same tokens; they equal the loss forwards of runs in each mode."""
+    """`routing_mismatch_every=1`: one run, whichever mode it trains in, logs k3 with the engine's routing replayed
+    and with the trainer's own, on the same tokens; they equal the loss forwards of runs in each mode."""
 
     def rotating(model):
         return RotatingEngine.from_policy(model, pad_token_id=199999, seed=0, record_routing=True)
 
     runs = {}
     for mode in (True, False):
-        runs[mode] = _trainer(tmp_path / str(mode), engine=rotating, routing_replay=mode)
+        runs[mode] = _trainer(tmp_path / str(mode), engine=rotating, routing_replay=mode, routing_mismatch_every=1)
         runs[mode].train()
     for trainer in runs.values():
         own, replayed = _logged(trainer, "routing/k3_kl_own")[0], _logged(trainer, "routing/k3_kl_replayed")[0]
@@ -454,6 +506,6 @@ def test_trainer_logs_the_mismatch_with_and_without_replay(tmp_path):
         )
     # the agreement of record is the loss forward's, not the extra pass's
     assert _logged(runs[False], "routing/agreement") == [0.0]
-    off = _trainer(tmp_path / "off", engine=rotating, routing_replay=True, routing_mismatch_both=False)
+    off = _trainer(tmp_path / "off", engine=rotating, routing_replay=True)  # the default: no extra forward
     off.train()
     assert not _logged(off, "routing/k3_kl_own") and _logged(off, "routing/agreement")

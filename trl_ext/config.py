@@ -137,12 +137,16 @@ class AgenticGRPOConfig(GRPOConfig):
             `routing/agreement_min_layer` are logged. Against SGLang, replay cut k3 to 0.27-0.30 of its value in each of
             five rounds at 1.01x the generation time (`docs/results.md`, section 5), hence on by default where the
             routing is there.
-        routing_mismatch_both (`bool`, defaults to `True`):
-            Whenever the engine returns routing, also score each loss batch with the other routing (the trainer's own
-            when replaying, the engine's when not): one extra forward without gradient per micro-batch, before the
-            loss forward. Logs `routing/k3_kl_replayed`, `routing/k3_kl_own` and `routing/prob_diff_max_{replayed,own}`
-            on the same tokens, so a run shows what replay changes, whichever mode it trains in. `False` saves the
-            extra forward.
+        routing_mismatch_every (`int`, defaults to `0`):
+            A diagnostic, off by default (`0`). With `N > 0`, whenever the engine returns routing, the loss batches
+            of every N-th optimizer step (global steps 0, N, 2N, ...) are also scored with the other routing (the
+            trainer's own when replaying, the engine's when not): one extra forward without gradient per
+            micro-batch, before the loss forward. Those steps, and only those, log `routing/k3_kl_replayed`,
+            `routing/k3_kl_own` and `routing/prob_diff_max_{replayed,own}` on the same tokens, so a run shows what
+            replay changes, whichever mode it trains in. Cost on the steps that pay, measured on a 2-core CPU with a
+            random 4-layer GPT-OSS (`python benchmarks/routing_mismatch_cost.py`, saved in
+            `docs/benchmarks/routing_mismatch_cost.json`): the extra pass took 37% of the loss forward and backward
+            it rides on and 14% of the whole step with generation. Rerun it on your device.
 
     > Model implementation
 
@@ -300,11 +304,11 @@ class AgenticGRPOConfig(GRPOConfig):
             "whenever the engine returns routing; True: required (checked at start-up); False: never."
         },
     )
-    routing_mismatch_both: bool = field(
-        default=True,
+    routing_mismatch_every: int = field(
+        default=0,
         metadata={
-            "help": "With routing from the engine: score each loss batch also with the other routing (one extra "
-            "forward without gradient) and log routing/k3_kl_{replayed,own}."
+            "help": "Every N-th optimizer step (0: never), score the loss batches also with the other routing (one "
+            "extra forward without gradient per micro-batch) and log routing/k3_kl_{replayed,own}."
         },
     )
     # not a field (no flag): `--attn_implementation` is `trl.ModelConfig`'s; see the constructor keyword below
@@ -354,6 +358,11 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError("rollout_backend='sglang' needs sglang_urls (e.g. ['http://localhost:30000']).")
         if self.rollout_backend == "embedded" and self.sglang_urls:
             raise ValueError("sglang_urls is set but rollout_backend='embedded'; set rollout_backend='sglang'.")
+        if self.routing_mismatch_every < 0:
+            raise ValueError(
+                f"routing_mismatch_every must be >= 0 (0: never; N: every N-th optimizer step), got "
+                f"{self.routing_mismatch_every}."
+            )
         if self.weight_sync_mode not in SYNC_MODES:
             raise ValueError(f"weight_sync_mode must be one of {SYNC_MODES}, got {self.weight_sync_mode!r}.")
         if self.weight_sync_verify is None:

@@ -111,7 +111,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             GPT-OSS, `completions` holds, for chat prompts, each completion's messages as TRL's tool loop builds them:
             `{"role": "assistant", "thinking": <analysis>, "tool_calls": [...], "content": <final answer>}` per turn
             (`thinking` / `tool_calls` only when present) and `{"role": "tool", "name": ..., "content": ...}` after a
-            call; for text prompts, the final-channel answer as a string (`""` when none). So a reward written for
+            call (a turn cut off by the token budget keeps its partial `thinking` / `content`, as TRL's parser does);
+            for text prompts, TRL's decoding of the completion ids (`batch_decode(..., skip_special_tokens=True)`:
+            every turn, channel names included, never empty when the model sampled a token). So a reward written for
             TRL's tool calling, or for a tool-free answer (`trl.rewards.accuracy_reward`), works unchanged. Each also
             receives the per-trajectory lists `final_text` (the final-channel answer, `""` when none), `num_turns`
             (assistant turns, i.e. generate calls: not a message count), `num_tool_calls` (the calls the model made),
@@ -247,7 +249,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
         # after the engine's copy of the policy: the hooks serve the trainer's routers only
         self.routing_replay = None
-        self._replay_flip = False  # True during the extra pass of `routing_mismatch_both`
+        self._replay_flip = False  # True during the extra pass of `routing_mismatch_every`
         self._pending_routing: dict[str, torch.Tensor] | None = None  # this generation's records, TRL's layout
         self._pending_completions: list | None = None  # this generation's `completions` for the rewards (`_generate`)
         if self._routing_shape is not None:
@@ -849,20 +851,20 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return out
 
     @staticmethod
-    def _reward_completions(prompts: list, trajectories: list) -> list:
+    def _reward_completions(prompts: list, trajectories: list) -> list | None:
         """The `completions` TRL would hand reward functions for these harmony trajectories.
 
         Chat prompts: the completion's messages, as TRL's tool loop builds them (`GRPOTrainer._tool_call_loop` with
         `parse_response`): each assistant turn with its `thinking` (analysis), `tool_calls` and `content` (final
-        answer), each tool result as a `tool` message (`Trajectory.messages`). Text prompts: TRL passes the decoded
-        completion as a string; here that string is the final-channel answer (`""` when there is none), as the
-        decoded harmony text would hold every channel's text and the channel names.
+        answer, partial when cut off), each tool result as a `tool` message (`Trajectory.messages`). Text prompts:
+        None, i.e. TRL's own decoding (`processing_class.batch_decode(completion_ids, skip_special_tokens=True)`),
+        which is never empty when the model sampled a token; the final answer alone is the `final_text` keyword.
         """
         from trl.data_utils import is_conversational
 
         # TRL decides per batch, from the first prompt (`GRPOTrainer._generate`)
         if not is_conversational({"prompt": prompts[0]}):
-            return [traj.final_text or "" for traj in trajectories]
+            return None
         # a trajectory that sampled nothing (an aborted request) gets what TRL parses from an empty completion
         return [list(traj.messages) or [{"role": "assistant", "content": ""}] for traj in trajectories]
 
@@ -873,7 +875,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._pending_completions = None
         output = super()._generate(prompts)
         completions, self._pending_completions = self._pending_completions, None
-        if completions is None:  # a user's `rollout_func`, or a model without harmony turns: TRL's decoding
+        if completions is None:  # text prompts, a user's `rollout_func`, a model without harmony: TRL's decoding
             return output
         # TRL 1.16: (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)
         return (*output[:3], completions, *output[4:])
@@ -1022,7 +1024,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         routing = self._routing_for(input_ids)
         inputs = self._loss_inputs
         other_logps = None
-        if routing is not None and inputs is not None and self.args.routing_mismatch_both:
+        if routing is not None and inputs is not None and self._routing_mismatch_step():
             # before the loss forward, whose plan the checkpoint recompute of its backward replays
             with torch.no_grad():
                 self._replay_flip = True
@@ -1046,6 +1048,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 self._log_mismatch_by_routing(logps, other_logps, inputs)
             self._apply_rollout_correction(logps, inputs)
         return logps, entropies, aux_loss
+
+    def _routing_mismatch_step(self) -> bool:
+        """Whether this step's loss batches are also scored under the other routing (`routing_mismatch_every`)."""
+        every = self.args.routing_mismatch_every
+        return every > 0 and self.model.training and self.state.global_step % every == 0
 
     def _dispatch_logps(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
         """One log-prob pass on the path this batch takes: sequence-parallel, packed, padded with routing, TRL's."""
@@ -1073,7 +1080,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def _log_mismatch_by_routing(self, logps, other_logps, inputs) -> None:
         """`routing/k3_kl_{replayed,own}` and `routing/prob_diff_max_{replayed,own}`: the mismatch against the
         rollout with the engine's routing replayed and with the trainer's own, on the same tokens (one of the two
-        is the loss forward, the other the extra pass of `routing_mismatch_both`)."""
+        is the loss forward, the other the extra pass of `routing_mismatch_every`)."""
         replayed = self.args.routing_replay is not False
         by_name = {"replayed": logps, "own": other_logps} if replayed else {"replayed": other_logps, "own": logps}
         mask = inputs["completion_mask"]
@@ -1105,7 +1112,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def _replay(self, routing: torch.Tensor):
         """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
         # None (auto) replays whenever the engine recorded routing; False only measures the agreement; the extra
-        # pass of `routing_mismatch_both` runs the other way
+        # pass of `routing_mismatch_every` runs the other way
         replay = (self.args.routing_replay is not False) != self._replay_flip
         self.routing_replay.set_plan(routing, replay=replay, device=self.accelerator.device)
 
