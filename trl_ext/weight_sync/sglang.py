@@ -21,8 +21,10 @@ upstream file and function (sglang 0.5.17 and 0.5.23 wheels).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from . import verify as checks
-from .settings import WeightSyncConfig, WeightSyncError
+from .settings import ServerLostError, WeightSyncConfig, WeightSyncError
 from .transport import (
     default_weight_dir,
     destroy_weight_update_group,
@@ -64,6 +66,10 @@ def version_tuple(version: str | None) -> tuple[int, ...] | None:
 # in ``sglang/srt/managers/scheduler_components/weight_updater.py``, 0.5.23). Servers that report an older
 # version, or answer 404 on ``/begin_weight_update``, are driven without the session.
 _SESSION_SINCE = (0, 5, 18)
+
+# attempts of one sync when servers die during it and come back (`SGLangHTTPWeightSync.update`): a server that dies
+# again and again fails the sync instead of holding the trainer
+SYNC_ATTEMPTS = 3
 
 
 @dataclass
@@ -139,6 +145,31 @@ class _LoadedNames:
     checkpoint: set[str] | None
     params: set[str] | None
     source: str
+
+
+def _in_daemon_thread(fn, /, **kwargs) -> concurrent.futures.Future:
+    """``fn(**kwargs)`` in a daemon thread: a rendezvous abandoned after a failure does not hold the interpreter's
+    exit (the default executor's threads are joined at exit)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(**kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-update-group-join", daemon=True).start()
+    return done
+
+
+def _destroy_joined_group(join: concurrent.futures.Future) -> None:
+    """Done callback of a weight-update group join abandoned after a failure: destroy a group it formed."""
+    if join.exception() is not None:
+        return
+    try:
+        destroy_weight_update_group(join.result())
+    except Exception as exc:  # noqa: BLE001 - nothing uses this group
+        logger.warning("destroying an abandoned weight-update group: %s", exc)
 
 
 class SGLangHTTPWeightSync:
@@ -264,9 +295,82 @@ class SGLangHTTPWeightSync:
     # -------------------------------------------------------------- entry points
 
     async def update(self, named: list[tuple[str, torch.Tensor]], version, *, lora=None) -> None:
-        """Send ``named`` (or the LoRA adapter ``lora``) to every server as ``version``, then verify."""
+        """Send ``named`` (or the LoRA adapter ``lora``) to every server as ``version``, then verify.
+
+        A server that dies during the sync (a connection to it lost) and answers again within the client's
+        ``retry_deadline_s`` (a supervisor restarted it, with its launch weights) gets the whole sync again, at most
+        `SYNC_ATTEMPTS` times in all; one that does not answer by then fails the sync with `ServerLostError`. Other
+        failures (a refusal, a failed check) are raised at once.
+        """
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            lost_before = dict(self._lost_connections())
+            try:
+                await self._update_once(named, version, lora=lora)
+                return
+            except ServerLostError:
+                raise
+            except WeightSyncError as exc:
+                lost = [u for u, n in self._lost_connections().items() if n > lost_before.get(u, 0)]
+                if not lost or attempt == SYNC_ATTEMPTS:
+                    raise
+                served = await self._answering_again(lost, version, exc)
+                logger.warning(
+                    "SGLang weight sync to version %s: connection lost to %s during the sync; it answers again "
+                    "(serving weight version %s): sending the weights again (attempt %d of %d)",
+                    version,
+                    ", ".join(lost),
+                    ", ".join(repr(v) for v in served),
+                    attempt + 1,
+                    SYNC_ATTEMPTS,
+                )
+
+    def _lost_connections(self) -> dict[str, int]:
+        return dict(getattr(self.client, "lost_connections", None) or {})
+
+    async def _answering_again(self, urls: list[str], version, failure: Exception) -> list:
+        """Poll ``GET /model_info`` of each of ``urls`` until it answers, for up to the client's ``retry_deadline_s``;
+        the weight versions they serve. `ServerLostError` naming a server that did not answer by then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.client.retry_deadline_s
+
+        async def one(url: str):
+            pause = max(self.client.backoff_s, 0.05)
+            while True:
+                try:
+                    info = await self.client.request("GET", url, "/model_info", retries=0)
+                    return (info or {}).get("weight_version") if isinstance(info, dict) else None
+                except Exception as exc:  # noqa: BLE001 - down (or still loading): polled until the deadline
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise self.fail_lost(
+                            f"{url} stopped answering during the weight sync to version {version} and did not answer "
+                            f"again within retry_deadline_s={self.client.retry_deadline_s:g} s (last error: {exc}); "
+                            f"the sync failed with: {failure}"
+                        ) from None
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, 2.0)
+
+        return list(await asyncio.gather(*(one(u) for u in urls)))
+
+    def fail_lost(self, message: str) -> ServerLostError:
+        """As `fail`, for a server that stopped answering."""
+        self.failure = message
+        logger.error("SGLang weight sync: %s", message)
+        return ServerLostError(message)
+
+    async def _update_once(self, named: list[tuple[str, torch.Tensor]], version, *, lora=None) -> None:
         config = self.config
-        states = await self.server_states()
+        lost_before = self._lost_connections()
+        try:
+            states = await self.server_states()
+        except Exception as exc:
+            lost = [u for u, n in self._lost_connections().items() if n > lost_before.get(u, 0)]
+            if not lost:
+                raise
+            raise self.fail_lost(
+                f"weight sync to version {version}: {', '.join(lost)} did not answer within retry_deadline_s="
+                f"{self.client.retry_deadline_s:g} s ({exc})"
+            ) from exc
         for s in states:
             if s.dp_size > 1 and config.mode != "disk":
                 raise WeightSyncError(
@@ -572,7 +676,7 @@ class SGLangHTTPWeightSync:
         for s in states:
             offsets.append(offset)
             offset += s.tp_size
-        join = asyncio.to_thread(
+        joined = _in_daemon_thread(
             init_weight_update_group,
             backend=self.dist_backend,
             master_address=config.dist_master_address,
@@ -582,29 +686,43 @@ class SGLangHTTPWeightSync:
             group_name=config.group_name,
             timeout=timedelta(seconds=config.dist_timeout_s),
         )
-        posts = [
-            self._post(
-                s.url,
-                "/init_weights_update_group",
-                {
-                    "master_address": config.dist_master_address,
-                    "master_port": port,
-                    "rank_offset": off,
-                    "world_size": world_size,
-                    "group_name": config.group_name,
-                    "backend": self.dist_backend,
-                },
-                retries=0,
-            )
+        join = asyncio.wrap_future(joined)
+        posts = {
+            asyncio.ensure_future(
+                self._post(
+                    s.url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": config.dist_master_address,
+                        "master_port": port,
+                        "rank_offset": off,
+                        "world_size": world_size,
+                        "group_name": config.group_name,
+                        "backend": self.dist_backend,
+                    },
+                    retries=0,
+                )
+            ): s.url
             for s, off in zip(states, offsets)
-        ]
-        results = await asyncio.gather(join, *posts, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            if not isinstance(results[0], BaseException):
-                destroy_weight_update_group(results[0])
-            raise WeightSyncError(f"init_weights_update_group failed: {errors[0]}")
-        self.group = results[0]
+        }
+        # A server that answers with an error never joins, so this process's side would wait for it until
+        # `dist_timeout_s`: the first failure ends the wait. The join runs on in its thread until that timeout (a
+        # blocked rendezvous cannot be interrupted); a group it still forms is destroyed then.
+        pending = {join, *posts}
+        failure = None
+        while pending and failure is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None and failure is None:
+                    where = posts.get(task, "this process's side of the group")
+                    failure = f"{where}: {task.exception()}"
+        if failure is not None:
+            for task in pending:
+                task.cancel()  # the join's wrapper too: its thread runs on, and `_destroy_joined_group` ends it
+            joined.add_done_callback(_destroy_joined_group)
+            self._stale_group = True  # servers that joined may hold the group: destroyed before the next one
+            raise WeightSyncError(f"init_weights_update_group failed: {failure}")
+        self.group = join.result()
 
     async def _sync_distributed(self, states, named, version, loaded, failures) -> None:
         """NCCL broadcast from this process (rank 0) to every server rank, one flattened bucket per call.
