@@ -769,6 +769,16 @@ class SGLangEngine(RolloutEngine):
                 )
         return out
 
+    def served_versions(self) -> dict[str, int | str | None]:
+        """The weight version each server serves now (``GET /model_info``; None: its launch weights, SGLang's
+        ``"default"``). Blocks the calling thread."""
+
+        async def read():
+            infos = await asyncio.gather(*(self._request("GET", u, "/model_info") for u in self.base_urls))
+            return {u: _parse_version((i or {}).get("weight_version")) for u, i in zip(self.base_urls, infos)}
+
+        return self.run(read())
+
     def take_unreachable(self) -> dict[str, str]:
         """The servers that a ``/generate`` gave up on since the last call (URL -> the request's last error): no
         answer within ``retry_deadline_s``. Cleared by the call."""

@@ -202,6 +202,7 @@ class SGLangHTTPWeightSync:
         self._probe_reference: list[float] | None = None
         self._cache_clean: asyncio.Event | None = None
         self._stale_group = False  # a failed group was dropped here; servers may still hold it (`drop_group`)
+        self._lost_at_last_sync: dict[str, int] = {}  # the client's lost connections when the last sync succeeded
 
     # -------------------------------------------------------------- helpers
 
@@ -302,10 +303,14 @@ class SGLangHTTPWeightSync:
         `SYNC_ATTEMPTS` times in all; one that does not answer by then fails the sync with `ServerLostError`. Other
         failures (a refusal, a failed check) are raised at once.
         """
+        if self.group is not None and self._lost_connections() != self._lost_at_last_sync:
+            # a server lost its connection since the last sync (it may have restarted, without the group): a new one
+            self.drop_group()
         for attempt in range(1, SYNC_ATTEMPTS + 1):
             lost_before = dict(self._lost_connections())
             try:
                 await self._update_once(named, version, lora=lora)
+                self._lost_at_last_sync = self._lost_connections()
                 return
             except ServerLostError:
                 raise
