@@ -162,6 +162,15 @@ def _in_daemon_thread(fn, /, **kwargs) -> concurrent.futures.Future:
     return done
 
 
+def _same_version(served, synced) -> bool:
+    """Whether a server's ``weight_version`` is the last sync's version (None, or SGLang's "default": none yet)."""
+
+    def norm(v):
+        return None if v in (None, "default") else str(v)
+
+    return norm(served) == norm(synced)
+
+
 def _destroy_joined_group(join: concurrent.futures.Future) -> None:
     """Done callback of a weight-update group join abandoned after a failure: destroy a group it formed."""
     if join.exception() is not None:
@@ -298,10 +307,11 @@ class SGLangHTTPWeightSync:
     async def update(self, named: list[tuple[str, torch.Tensor]], version, *, lora=None) -> None:
         """Send ``named`` (or the LoRA adapter ``lora``) to every server as ``version``, then verify.
 
-        A server that dies during the sync (a connection to it lost) and answers again within the client's
-        ``retry_deadline_s`` (a supervisor restarted it, with its launch weights) gets the whole sync again, at most
-        `SYNC_ATTEMPTS` times in all; one that does not answer by then fails the sync with `ServerLostError`. Other
-        failures (a refusal, a failed check) are raised at once.
+        A server that dies during the sync (a connection to it lost, then refused, or a server that answers on
+        another version than the last sync's: a supervisor restarted it, with its launch weights) and answers again
+        within the client's ``retry_deadline_s`` gets the whole sync again, at most `SYNC_ATTEMPTS` times in all; one
+        that does not answer by then fails the sync with `ServerLostError`. Other failures (a refusal, a failed check,
+        an answer cut off by a server that stayed up) are raised at once.
         """
         if self.group is not None and self._lost_connections() != self._lost_at_last_sync:
             # a server lost its connection since the last sync (it may have restarted, without the group): a new one
@@ -318,13 +328,19 @@ class SGLangHTTPWeightSync:
                 lost = [u for u, n in self._lost_connections().items() if n > lost_before.get(u, 0)]
                 if not lost or attempt == SYNC_ATTEMPTS:
                     raise
-                served = await self._answering_again(lost, version, exc)
+                restarted = {
+                    url: served
+                    for url, (served, was_down) in zip(lost, await self._answering_again(lost, version, exc))
+                    if was_down or not _same_version(served, self.version)
+                }
+                if not restarted:
+                    raise
                 logger.warning(
-                    "SGLang weight sync to version %s: connection lost to %s during the sync; it answers again "
-                    "(serving weight version %s): sending the weights again (attempt %d of %d)",
+                    "SGLang weight sync to version %s: %s restarted during the sync (now serving weight version %s): "
+                    "sending the weights again (attempt %d of %d)",
                     version,
-                    ", ".join(lost),
-                    ", ".join(repr(v) for v in served),
+                    ", ".join(restarted),
+                    ", ".join(repr(v) for v in restarted.values()),
                     attempt + 1,
                     SYNC_ATTEMPTS,
                 )
@@ -334,17 +350,19 @@ class SGLangHTTPWeightSync:
 
     async def _answering_again(self, urls: list[str], version, failure: Exception) -> list:
         """Poll ``GET /model_info`` of each of ``urls`` until it answers, for up to the client's ``retry_deadline_s``;
-        the weight versions they serve. `ServerLostError` naming a server that did not answer by then."""
+        per server, the weight version it serves and whether it failed to answer first. `ServerLostError` naming a
+        server that did not answer by then."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.client.retry_deadline_s
 
         async def one(url: str):
-            pause = max(self.client.backoff_s, 0.05)
+            pause, was_down = max(self.client.backoff_s, 0.05), False
             while True:
                 try:
                     info = await self.client.request("GET", url, "/model_info", retries=0)
-                    return (info or {}).get("weight_version") if isinstance(info, dict) else None
+                    return (info or {}).get("weight_version") if isinstance(info, dict) else None, was_down
                 except Exception as exc:  # noqa: BLE001 - down (or still loading): polled until the deadline
+                    was_down = True
                     left = deadline - loop.time()
                     if left <= 0:
                         raise self.fail_lost(
