@@ -1255,6 +1255,23 @@ def test_distributed_sync_survives_a_server_restart_mid_broadcast(model, spawn_s
     assert [o.output_ids for o in outs] == [expected, expected] and expected != greedy_reference(model, prompt)
 
 
+def test_start_up_continues_a_server_left_paused_by_a_killed_client(server, model):
+    """A client killed between a sync's ``/pause_generation`` and ``/continue_generation`` leaves the server holding
+    every request: the next client's start-up check continues it, so its first request is answered."""
+    httpx.post(server.url + "/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+
+    async def main():
+        c = client(server.url, timeout_s=3.0, retry_deadline_s=0.0)
+        try:
+            await asyncio.to_thread(c.check_servers)
+            return await c.generate([1, 2, 3], GREEDY)
+        finally:
+            await c.close()
+
+    out = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert out.output_ids == greedy_reference(model, [1, 2, 3])
+
+
 def test_a_server_refusing_to_join_the_group_fails_the_sync_at_once(make_server, model):
     """A server that answers ``/init_weights_update_group`` with an error never joins the group: the sync fails at
     once, naming it, instead of this process waiting ``dist_timeout_s`` for it on its side of the group."""

@@ -517,10 +517,11 @@ class SGLangEngine(RolloutEngine):
     def check_servers(self, timeout_s: float | None = None) -> None:
         """Block until every server answers ``GET /health`` with 200, or raise `SGLangUnavailableError` naming
         each URL that did not and its last error; then read ``GET /server_info`` from each (SGLang exempts
-        ``/health`` from ``--api-key``, not ``/server_info``: a wrong key fails here). For trainer start-up: fail
-        before training, not during it."""
+        ``/health`` from ``--api-key``, not ``/server_info``: a wrong key fails here), and continue any server a
+        killed client left paused. For trainer start-up: fail before training, not during it."""
         self.run(self._ensure_ready(timeout_s))
         states = self.run(self.weight_sync.server_states())
+        self.run(self.weight_sync.continue_servers())  # left paused by a client killed during a sync
         logger.info("SGLang servers: %s", ", ".join(f"{s.url} (sglang {s.version}, tp {s.tp_size})" for s in states))
         if self.record_routing is not None:
             check_routing_servers(states)

@@ -232,6 +232,12 @@ class SGLangHTTPWeightSync:
         infos = await asyncio.gather(*(self.client.request("GET", u, "/server_info") for u in urls))
         return [ServerState.from_info(u, i) for u, i in zip(urls, infos)]
 
+    async def continue_servers(self) -> None:
+        """``/continue_generation`` on every server: a client killed between a sync's ``/pause_generation`` and its
+        ``/continue_generation`` leaves its servers paused, holding every request; a server that is not paused is
+        left as it is (SGLang's ``continue_generation`` only resumes a paused scheduler)."""
+        await asyncio.gather(*(self._post(u, "/continue_generation", {}) for u in self.client.base_urls))
+
     async def _post(self, url: str, path: str, payload: dict, *, retries: int | None = None, ok_404: bool = False):
         """POST and check SGLang's ``success``; returns the answer (None for an accepted 404 when ``ok_404``)."""
         answer = await self.client.request(
