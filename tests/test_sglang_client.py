@@ -1069,7 +1069,8 @@ def test_trainer_step_fails_loudly_when_a_server_refuses_the_sync(tmp_path, sgla
         trainer = AgenticGRPOTrainer(**_trainer_kwargs(tmp_path, model, [srv.url]))
         with pytest.raises(WeightSyncError, match=rf"{srv.url}: .*injected refusal"):
             trainer.train()
-        assert srv.request_counts["/pause_generation"] == 1 == srv.request_counts["/continue_generation"]
+        # one pause, continued after the refusal (and once at start-up: a server a killed client left paused)
+        assert srv.request_counts["/pause_generation"] == 1 and srv.request_counts["/continue_generation"] == 2
         assert not srv.schema_violations, srv.schema_violations
     finally:
         srv.stop()
