@@ -30,7 +30,13 @@ from transformers import GptOssForCausalLM
 from hf_gptoss_rl.testing import tiny_gptoss_config
 from trl_ext.rollout import AgentLoop, EmbeddedEngine, SamplingParams, SGLangEngine, SGLangError
 from trl_ext.rollout.sglang import SGLangUnavailableError
-from trl_ext.weight_sync import WeightSyncConfig, WeightSyncError, export_lora_adapter, reference_logprobs
+from trl_ext.weight_sync import (
+    ServerLostError,
+    WeightSyncConfig,
+    WeightSyncError,
+    export_lora_adapter,
+    reference_logprobs,
+)
 from trl_ext.weight_sync.transport import flatten_bucket, free_port, plan_buckets, serialize_per_rank, unflatten_bucket
 
 VOCAB = 128
@@ -1063,7 +1069,8 @@ def test_trainer_step_fails_loudly_when_a_server_refuses_the_sync(tmp_path, sgla
         trainer = AgenticGRPOTrainer(**_trainer_kwargs(tmp_path, model, [srv.url]))
         with pytest.raises(WeightSyncError, match=rf"{srv.url}: .*injected refusal"):
             trainer.train()
-        assert srv.request_counts["/pause_generation"] == 1 == srv.request_counts["/continue_generation"]
+        # one pause, continued after the refusal (and once at start-up: a server a killed client left paused)
+        assert srv.request_counts["/pause_generation"] == 1 and srv.request_counts["/continue_generation"] == 2
         assert not srv.schema_violations, srv.schema_violations
     finally:
         srv.stop()
@@ -1162,10 +1169,11 @@ def _n_buckets(state: dict) -> int:
     return len(plan_buckets(list(state.items()), DIST_BUCKET_BYTES))
 
 
-def test_distributed_sync_fails_fast_when_a_server_dies_mid_broadcast(model, spawn_server):
-    """Of two servers, one dies when the second bucket's request arrives: the trainer's sync fails within
-    ``dist_timeout_s``, naming that server, the bucket and the cause; generation is refused afterwards, on the
-    surviving server too (the servers may hold different weights)."""
+def test_distributed_sync_names_a_server_that_dies_mid_broadcast_and_stays_down(model, spawn_server):
+    """Of two servers, one dies when the second bucket's request arrives and is not restarted: the sync waits
+    ``retry_deadline_s`` for it to answer again (not ``dist_timeout_s``), then fails with `ServerLostError` naming
+    that server, the bucket and the cause; generation is refused afterwards, on the surviving server too (the
+    servers may hold different weights)."""
     new_state = perturbed_state(model, seed=2)
     assert _n_buckets(new_state) >= 3  # the death is in the middle of the sync
     ports = [free_port(), free_port()]
@@ -1173,35 +1181,39 @@ def test_distributed_sync_fails_fast_when_a_server_dies_mid_broadcast(model, spa
     urls = [f"http://127.0.0.1:{p}" for p in ports]
 
     async def main():
-        # the default retry deadline (120 s): the failed sync must not wait on it
-        c = _dist_client(ports)
+        c = _dist_client(ports, retry_deadline_s=2.0, dist_timeout_s=30.0)
         try:
             await c.wait_until_ready()
             started = time.perf_counter()
-            with pytest.raises(WeightSyncError) as failed:
+            with pytest.raises(ServerLostError) as failed:
                 await c.update_weights(new_state.items(), version=1)
             elapsed = time.perf_counter() - started
-            with pytest.raises(SGLangError, match="refusing to generate: weight sync to version 1 failed"):
+            with pytest.raises(SGLangError, match="refusing to generate: .*did not answer again"):
                 await c.generate([11, 12, 13], GREEDY)  # although a server is alive
-            return str(failed.value), elapsed, c.weight_sync.config.dist_timeout_s, c.weight_sync.group
+            return str(failed.value), elapsed, c.weight_sync.group
         finally:
             await c.close()
 
-    message, elapsed, dist_timeout_s, group = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    message, elapsed, group = asyncio.run(asyncio.wait_for(main(), timeout=60))
     assert dying.wait(timeout=10) == -signal.SIGKILL  # it died of the injected crash, in the sync
     assert survivor.poll() is None
-    assert elapsed < dist_timeout_s, f"the failed sync took {elapsed:.1f} s"
+    # the retry deadline (2 s) plus the answers of the failed sync; far below dist_timeout_s (30 s)
+    assert 2.0 <= elapsed < 10.0, f"the failed sync took {elapsed:.1f} s"
+    assert message.count("/model_info failed") == 1  # polled until the deadline, the last error named
     n = _n_buckets(new_state)
+    assert f"{urls[1]} stopped answering during the weight sync to version 1" in message, message
+    assert "did not answer again within retry_deadline_s=2 s" in message, message
     assert f"{urls[1]}: bucket 2/{n}: {urls[1]}/update_weights_from_distributed" in message, message
     assert "Server disconnected without sending a response" in message, message  # the cause, from the HTTP side
     assert f"servers: {urls[0]} not loaded, {urls[1]} not loaded" in message
     assert group is None  # the broken group was dropped: the next sync builds a new one
 
 
-def test_distributed_sync_rebuilds_the_group_after_a_server_restart(model, spawn_server):
-    """After one of two servers died mid-sync and was restarted on the same URL, the next sync destroys the old
-    group (trainer and survivor) and joins a new one, reusing the fixed master port; both servers then serve the
-    trainer's weights."""
+def test_distributed_sync_survives_a_server_restart_mid_broadcast(model, spawn_server):
+    """One of two servers dies in the middle of the second sync and a supervisor starts it again on the same URL
+    (launch weights, no group): the same sync waits for it, destroys the old group (trainer and survivor), joins a
+    new one on the fixed master port, sends every bucket again and verifies; both servers then serve the trainer's
+    weights. A third sync goes through the new group."""
     state_1, state_2 = perturbed_state(model, seed=2), perturbed_state(model, seed=3)
     target = make_model(0)
     target.load_state_dict(perturbed_state(model, seed=4))
@@ -1209,22 +1221,27 @@ def test_distributed_sync_rebuilds_the_group_after_a_server_restart(model, spawn
     ports = [free_port(), free_port()]
     die_at = _n_buckets(state_1) + 2  # the second bucket of the second sync
     _, dying = spawn_server((ports[0],), (ports[1], "--die-on", f"/update_weights_from_distributed:{die_at}"))
+    restarted = []
+
+    def supervisor():  # what a process supervisor does: start the server again once it died
+        if dying.wait(timeout=60) == -signal.SIGKILL:
+            restarted.append(spawn_server(ports[1]))
+
+    threading.Thread(target=supervisor, daemon=True).start()
 
     async def main():
         from torch.distributed.distributed_c10d import _world
 
-        c = _dist_client(ports, dist_master_port=free_port())
+        c = _dist_client(ports, dist_master_port=free_port(), retry_deadline_s=60.0)
         try:
             await c.update_weights(state_1.items(), version=1)
-            assert c.weight_sync.group in _world.pg_map
             old_group = weakref.ref(c.weight_sync.group)  # no strong reference: the engine must free it
-            with pytest.raises(WeightSyncError, match="bucket 2/"):
-                await c.update_weights(state_2.items(), version=2)
-            assert dying.wait(timeout=10) == -signal.SIGKILL
-            spawn_server(ports[1])  # restarted: the checkpoint's weights, no group
-            await c.update_weights(target.state_dict().items(), version=3)
+            lost_before = c.lost_connections[f"http://127.0.0.1:{ports[1]}"]
+            await c.update_weights(state_2.items(), version=2)  # the server dies and comes back inside this sync
+            assert restarted and c.lost_connections[f"http://127.0.0.1:{ports[1]}"] > lost_before
             assert old_group() is None  # destroyed and freed (its store too: the fixed master port was reused)
             assert c.weight_sync.group in _world.pg_map
+            await c.update_weights(target.state_dict().items(), version=3)
             outs = [await c.generate(prompt, GREEDY) for _ in ports]  # round robin: one on each server
             await c.verify_logprobs(probe, reference_logprobs(target, probe))  # on every server
             with pytest.raises(WeightSyncError, match="log-prob"):  # the probe does tell the weights apart
@@ -1233,10 +1250,49 @@ def test_distributed_sync_rebuilds_the_group_after_a_server_restart(model, spawn
         finally:
             await c.close()
 
-    outs, version = asyncio.run(asyncio.wait_for(main(), timeout=90))
+    outs, version = asyncio.run(asyncio.wait_for(main(), timeout=120))
     assert version == 3 and [o.weight_version for o in outs] == [3, 3]
     expected = greedy_reference(target, prompt)
     assert [o.output_ids for o in outs] == [expected, expected] and expected != greedy_reference(model, prompt)
+
+
+def test_start_up_continues_a_server_left_paused_by_a_killed_client(server, model):
+    """A client killed between a sync's ``/pause_generation`` and ``/continue_generation`` leaves the server holding
+    every request: the next client's start-up check continues it, so its first request is answered."""
+    httpx.post(server.url + "/pause_generation", json={"mode": "retract"}, timeout=10).raise_for_status()
+
+    async def main():
+        c = client(server.url, timeout_s=3.0, retry_deadline_s=0.0)
+        try:
+            await asyncio.to_thread(c.check_servers)
+            return await c.generate([1, 2, 3], GREEDY)
+        finally:
+            await c.close()
+
+    out = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert out.output_ids == greedy_reference(model, [1, 2, 3])
+
+
+def test_a_server_refusing_to_join_the_group_fails_the_sync_at_once(make_server, model):
+    """A server that answers ``/init_weights_update_group`` with an error never joins the group: the sync fails at
+    once, naming it, instead of this process waiting ``dist_timeout_s`` for it on its side of the group."""
+    bad = make_server()
+    bad.inject(Fault("status", status=400, path="/init_weights_update_group"))
+
+    async def main():
+        c = client(bad.url, mode="distributed", dist_backend="gloo", dist_timeout_s=20.0)
+        try:
+            started = time.perf_counter()
+            with pytest.raises(WeightSyncError) as failed:
+                await c.update_weights(model.state_dict().items(), version=1)
+            return str(failed.value), time.perf_counter() - started
+        finally:
+            await c.close()
+
+    message, elapsed = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert elapsed < 5.0, f"the sync waited {elapsed:.1f} s for a server that had refused"
+    assert f"init_weights_update_group failed: {bad.url}: {bad.url}/init_weights_update_group" in message, message
+    assert "HTTP 400" in message, message
 
 
 def test_distributed_sync_under_torchrun_hosts_the_rendezvous_store(model, spawn_server, monkeypatch):

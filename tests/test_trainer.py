@@ -22,6 +22,7 @@ from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
 from hf_gptoss_rl.testing import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.rollout import EmbeddedEngine, GenerationOutput, RolloutEngine
+from trl_ext.rollout.recovery import RESTART_RECOVERIES
 from trl_ext.tools import FunctionTool
 
 PERTURBATION = 0.05  # |log p_rollout - log p_engine_model| per token
@@ -267,11 +268,14 @@ def test_stale_rollouts_are_counted_when_allowed(tmp_path, tokenizer):
 
 class _TurnVersionsEngine(RolloutEngine):
     """Two turns per trajectory (an `add` call, then `\\boxed{5}`), each answer tagged with the next version of
-    `versions`; `weight_version` (the engine's own record) is never consulted by the trainer's check."""
+    `versions` (again from the first for a trajectory sampled again); `weight_version` (the engine's own record) is
+    never consulted by the trainer's check. `syncs` counts the weight updates it received."""
 
     def __init__(self, tokenizer, versions):
         self.tok = tokenizer
         self.versions = list(versions)
+        self.answers = 0
+        self.syncs = 0
 
     @property
     def weight_version(self):
@@ -281,7 +285,7 @@ class _TurnVersionsEngine(RolloutEngine):
         return True
 
     async def update_weights(self, named_tensors, *, version):
-        pass
+        self.syncs += 1
 
     async def generate(self, input_ids, sampling):
         if CALL in input_ids:
@@ -289,7 +293,9 @@ class _TurnVersionsEngine(RolloutEngine):
         else:
             text = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 3}<|call|>'
         ids = self.tok.encode(text, add_special_tokens=False)
-        return GenerationOutput(ids, [-0.5] * len(ids), "stop", self.versions.pop(0))
+        version = self.versions[self.answers % len(self.versions)]
+        self.answers += 1
+        return GenerationOutput(ids, [-0.5] * len(ids), "stop", version)
 
 
 @pytest.mark.parametrize(
@@ -324,6 +330,13 @@ def test_served_versions_checked_per_turn(tmp_path, tokenizer, synced, versions,
     metrics = trainer._metrics["train"]
     assert metrics["rollout/stale_trajectories"] == [float(stale)]
     assert metrics["rollout/weight_version"] == [served_min]
+    # turns on the launch weights (no version) after a sync: a restarted server, so the weights are pushed again and
+    # the batch sampled again, RESTART_RECOVERIES times here, as this engine never stops answering without a version
+    restarted = synced is not None and None in versions
+    engine = trainer.rollout_engine
+    assert (engine.syncs, engine.answers) == (
+        (RESTART_RECOVERIES, 2 * (1 + RESTART_RECOVERIES)) if restarted else (0, 2)
+    )
     if stale:
         trainer = make()
         trainer.synced_weight_version = synced

@@ -79,6 +79,8 @@ class _RolloutWeightSync(TrainerCallback):
         # checkpoint).
         if state.global_step > 0 and self.trainer.rollout_engine.weight_version != state.global_step:
             self.trainer.sync_rollout_weights()
+        elif state.global_step == 0 and self.trainer._servers_hold_other_weights():
+            self.trainer.sync_rollout_weights()  # version 0: the initial policy
         if state.global_step > 0:  # synced now, or the engine already holds the checkpoint's step
             self.trainer.synced_weight_version = state.global_step
 
@@ -737,6 +739,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "releasing the rollout engine after the interruption failed: %s: %s", type(exc).__name__, exc
             )
 
+    def _save_checkpoint(self, model, trial):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from .checkpoints import disk_full_while_saving
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with disk_full_while_saving(folder):
+            return super()._save_checkpoint(model, trial)
+
     def _rollout_rng_file(self, folder: str) -> str:
         from .checkpoints import ROLLOUT_RNG_FILE
 
@@ -810,7 +821,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _rollout(self, prompts: list) -> dict[str, list]:
         prompt_ids = [self._render_prompt(p) for p in prompts]
-        from .rollout import rollout_seed, run_sync
+        from .rollout import rollout_seed
 
         # one sampling stream per trajectory, a function of (seed, mode, step, process, index): the same rollouts in
         # a straight and a resumed run, whatever the engine's batching (`rollout_seed`)
@@ -818,7 +829,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         rank, step = self.accelerator.process_index, self.state.global_step
         seeds = [rollout_seed(self.args.seed, mode, step, rank, i) for i in range(len(prompt_ids))]
         start = time.perf_counter()
-        trajectories = run_sync(self.agent_loop.run_batch(prompt_ids, seeds))
+        trajectories = self._run_rollout_batch(prompt_ids, seeds)
         self._metrics["train" if self.model.training else "eval"]["timing/rollout_s"].append(
             time.perf_counter() - start
         )
@@ -849,6 +860,53 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._check_served_versions(trajectories)
         self._pending_routing = self._routing_layout(trajectories, out) if self._routing_shape is not None else None
         return out
+
+    def _run_rollout_batch(self, prompt_ids: list, seeds: list) -> list:
+        """The agent loop on one batch, which a server's restart or loss never lets through (`trl_ext.rollout.recovery`).
+
+        A batch with turns served on a restarted server's launch weights is sampled again, with the same seeds, once
+        the current weights were pushed to the servers again and verified. A server that a request gave up on (no
+        answer within `sglang_retry_deadline_s`) stops training with `RolloutServerLostError`, naming it and the
+        checkpoint to resume from. Every process takes the same branch (the counts are summed over processes).
+        """
+        from .rollout import run_sync
+        from .rollout.recovery import RESTART_RECOVERIES, RolloutServerLostError, served_on_launch_weights
+
+        engine = self.rollout_engine
+        attempt = 0
+        while True:
+            trajectories = run_sync(self.agent_loop.run_batch(prompt_ids, seeds))
+            lost = engine.take_unreachable() if hasattr(engine, "take_unreachable") else {}
+            restarted = served_on_launch_weights(trajectories, self.synced_weight_version)
+            counts = torch.tensor([len(lost), restarted], dtype=torch.float64, device=self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                counts = self.accelerator.gather(counts).reshape(-1, 2).sum(0)
+            if counts[0] > 0:
+                from accelerate.utils import gather_object
+
+                from .checkpoints import resume_hint
+
+                gone = dict(gather_object(sorted(lost.items()))) if self.accelerator.num_processes > 1 else lost
+                raise RolloutServerLostError(
+                    "rollout server(s) stopped answering and did not answer again within sglang_retry_deadline_s="
+                    f"{self.args.sglang_retry_deadline_s:g} s: "
+                    + "; ".join(f"{url} ({error})" for url, error in sorted(gone.items()))
+                    + f". Training stops before this batch is used; {resume_hint(self.args.output_dir)} once the "
+                    "server serves again."
+                )
+            if counts[1] == 0 or attempt == RESTART_RECOVERIES:
+                return trajectories  # still on launch weights after the last attempt: the stale check stops it
+            logger.warning(
+                "%d trajectories of this batch had turns served on a server's launch weights (no weight version) while "
+                "the trainer is at version %s: a server restarted. Pushing the weights again and sampling the batch "
+                "again (attempt %d of %d)",
+                int(counts[1]),
+                self.synced_weight_version,
+                attempt + 2,
+                RESTART_RECOVERIES + 1,
+            )
+            self.sync_rollout_weights()
+            attempt += 1
 
     @staticmethod
     def _reward_completions(prompts: list, trajectories: list) -> list | None:
@@ -1280,6 +1338,26 @@ class AgenticGRPOTrainer(GRPOTrainer):
             probe_ids=probe,
         )
 
+    def _servers_hold_other_weights(self) -> bool:
+        """Whether a fresh run's rollout servers serve weights other than their launch ones or version 0: another
+        run's, or this run's own from before a kill that came before its first checkpoint. Decided on the main
+        process, for all."""
+        engine, held = self.rollout_engine, {}
+        if hasattr(engine, "served_versions") and self.accelerator.is_main_process:
+            held = {u: v for u, v in engine.served_versions().items() if not _is_current_version(v, None)}
+            if held:
+                logger.warning(
+                    "rollout servers serve weight versions %s, not the initial policy: pushing it to them (version 0)",
+                    held,
+                )
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            decision = [bool(held)]
+            broadcast_object_list(decision, from_process=0)
+            return decision[0]
+        return bool(held)
+
     def sync_rollout_weights(self) -> None:
         """Send the current policy to the rollout engine, versioned by the global step.
 
@@ -1306,6 +1384,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
                 raise WeightSyncError(f"rollout weight sync failed on the main process: {outcome[0]}")
         if error is not None:
+            from .weight_sync import ServerLostError
+
+            if isinstance(error, ServerLostError):
+                from .checkpoints import resume_hint
+                from .rollout.recovery import RolloutServerLostError
+
+                raise RolloutServerLostError(
+                    f"{error}. Training stops here; {resume_hint(self.args.output_dir)} once the server serves again."
+                ) from error
             raise error
 
 

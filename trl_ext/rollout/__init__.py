@@ -8,6 +8,7 @@ trajectories = loop.run_batch_sync([render_prompt(messages, tools=specs) for mes
 from .agent_loop import AgentLoop, run_sync
 from .embedded import EmbeddedEngine
 from .engine import RolloutEngine
+from .recovery import RolloutServerLostError
 from .sglang import SGLangEngine, SGLangError, SGLangOfflineEngine, SGLangResponseError, SGLangUnavailableError
 from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory, rollout_seed
 
@@ -16,6 +17,7 @@ __all__ = [
     "EmbeddedEngine",
     "GenerationOutput",
     "RolloutEngine",
+    "RolloutServerLostError",
     "SGLangEngine",
     "SGLangError",
     "SGLangOfflineEngine",

@@ -78,7 +78,8 @@ class SGLangContractError(SGLangError):
 
 
 class SGLangUnavailableError(SGLangError, TimeoutError):
-    """No answer from a server before the readiness deadline; the message names the URL and the last cause."""
+    """No answer from a server before a deadline (the readiness wait's, or a request's ``retry_deadline_s``); the
+    message names the URL and the last cause."""
 
 
 class _RetryableStatus(SGLangError):
@@ -338,6 +339,10 @@ class SGLangEngine(RolloutEngine):
         self._ready_lock_obj: asyncio.Lock | None = None
         self._reporter: asyncio.Task | None = None
         self._warned_versions: set[tuple[str, object]] = set()
+        # per URL: connections lost (refused, reset, closed without an answer; not timeouts), which a weight sync
+        # reads to tell a server that died during it; and the servers a request gave up on (cleared by an answer)
+        self.lost_connections = {u: 0 for u in self.base_urls}
+        self.unreachable: dict[str, str] = {}
         self.stats = {
             "requests": 0, "done": 0, "retries": 0, "aborts": 0, "syncs": 0,
             "prompt_tokens": 0, "cached_tokens": 0,
@@ -445,6 +450,12 @@ class SGLangEngine(RolloutEngine):
             self._request(method, url, path, payload, retries=retries, ok_statuses=ok_statuses)
         )
 
+    def _count_lost_connection(self, url: str, exc: BaseException) -> None:
+        import httpx
+
+        if isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException):
+            self.lost_connections[url] = self.lost_connections.get(url, 0) + 1
+
     async def _request(
         self,
         method: str,
@@ -479,6 +490,7 @@ class SGLangEngine(RolloutEngine):
                 except ValueError:
                     return resp.text
             except (httpx.TransportError, httpx.TimeoutException, _RequestDeadline, _RetryableStatus) as exc:
+                self._count_lost_connection(url, exc)
                 pause = None if retries == 0 else self._may_retry(attempt, started, loop)
                 if retries is not None and attempt >= retries:
                     pause = None
@@ -505,10 +517,11 @@ class SGLangEngine(RolloutEngine):
     def check_servers(self, timeout_s: float | None = None) -> None:
         """Block until every server answers ``GET /health`` with 200, or raise `SGLangUnavailableError` naming
         each URL that did not and its last error; then read ``GET /server_info`` from each (SGLang exempts
-        ``/health`` from ``--api-key``, not ``/server_info``: a wrong key fails here). For trainer start-up: fail
-        before training, not during it."""
+        ``/health`` from ``--api-key``, not ``/server_info``: a wrong key fails here), and continue any server a
+        killed client left paused. For trainer start-up: fail before training, not during it."""
         self.run(self._ensure_ready(timeout_s))
         states = self.run(self.weight_sync.server_states())
+        self.run(self.weight_sync.continue_servers())  # left paused by a client killed during a sync
         logger.info("SGLang servers: %s", ", ".join(f"{s.url} (sglang {s.version}, tp {s.tp_size})" for s in states))
         if self.record_routing is not None:
             check_routing_servers(states)
@@ -699,12 +712,17 @@ class SGLangEngine(RolloutEngine):
                     _RetryableStatus,
                     SGLangResponseError,
                 ) as exc:
+                    self._count_lost_connection(url, exc)
                     pause = self._may_retry(attempt, started, loop)
                     if pause is None:
-                        raise SGLangError(
+                        message = (
                             f"{url}/generate failed after {attempt + 1} attempt(s) in {loop.time() - started:.1f} s "
                             f"(retry_deadline_s={self.retry_deadline_s:g}): {type(exc).__name__}: {exc}"
-                        ) from exc
+                        )
+                        if not isinstance(exc, SGLangResponseError):  # no usable answer: the server is unavailable
+                            self.unreachable[url] = message
+                            raise SGLangUnavailableError(message) from exc
+                        raise SGLangError(message) from exc
                     logger.warning(
                         "SGLang /generate on %s: %s: %s (attempt %d, retrying in %.1f s)",
                         url,
@@ -751,6 +769,22 @@ class SGLangEngine(RolloutEngine):
                     synced,
                 )
         return out
+
+    def served_versions(self) -> dict[str, int | str | None]:
+        """The weight version each server serves now (``GET /model_info``; None: its launch weights, SGLang's
+        ``"default"``). Blocks the calling thread."""
+
+        async def read():
+            infos = await asyncio.gather(*(self._request("GET", u, "/model_info") for u in self.base_urls))
+            return {u: _parse_version((i or {}).get("weight_version")) for u, i in zip(self.base_urls, infos)}
+
+        return self.run(read())
+
+    def take_unreachable(self) -> dict[str, str]:
+        """The servers that a ``/generate`` gave up on since the last call (URL -> the request's last error): no
+        answer within ``retry_deadline_s``. Cleared by the call."""
+        found, self.unreachable = self.unreachable, {}
+        return found
 
     # ------------------------------------------------------------------ control
 

@@ -236,12 +236,12 @@ def apply_landlock(read_paths, write_paths, deny_tcp, scope):
     return {"abi": abi, "tcp_denied": bool(net), "scoped": bool(scoped), "paths": granted}
 
 
-# seccomp: refuse socket(AF_UNIX, ...) (Landlock does not cover connect() on pathname unix sockets, e.g. a docker
-# socket) and families a Python program does not need: AF_VSOCK (reaches the host or hypervisor, past the network
-# namespace), AF_NETLINK (kernel configuration interfaces), AF_PACKET (raw frames), all with EACCES, so a refusal is
-# told apart from the kernel's EAFNOSUPPORT / EPERM. socketpair() is refused for those three too (no pair exists, but
-# the call runs their socket-creation code first); unix pairs stay (nothing outside to reach; asyncio and
-# multiprocessing use them). Refuse io_uring (its socket/connect ops bypass syscall filters); refuse new namespaces
+# seccomp: socket families by allow-list, every other family refused with EACCES (told apart from the kernel's
+# EAFNOSUPPORT / EPERM). socket() is refused for every family: AF_UNIX because Landlock does not cover connect() on
+# pathname unix sockets (e.g. a docker socket), and the IP families because this sandbox has no network (its own
+# network namespace, or Landlock's TCP denial, which leaves UDP open); a sandbox with network access would allow
+# AF_INET and AF_INET6 here. socketpair() is allowed for AF_UNIX only (nothing outside to reach; asyncio and
+# multiprocessing use unix pairs). Refuse io_uring (its socket/connect ops bypass syscall filters); refuse new namespaces
 # (clone/unshare with CLONE_NEW*, setns: an unprivileged user namespace would hand the program CAP_SYS_ADMIN over fresh
 # namespaces, the entry point of many kernel exploits), bpf, perf_event_open, userfaultfd and the kernel keyring (kernel
 # attack surface a Python program does not need; Docker's default profile refuses them too); clone3 answers ENOSYS (its
@@ -250,10 +250,10 @@ def apply_landlock(read_paths, write_paths, deny_tcp, scope):
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
-AF_UNIX, AF_NETLINK, AF_PACKET, AF_VSOCK = 1, 16, 17, 40
+AF_UNIX = 1
 EPERM, EACCES, ENOSYS = 1, 13, 38
-_SOCKET_DENIED = (AF_UNIX, AF_NETLINK, AF_PACKET, AF_VSOCK)
-_SOCKETPAIR_DENIED = (AF_NETLINK, AF_PACKET, AF_VSOCK)
+_SOCKET_ALLOWED: tuple[int, ...] = ()  # families socket() may create (see above)
+_SOCKETPAIR_ALLOWED = (AF_UNIX,)
 CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 _SECCOMP_ARCH = {  # machine: AUDIT_ARCH_*, then syscall numbers
     "x86_64": dict(
@@ -330,11 +330,11 @@ def apply_seccomp():
     ]
     for name in _SECCOMP_DENIED:
         program += [ins(BPF_JEQ_K, 0, 1, nr[name]), ins(BPF_RET_K, 0, 0, deny)]
-    for name, families in (("socket", _SOCKET_DENIED), ("socketpair", _SOCKETPAIR_DENIED)):
+    for name, families in (("socket", _SOCKET_ALLOWED), ("socketpair", _SOCKETPAIR_ALLOWED)):
         checks = [ins(BPF_LD_W_ABS, 0, 0, 16)]  # A = low 32 bits of args[0] (domain)
         for i, family in enumerate(families):
-            checks.append(ins(BPF_JEQ_K, len(families) - i, 0, family))  # listed family? to the refusal
-        checks += [ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW), ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES)]
+            checks.append(ins(BPF_JEQ_K, len(families) - i, 0, family))  # listed family? to the allow
+        checks += [ins(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES), ins(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW)]
         program += [ins(BPF_JEQ_K, 0, len(checks), nr[name])] + checks  # this syscall? else past its checks
     program += [
         ins(BPF_JEQ_K, 0, 4, nr["clone"]),  # clone? else allow
@@ -351,7 +351,7 @@ def apply_seccomp():
         "prctl(PR_SET_SECCOMP)",
     )
     return (
-        "no AF_UNIX, AF_VSOCK, AF_NETLINK or AF_PACKET sockets, io_uring, new namespaces, bpf, perf events,"
+        "no socket() of any family and socketpair() of AF_UNIX only, no io_uring, new namespaces, bpf, perf events,"
         " userfaultfd or keyrings; native ABI only"
     )
 

@@ -26,9 +26,9 @@ applied on this machine is reported in ``SandboxResult.isolation``):
 * **network** - own network namespace (no interfaces but a down loopback) and Landlock's TCP bind/connect denial;
   without either (reported as ``python-guard``) a Python-level socket guard, which ctypes can bypass.
 * **privileges** - ``no_new_privs``, no capabilities (empty bounding set).
-* **kernel surface** - seccomp refuses ``socket(AF_UNIX)`` (pathname sockets such as a docker socket are outside
-  Landlock's reach), ``AF_VSOCK``, ``AF_NETLINK`` and ``AF_PACKET`` sockets, ``io_uring``, new namespaces, ``bpf``,
-  ``perf_event_open``, ``userfaultfd`` and keyrings.
+* **kernel surface** - seccomp allows socket families by list: ``socketpair(AF_UNIX)`` only, and ``socket()`` of no
+  family (``AF_UNIX``: pathname sockets such as a docker socket are outside Landlock's reach; IP: no network here,
+  UDP included); it refuses ``io_uring``, new namespaces, ``bpf``, ``perf_event_open``, ``userfaultfd`` and keyrings.
 * **output** - stdout/stderr read incrementally; past ``max_output_bytes`` the program is killed and the result
   marked ``truncated`` (memory stays bounded whatever the program prints).
 """

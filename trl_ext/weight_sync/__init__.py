@@ -2,7 +2,8 @@
 
 One package, one file per concern:
 
-- `settings`: the modes and checks (`SYNC_MODES`, `VERIFY_MODES`), `WeightSyncConfig`, `WeightSyncError`;
+- `settings`: the modes and checks (`SYNC_MODES`, `VERIFY_MODES`), `WeightSyncConfig`, `WeightSyncError`,
+  `ServerLostError`;
 - `export`: what is sent (merged weights named as the base model names them, or a LoRA adapter; FSDP gathers);
 - `transport`: how it travels (SGLang's tensor serialization, flattened buckets, the NCCL group, files on disk);
 - `verify`: what the server serves against what was sent (names, changed parameters, the log-prob probe);
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .export import LoRAAdapter, export_lora_adapter, export_policy_weights
-from .settings import SYNC_MODES, VERIFY_MODES, WeightSyncConfig, WeightSyncError
+from .settings import SYNC_MODES, VERIFY_MODES, ServerLostError, WeightSyncConfig, WeightSyncError
 from .transport import (
     checkpoint_dtypes,
     convert_checkpoint,
@@ -30,6 +31,7 @@ __all__ = [
     "SYNC_MODES",
     "VERIFY_MODES",
     "LoRAAdapter",
+    "ServerLostError",
     "WeightSyncConfig",
     "WeightSyncError",
     "checkpoint_dtypes",

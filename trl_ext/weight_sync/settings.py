@@ -26,6 +26,11 @@ class WeightSyncError(RuntimeError):
     """A weight sync failed or could not be verified; the message names the server(s) and the mismatch."""
 
 
+class ServerLostError(WeightSyncError):
+    """A server stopped answering during a weight sync and did not answer again within the deadline; the message
+    names it and its last error."""
+
+
 @dataclass
 class WeightSyncConfig:
     """How an SGLang rollout engine receives the trainer's weights, and how each sync is checked.

@@ -21,8 +21,10 @@ upstream file and function (sglang 0.5.17 and 0.5.23 wheels).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from . import verify as checks
-from .settings import WeightSyncConfig, WeightSyncError
+from .settings import ServerLostError, WeightSyncConfig, WeightSyncError
 from .transport import (
     default_weight_dir,
     destroy_weight_update_group,
@@ -65,6 +67,10 @@ def version_tuple(version: str | None) -> tuple[int, ...] | None:
 # in ``sglang/srt/managers/scheduler_components/weight_updater.py``, 0.5.23). Servers that report an older
 # version, or answer 404 on ``/begin_weight_update``, are driven without the session.
 _SESSION_SINCE = (0, 5, 18)
+
+# attempts of one sync when servers die during it and come back (`SGLangHTTPWeightSync.update`): a server that dies
+# again and again fails the sync instead of holding the trainer
+SYNC_ATTEMPTS = 3
 
 
 @dataclass
@@ -142,6 +148,40 @@ class _LoadedNames:
     source: str
 
 
+def _in_daemon_thread(fn, /, **kwargs) -> concurrent.futures.Future:
+    """``fn(**kwargs)`` in a daemon thread: a rendezvous abandoned after a failure does not hold the interpreter's
+    exit (the default executor's threads are joined at exit)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(**kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-update-group-join", daemon=True).start()
+    return done
+
+
+def _same_version(served, synced) -> bool:
+    """Whether a server's ``weight_version`` is the last sync's version (None, or SGLang's "default": none yet)."""
+
+    def norm(v):
+        return None if v in (None, "default") else str(v)
+
+    return norm(served) == norm(synced)
+
+
+def _destroy_joined_group(join: concurrent.futures.Future) -> None:
+    """Done callback of a weight-update group join abandoned after a failure: destroy a group it formed."""
+    if join.exception() is not None:
+        return
+    try:
+        destroy_weight_update_group(join.result())
+    except Exception as exc:  # noqa: BLE001 - nothing uses this group
+        logger.warning("destroying an abandoned weight-update group: %s", exc)
+
+
 class SGLangHTTPWeightSync:
     """The weight-sync protocol of SGLang's HTTP server for the servers of ``client`` (an `SGLangEngine`).
 
@@ -173,6 +213,7 @@ class SGLangHTTPWeightSync:
         self._probe_reference: list[float] | None = None
         self._cache_clean: asyncio.Event | None = None
         self._stale_group = False  # a failed group was dropped here; servers may still hold it (`drop_group`)
+        self._lost_at_last_sync: dict[str, int] = {}  # the client's lost connections when the last sync succeeded
 
     # -------------------------------------------------------------- helpers
 
@@ -192,6 +233,12 @@ class SGLangHTTPWeightSync:
         urls = self.client.base_urls
         infos = await asyncio.gather(*(self.client.request("GET", u, "/server_info") for u in urls))
         return [ServerState.from_info(u, i) for u, i in zip(urls, infos)]
+
+    async def continue_servers(self) -> None:
+        """``/continue_generation`` on every server: a client killed between a sync's ``/pause_generation`` and its
+        ``/continue_generation`` leaves its servers paused, holding every request; a server that is not paused is
+        left as it is (SGLang's ``continue_generation`` only resumes a paused scheduler)."""
+        await asyncio.gather(*(self._post(u, "/continue_generation", {}) for u in self.client.base_urls))
 
     async def _post(self, url: str, path: str, payload: dict, *, retries: int | None = None, ok_404: bool = False):
         """POST and check SGLang's ``success``; returns the answer (None for an accepted 404 when ``ok_404``)."""
@@ -266,9 +313,95 @@ class SGLangHTTPWeightSync:
     # -------------------------------------------------------------- entry points
 
     async def update(self, named: list[tuple[str, torch.Tensor]], version, *, lora=None) -> None:
-        """Send ``named`` (or the LoRA adapter ``lora``) to every server as ``version``, then verify."""
+        """Send ``named`` (or the LoRA adapter ``lora``) to every server as ``version``, then verify.
+
+        A server that dies during the sync (a connection to it lost, then refused, or a server that answers on
+        another version than the last sync's: a supervisor restarted it, with its launch weights) and answers again
+        within the client's ``retry_deadline_s`` gets the whole sync again, at most `SYNC_ATTEMPTS` times in all; one
+        that does not answer by then fails the sync with `ServerLostError`. Other failures (a refusal, a failed check,
+        an answer cut off by a server that stayed up) are raised at once.
+        """
+        if self.group is not None and self._lost_connections() != self._lost_at_last_sync:
+            # a server lost its connection since the last sync (it may have restarted, without the group): a new one
+            self.drop_group()
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            lost_before = dict(self._lost_connections())
+            try:
+                await self._update_once(named, version, lora=lora)
+                self._lost_at_last_sync = self._lost_connections()
+                return
+            except ServerLostError:
+                raise
+            except WeightSyncError as exc:
+                lost = [u for u, n in self._lost_connections().items() if n > lost_before.get(u, 0)]
+                if not lost or attempt == SYNC_ATTEMPTS:
+                    raise
+                restarted = {
+                    url: served
+                    for url, (served, was_down) in zip(lost, await self._answering_again(lost, version, exc))
+                    if was_down or not _same_version(served, self.version)
+                }
+                if not restarted:
+                    raise
+                logger.warning(
+                    "SGLang weight sync to version %s: %s restarted during the sync (now serving weight version %s): "
+                    "sending the weights again (attempt %d of %d)",
+                    version,
+                    ", ".join(restarted),
+                    ", ".join(repr(v) for v in restarted.values()),
+                    attempt + 1,
+                    SYNC_ATTEMPTS,
+                )
+
+    def _lost_connections(self) -> dict[str, int]:
+        return dict(getattr(self.client, "lost_connections", None) or {})
+
+    async def _answering_again(self, urls: list[str], version, failure: Exception) -> list:
+        """Poll ``GET /model_info`` of each of ``urls`` until it answers, for up to the client's ``retry_deadline_s``;
+        per server, the weight version it serves and whether it failed to answer first. `ServerLostError` naming a
+        server that did not answer by then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.client.retry_deadline_s
+
+        async def one(url: str):
+            pause, was_down = max(self.client.backoff_s, 0.05), False
+            while True:
+                try:
+                    info = await self.client.request("GET", url, "/model_info", retries=0)
+                    return (info or {}).get("weight_version") if isinstance(info, dict) else None, was_down
+                except Exception as exc:  # noqa: BLE001 - down (or still loading): polled until the deadline
+                    was_down = True
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise self.fail_lost(
+                            f"{url} stopped answering during the weight sync to version {version} and did not answer "
+                            f"again within retry_deadline_s={self.client.retry_deadline_s:g} s (last error: {exc}); "
+                            f"the sync failed with: {failure}"
+                        ) from None
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, 2.0)
+
+        return list(await asyncio.gather(*(one(u) for u in urls)))
+
+    def fail_lost(self, message: str) -> ServerLostError:
+        """As `fail`, for a server that stopped answering."""
+        self.failure = message
+        logger.error("SGLang weight sync: %s", message)
+        return ServerLostError(message)
+
+    async def _update_once(self, named: list[tuple[str, torch.Tensor]], version, *, lora=None) -> None:
         config = self.config
-        states = await self.server_states()
+        lost_before = self._lost_connections()
+        try:
+            states = await self.server_states()
+        except Exception as exc:
+            lost = [u for u, n in self._lost_connections().items() if n > lost_before.get(u, 0)]
+            if not lost:
+                raise
+            raise self.fail_lost(
+                f"weight sync to version {version}: {', '.join(lost)} did not answer within retry_deadline_s="
+                f"{self.client.retry_deadline_s:g} s ({exc})"
+            ) from exc
         for s in states:
             if s.dp_size > 1 and config.mode != "disk":
                 raise WeightSyncError(
@@ -576,7 +709,7 @@ class SGLangHTTPWeightSync:
         for s in states:
             offsets.append(offset)
             offset += s.tp_size
-        join = asyncio.to_thread(
+        joined = _in_daemon_thread(
             init_weight_update_group,
             backend=self.dist_backend,
             master_address=config.dist_master_address,
@@ -586,29 +719,43 @@ class SGLangHTTPWeightSync:
             group_name=config.group_name,
             timeout=timedelta(seconds=config.dist_timeout_s),
         )
-        posts = [
-            self._post(
-                s.url,
-                "/init_weights_update_group",
-                {
-                    "master_address": config.dist_master_address,
-                    "master_port": port,
-                    "rank_offset": off,
-                    "world_size": world_size,
-                    "group_name": config.group_name,
-                    "backend": self.dist_backend,
-                },
-                retries=0,
-            )
+        join = asyncio.wrap_future(joined)
+        posts = {
+            asyncio.ensure_future(
+                self._post(
+                    s.url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": config.dist_master_address,
+                        "master_port": port,
+                        "rank_offset": off,
+                        "world_size": world_size,
+                        "group_name": config.group_name,
+                        "backend": self.dist_backend,
+                    },
+                    retries=0,
+                )
+            ): s.url
             for s, off in zip(states, offsets)
-        ]
-        results = await asyncio.gather(join, *posts, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            if not isinstance(results[0], BaseException):
-                destroy_weight_update_group(results[0])
-            raise WeightSyncError(f"init_weights_update_group failed: {errors[0]}")
-        self.group = results[0]
+        }
+        # A server that answers with an error never joins, so this process's side would wait for it until
+        # `dist_timeout_s`: the first failure ends the wait. The join runs on in its thread until that timeout (a
+        # blocked rendezvous cannot be interrupted); a group it still forms is destroyed then.
+        pending = {join, *posts}
+        failure = None
+        while pending and failure is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None and failure is None:
+                    where = posts.get(task, "this process's side of the group")
+                    failure = f"{where}: {task.exception()}"
+        if failure is not None:
+            for task in pending:
+                task.cancel()  # the join's wrapper too: its thread runs on, and `_destroy_joined_group` ends it
+            joined.add_done_callback(_destroy_joined_group)
+            self._stale_group = True  # servers that joined may hold the group: destroyed before the next one
+            raise WeightSyncError(f"init_weights_update_group failed: {failure}")
+        self.group = join.result()
 
     async def _sync_distributed(self, states, named, version, loaded, failures) -> None:
         """NCCL broadcast from this process (rank 0) to every server rank, one flattened bucket per call.
