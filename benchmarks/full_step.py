@@ -19,7 +19,7 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
   `project_sac_experts_liger_rope` / `project_sac_liger_rope` add the fused rotary embedding
   (`hf_gptoss_rl.fused_layers.apply_fused_gptoss_rope`);
   `project_sac_experts_liger_torchlp` is the first of these with the log-prob chunks in PyTorch ops
-  (`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch`) instead of the fused Triton kernels, the CUDA default;
+  (`set_backends(logprobs="torch")`) instead of the fused Triton kernels, the CUDA default;
 - `project_default` (optional): `AgenticGRPOConfig()`'s stack: `project_sac_experts_liger_rope` that also keeps the
   projections (`checkpoint_saves=["attention", "experts", "projections"]`), the experts and the projections kept
   only up to the memory-derived token bounds of `checkpoint_experts_max_tokens` / `checkpoint_projections_max_tokens`
@@ -327,6 +327,7 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
+    from hf_gptoss_rl import set_backends
     from hf_gptoss_rl.checkpointing import (
         experts_max_tokens_for_model,
         projections_max_tokens_for_model,
@@ -349,7 +350,7 @@ def worker(spec: dict) -> dict:
     result["attn_implementation"] = attn
     model.set_experts_implementation(variant["experts"])
     if variant.get("logprobs_backend"):  # this worker process only
-        os.environ["HF_GPTOSS_RL_LOGPROBS_BACKEND"] = variant["logprobs_backend"]
+        set_backends(logprobs=variant["logprobs_backend"])
     if variant["logprobs"] == "chunked" or spec.get("ragged"):  # ragged: every variant has a fused head, as TRL
         add_chunked_logprob_head(model)  # what AgenticGRPOTrainer installs for its chunked log-probs
     if variant.get("liger"):  # Liger's RMSNorm kernel with GPT-OSS's rounding (hf_gptoss_rl.fused_layers)

@@ -305,7 +305,9 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
     import os
 
     from benchmarks import logprobs as bench
+    from hf_gptoss_rl import _backend as backend_settings
 
+    logprobs_before = backend_settings.current.logprobs
     torch.manual_seed(0)
     hidden = torch.randn(6, 16)
     weight = torch.randn(300, 16)
@@ -317,7 +319,7 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
         lp, ent = bench.run_variant(name, hidden, weight, targets, 0.8)
         torch.testing.assert_close(lp.double(), ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent.double(), ref[1], rtol=1e-5, atol=1e-5)
-    assert "HF_GPTOSS_RL_LOGPROBS_BACKEND" not in os.environ  # the variant switch does not leak
+    assert backend_settings.current.logprobs == logprobs_before  # the variant switch does not leak
     saved = json.loads((REPO / "docs" / "benchmarks" / "logprobs.json").read_text())
     bench.write_report(tmp_path, {int(s): v for s, v in saved["results"].items()}, saved["correctness"], saved["meta"])
     text = (tmp_path / "logprobs.md").read_text()
