@@ -1,7 +1,7 @@
 """One full GRPO training step of a gpt-oss-20b-shaped model at long context, by stack.
 
-Model: `hf_gptoss_rl.testing.gptoss_20b_config()` with random bf16 weights created on the GPU
-(`hf_gptoss_rl.testing.build_random_gptoss`), LoRA r=16 on q/k/v/o (peft), gradient checkpointing (non-reentrant),
+Model: `hf_gptoss_rl.model_builders.gptoss_20b_config()` with random bf16 weights created on the GPU
+(`hf_gptoss_rl.model_builders.build_random_gptoss`), LoRA r=16 on q/k/v/o (peft), gradient checkpointing (non-reentrant),
 one sequence of S random token ids: the first S/8 are the "prompt", the rest the completion that the loss covers.
 
 Variants (only attention, experts and the log-prob computation differ; the loss is the same):
@@ -328,13 +328,14 @@ def worker(spec: dict) -> dict:
 
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
     from hf_gptoss_rl import set_backends
+    from hf_gptoss_rl.attention_variants import set_project_attention
     from hf_gptoss_rl.checkpointing import (
         experts_max_tokens_for_model,
         projections_max_tokens_for_model,
         selective_checkpointing_kwargs,
     )
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
-    from hf_gptoss_rl.testing import build_random_gptoss, gptoss_20b_config, set_project_attention, tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import build_random_gptoss, gptoss_20b_config, tiny_gptoss_config
 
     if spec["model"] == "20b":
         config = gptoss_20b_config(num_hidden_layers=int(spec["layers"]))
@@ -624,7 +625,7 @@ def run_ragged(args, device, layers: int, names: list[str], start: float) -> lis
         results.append(r)
         g = r.get("grpo_step") or {}
         print(f"[full_step] ragged {name}: {g.get('seconds', r.get('error', g))}", flush=True)
-    from hf_gptoss_rl.testing import environment
+    from benchmarks._cli import environment
 
     meta = {"env": environment(), "command": "python benchmarks/full_step.py " + " ".join(args.argv), "model": args.model,
             "layers": layers, "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats,
@@ -687,7 +688,7 @@ def availability(name: str, device: torch.device) -> str | None:
     attn = VARIANTS[name]["attn"]
     if attn == "flex_attention" and device.type != "cuda":
         return "skipped: flex_attention refuses sinks on CPU"
-    from hf_gptoss_rl.testing import flash_attention_4_available
+    from hf_gptoss_rl.attention_variants import flash_attention_4_available
 
     if attn == "flash_attention_4" and not flash_attention_4_available():
         return "skipped: flash_attention_4 not importable here (flash-attn CuTe / nvidia-cutlass-dsl missing)"
@@ -835,7 +836,7 @@ def _row_order(r: dict) -> tuple:
 def flop_limit_lines(results: list[dict], layers: int, device_name: str | None) -> list[str]:
     """What is left to the FLOP limit: each measured GRPO step against the model FLOPs at the dense bf16 peak of the
     GPU the run recorded (``device_name``); no section where that peak is unknown (a CPU run, a report without it)."""
-    from hf_gptoss_rl.testing import gptoss_20b_config
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
 
     config = gptoss_20b_config(num_hidden_layers=layers)
     rows = [r for r in results if "seconds" in (r.get("grpo_step") or {})]
@@ -1110,7 +1111,7 @@ def main(argv=None) -> list[dict]:
             flush=True,
         )
 
-    from hf_gptoss_rl.testing import environment
+    from benchmarks._cli import environment
 
     meta = {
         "env": environment(),

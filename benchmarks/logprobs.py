@@ -243,7 +243,7 @@ def main():
             results[s][name] = r
             print(s, name, r, flush=True)
         del hidden, targets, g_lp, g_h
-    from hf_gptoss_rl.testing import git_commit
+    from benchmarks._cli import git_commit
 
     meta = {
         "device": torch.cuda.get_device_name(),

@@ -35,7 +35,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, RATIO_RULE, output_dir, ratio, without_local_paths
+from benchmarks._cli import OUT_HELP, RATIO_RULE, git_commit, output_dir, ratio, without_local_paths
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,10 +43,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def build_layer(testing, device):
+def build_layer(device):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    config = testing.gptoss_20b_config()
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
+
+    config = gptoss_20b_config()
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     with torch.device(device):
@@ -323,7 +325,6 @@ def main():
     import triton
 
     import hf_gptoss_rl.experts as experts_mod
-    import hf_gptoss_rl.testing as testing
 
     meta = {
         "device": torch.cuda.get_device_name(),
@@ -332,11 +333,11 @@ def main():
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
-        "commit": testing.git_commit(),
+        "commit": git_commit(),
         "default_chunk_rows": experts_mod.DEFAULT_CHUNK_ROWS,
     }
     print(meta, flush=True)
-    mlp, config = build_layer(testing, device)
+    mlp, config = build_layer(device)
     experts = mlp.experts
 
     t0 = time.time()

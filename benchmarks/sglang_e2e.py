@@ -20,7 +20,7 @@ what it measured.
 4. ``sync_timing``: the median sync time per mode from phase 2, bytes moved, and the extrapolation to gpt-oss-20b
    (bytes at 20b / measured GB/s).
 
-The model is GPT-OSS with the gpt-oss-20b layer shapes (``hf_gptoss_rl.testing.gptoss_20b_config``, ``--layers``
+The model is GPT-OSS with the gpt-oss-20b layer shapes (``hf_gptoss_rl.model_builders.gptoss_20b_config``, ``--layers``
 of its 24 layers) and random weights and sinks drawn as in `benchmarks.mismatch_study`, saved in bf16 with
 ``save_pretrained`` (SGLang reads it with ``--skip-tokenizer-init``: no tokenizer files). Prompts:
 `benchmarks.mismatch_study.load_prompts` (GSM8K rendered in harmony).
@@ -346,7 +346,7 @@ def build_model(args, device: torch.device, work_dir: Path | None = None) -> dic
     """Build the random GPT-OSS, cold-start it (``--cold-start-steps``), save it (safetensors, bf16) into
     ``args.model_dir``, check config.json for SGLang."""
     from benchmarks.mismatch_study import model_config
-    from hf_gptoss_rl.testing import build_random_gptoss
+    from hf_gptoss_rl.model_builders import build_random_gptoss
     from trl_ext.weight_sync import save_config_for_sglang
 
     config = model_config(args.model, args.layers)
@@ -428,7 +428,7 @@ def params_of_20b() -> int:
     """Parameters of gpt-oss-20b's layer shapes at full depth (counted on the meta device)."""
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import gptoss_20b_config
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
 
     with torch.device("meta"):
         model = GptOssForCausalLM(gptoss_20b_config(num_hidden_layers=GPTOSS_20B_LAYERS))
@@ -791,7 +791,7 @@ def phase_trainer(ctx, results: dict) -> None:
 
 def phase_mismatch(ctx, result: dict) -> None:
     from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts, score_batch, train_logps
-    from hf_gptoss_rl.testing import (
+    from hf_gptoss_rl.attention_variants import (
         SINK_DROPPING_ATTENTION,
         register_sink_dropping_attention,
         set_project_attention,
@@ -1526,7 +1526,7 @@ def main(argv=None) -> dict:
         write_outputs(args.out, results)
         log(f"merged {len(args.merge)} runs into {args.out / 'sglang_e2e.md'}, .json, .png")
         return results
-    from hf_gptoss_rl.testing import environment
+    from benchmarks._cli import environment
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))

@@ -16,7 +16,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss
 from hf_gptoss_rl import _backend, set_backends, use_backends
 from hf_gptoss_rl.fused_layers import apply_fused_gptoss_rope
 from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 import hf_gptoss_rl  # noqa: F401  (registers "memory_efficient")
 from hf_gptoss_rl import experts as me
 from hf_gptoss_rl import set_backends
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 VOCAB = 96
 

@@ -16,7 +16,7 @@ from transformers import GptOssForCausalLM
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 from hf_gptoss_rl import fused_layers, set_backends
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 try:
     from hf_gptoss_rl import _rope_triton

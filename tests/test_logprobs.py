@@ -7,7 +7,7 @@ import torch
 
 from hf_gptoss_rl import set_backends
 from hf_gptoss_rl.logprobs import causal_lm_token_logprobs, chunked_logprobs
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 
 def _reference(hidden, weight, bias, targets, temperature):

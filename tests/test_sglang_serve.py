@@ -41,7 +41,7 @@ def test_serves_until_ctrl_c(tmp_path):
     import torch
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.weight_sync.transport import free_port
 
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def _saved_model(folder, dtype):
     import torch
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
     torch.manual_seed(0)
     GptOssForCausalLM(tiny_gptoss_config(vocab_size=256)).to(dtype).save_pretrained(folder)
@@ -174,14 +174,16 @@ def test_server_process_serves_logs_and_stops_its_whole_group(tmp_path):
     import torch
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.sglang_serve import ServerProcess
     from trl_ext.weight_sync.transport import free_port
 
     torch.manual_seed(0)
     GptOssForCausalLM(tiny_gptoss_config(vocab_size=256)).save_pretrained(tmp_path / "model")
     port, child_pid = free_port(), tmp_path / "child.pid"
-    fake = f"{sys.executable} {REPO / 'tests' / 'fake_sglang_server.py'} --model-path {tmp_path / 'model'} --port {port}"
+    fake = (
+        f"{sys.executable} {REPO / 'tests' / 'fake_sglang_server.py'} --model-path {tmp_path / 'model'} --port {port}"
+    )
     command = ["sh", "-c", f"sleep 300 & echo $! > {child_pid}; exec {fake}"]
     server = ServerProcess(command, f"http://127.0.0.1:{port}", log_path=tmp_path / "logs" / "server.log")
     server.start()

@@ -20,7 +20,7 @@ from transformers import GptOssForCausalLM
 from hf_gptoss_rl import set_backends
 from hf_gptoss_rl.harmony import CALL, load_gptoss_tokenizer
 from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.rollout import EmbeddedEngine, GenerationOutput, RolloutEngine
 from trl_ext.tools import FunctionTool
