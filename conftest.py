@@ -37,3 +37,15 @@ def _no_cached_attention_calls():
     for name, module in list(sys.modules.items()):
         if name.endswith(".triton_kernels") and isinstance(getattr(module, "_CALLS", None), dict):
             module._CALLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _backends_restored():
+    """Tests choose the Triton-or-PyTorch backends with ``hf_gptoss_rl.set_backends``: each test ends with the
+    settings it started with."""
+    backend = sys.modules.get("hf_gptoss_rl._backend")
+    before = dict(vars(backend.current)) if backend is not None else None
+    yield
+    backend = sys.modules.get("hf_gptoss_rl._backend")
+    if backend is not None:
+        backend.set_backends(**(before or vars(backend.backends_from_environment(os.environ))))

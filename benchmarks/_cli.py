@@ -13,12 +13,16 @@ peer's, so below 1 means this project takes less (`RATIO_RULE` says so in the re
 
 Local paths: a report names no folder of the machine that wrote it (`without_local_paths`), so its commands read the
 same for every reader.
+
+Header and cells: `environment()` (versions, device, source commit) heads every report; `fmt` writes a table cell.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import re
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -94,3 +98,46 @@ def without_local_paths(report, named: dict | None = None):
         return value
 
     return clean(report)
+
+
+def git_commit() -> str | None:
+    """The short commit of the checkout the benchmarks run from (None outside a git checkout)."""
+    if not (REPO / ".git").exists():
+        return None
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None
+
+
+def environment() -> dict:
+    """Versions, device and source commit, for the report header."""
+    import torch
+    import transformers
+
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    for name in ("triton", "peft", "kernels"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:
+            info[name] = None
+    info["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
+    info["commit"] = git_commit()
+    return info
+
+
+def fmt(value, spec: str = ".3g") -> str:
+    """A table cell: numbers formatted, None as an em dash."""
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return format(value, spec)

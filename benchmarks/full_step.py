@@ -1,7 +1,7 @@
 """One full GRPO training step of a gpt-oss-20b-shaped model at long context, by stack.
 
-Model: `hf_gptoss_rl.testing.gptoss_20b_config()` with random bf16 weights created on the GPU
-(`hf_gptoss_rl.testing.build_random_gptoss`), LoRA r=16 on q/k/v/o (peft), gradient checkpointing (non-reentrant),
+Model: `hf_gptoss_rl.model_builders.gptoss_20b_config()` with random bf16 weights created on the GPU
+(`hf_gptoss_rl.model_builders.build_random_gptoss`), LoRA r=16 on q/k/v/o (peft), gradient checkpointing (non-reentrant),
 one sequence of S random token ids: the first S/8 are the "prompt", the rest the completion that the loss covers.
 
 Variants (only attention, experts and the log-prob computation differ; the loss is the same):
@@ -19,7 +19,7 @@ Variants (only attention, experts and the log-prob computation differ; the loss 
   `project_sac_experts_liger_rope` / `project_sac_liger_rope` add the fused rotary embedding
   (`hf_gptoss_rl.fused_layers.apply_fused_gptoss_rope`);
   `project_sac_experts_liger_torchlp` is the first of these with the log-prob chunks in PyTorch ops
-  (`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch`) instead of the fused Triton kernels, the CUDA default;
+  (`set_backends(logprobs="torch")`) instead of the fused Triton kernels, the CUDA default;
 - `project_default` (optional): `AgenticGRPOConfig()`'s stack: `project_sac_experts_liger_rope` that also keeps the
   projections (`checkpoint_saves=["attention", "experts", "projections"]`), the experts and the projections kept
   only up to the memory-derived token bounds of `checkpoint_experts_max_tokens` / `checkpoint_projections_max_tokens`
@@ -327,13 +327,15 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import hf_gptoss_rl  # noqa: F401  (registers memory_efficient experts and the hub kernel id)
+    from hf_gptoss_rl import set_backends
+    from hf_gptoss_rl.attention_variants import set_project_attention
     from hf_gptoss_rl.checkpointing import (
         experts_max_tokens_for_model,
         projections_max_tokens_for_model,
         selective_checkpointing_kwargs,
     )
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
-    from hf_gptoss_rl.testing import build_random_gptoss, gptoss_20b_config, set_project_attention, tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import build_random_gptoss, gptoss_20b_config, tiny_gptoss_config
 
     if spec["model"] == "20b":
         config = gptoss_20b_config(num_hidden_layers=int(spec["layers"]))
@@ -349,7 +351,7 @@ def worker(spec: dict) -> dict:
     result["attn_implementation"] = attn
     model.set_experts_implementation(variant["experts"])
     if variant.get("logprobs_backend"):  # this worker process only
-        os.environ["HF_GPTOSS_RL_LOGPROBS_BACKEND"] = variant["logprobs_backend"]
+        set_backends(logprobs=variant["logprobs_backend"])
     if variant["logprobs"] == "chunked" or spec.get("ragged"):  # ragged: every variant has a fused head, as TRL
         add_chunked_logprob_head(model)  # what AgenticGRPOTrainer installs for its chunked log-probs
     if variant.get("liger"):  # Liger's RMSNorm kernel with GPT-OSS's rounding (hf_gptoss_rl.fused_layers)
@@ -623,7 +625,7 @@ def run_ragged(args, device, layers: int, names: list[str], start: float) -> lis
         results.append(r)
         g = r.get("grpo_step") or {}
         print(f"[full_step] ragged {name}: {g.get('seconds', r.get('error', g))}", flush=True)
-    from hf_gptoss_rl.testing import environment
+    from benchmarks._cli import environment
 
     meta = {"env": environment(), "command": "python benchmarks/full_step.py " + " ".join(args.argv), "model": args.model,
             "layers": layers, "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats,
@@ -686,7 +688,7 @@ def availability(name: str, device: torch.device) -> str | None:
     attn = VARIANTS[name]["attn"]
     if attn == "flex_attention" and device.type != "cuda":
         return "skipped: flex_attention refuses sinks on CPU"
-    from hf_gptoss_rl.testing import flash_attention_4_available
+    from hf_gptoss_rl.attention_variants import flash_attention_4_available
 
     if attn == "flash_attention_4" and not flash_attention_4_available():
         return "skipped: flash_attention_4 not importable here (flash-attn CuTe / nvidia-cutlass-dsl missing)"
@@ -834,7 +836,7 @@ def _row_order(r: dict) -> tuple:
 def flop_limit_lines(results: list[dict], layers: int, device_name: str | None) -> list[str]:
     """What is left to the FLOP limit: each measured GRPO step against the model FLOPs at the dense bf16 peak of the
     GPU the run recorded (``device_name``); no section where that peak is unknown (a CPU run, a report without it)."""
-    from hf_gptoss_rl.testing import gptoss_20b_config
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
 
     config = gptoss_20b_config(num_hidden_layers=layers)
     rows = [r for r in results if "seconds" in (r.get("grpo_step") or {})]
@@ -1109,7 +1111,7 @@ def main(argv=None) -> list[dict]:
             flush=True,
         )
 
-    from hf_gptoss_rl.testing import environment
+    from benchmarks._cli import environment
 
     meta = {
         "env": environment(),

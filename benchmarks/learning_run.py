@@ -82,9 +82,6 @@ REPO = Path(__file__).resolve().parents[1]
 # that many steps the two windows overlap and the comparison says nothing
 REWARD_WINDOW = 10
 
-# no "flash" in the name: transformers routes attention names containing "flash" through its flash-attention
-# preparation (fp32 inputs cast to half precision, its own mask handling), which is not what this function expects
-SPAN_KERNEL_ATTENTION = "sink_kernel_span"
 # arm -> what the trainer's attention does with the sinks
 ARMS = {
     "sink_kernel": "the project's kernel: sinks in the forward, sink gradient",
@@ -303,111 +300,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# %% The project's kernel on the batch's valid tokens, packed (for machines without `kernels`) --------------------------
-# (weakref to the mask's storage owner, view geometry, version) -> packing; see `_varlen_packing`
-_PACKINGS: list[tuple] = []
-
-
-def _varlen_packing(attention_mask):
-    """`(indices, cu_seqlens, max_seqlen)` of a 2-D padding mask `[B, S]`: the flat `B*S` positions of the valid
-    tokens (row by row, in order), int32 cumulative row lengths `[B + 1]` and the longest row.
-
-    One host sync per mask (totals for the packed size); the result is cached for the mask, which transformers
-    hands to every layer of a forward (the full- and sliding-attention masks are views of one tensor, hence the key
-    on the storage owner and the view geometry). Rows whose valid tokens do not form one contiguous span are
-    refused: packing them would close the gap and shift causal/sliding distances, which eager would not.
-    """
-    import weakref
-
-    import torch
-
-    owner = attention_mask._base if attention_mask._base is not None else attention_mask
-    key = (attention_mask.storage_offset(), tuple(attention_mask.shape), attention_mask.stride(),
-           attention_mask._version, attention_mask.device)  # fmt: skip
-    for ref, cached_key, packing in _PACKINGS:
-        if ref() is owner and cached_key == key:
-            return packing
-    valid = attention_mask.bool()
-    lengths = valid.sum(-1, dtype=torch.int32)
-    starts = valid.clone()
-    starts[:, 1:] &= ~valid[:, :-1]  # a span starts where a valid token follows a pad (or the row's start)
-    total, longest, broken = torch.stack(
-        [lengths.sum(), lengths.max(), (starts.sum(-1) > 1).sum()]
-    ).tolist()  # the one host sync
-    if broken:
-        raise ValueError(
-            f"{SPAN_KERNEL_ATTENTION}: {broken} row(s) of the padding mask have valid tokens that are not one "
-            "contiguous span"
-        )
-    indices = torch.nonzero_static(valid.reshape(-1), size=total).reshape(-1)  # no sync: the size is known
-    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    packing = (indices, cu_seqlens, longest)
-    _PACKINGS[:] = [entry for entry in _PACKINGS[-3:] if entry[0]() is not None] + [(weakref.ref(owner), key, packing)]
-    return packing
-
-
-def varlen_sink_kernel_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    scaling=None,
-    dropout=0.0,
-    sliding_window=None,
-    s_aux=None,
-    **kwargs,
-):
-    """The project's kernel on every row's valid tokens in ONE `flash_attn_varlen_func` call (fp32 stays fp32).
-
-    TRL's training batches are `[left pad | prompt | completion | right pad]`: a row's valid tokens form one
-    contiguous span. They are gathered into a packed `[T, H, D]` batch delimited by `cu_seqlens` (each span its own
-    sequence: causal and sliding-window distances are index differences within the span, so left padding shifts
-    nothing, and RoPE was applied before attention), which is exactly what eager computes with the padding mask.
-    The output is scattered back to `[B, S, H, D]` with zeros at pad positions. `attention_mask` is what the
-    flash-style mask function gives: the 2-D padding mask, or None when nothing is padded.
-    """
-    from hf_gptoss_rl.attention import import_kernel_sources as _import_kernel_sources
-    from hf_gptoss_rl.testing import direct_sink_kernel_attention
-
-    if attention_mask is None:
-        return direct_sink_kernel_attention(
-            module, query, key, value, None, scaling, dropout, sliding_window=sliding_window, s_aux=s_aux
-        )
-    if dropout:
-        raise ValueError(f"{SPAN_KERNEL_ATTENTION}: dropout is not supported")
-    batch, heads, seqlen, head_dim = query.shape
-    if attention_mask.dim() != 2 or key.shape[2] != seqlen or attention_mask.shape != (batch, seqlen):
-        raise ValueError(
-            f"{SPAN_KERNEL_ATTENTION}: needs a full-sequence forward with a 2D padding mask [B, S], got mask "
-            f"{tuple(attention_mask.shape)} for query {tuple(query.shape)} and key {tuple(key.shape)}"
-        )
-    indices, cu_seqlens, longest = _varlen_packing(attention_mask)
-
-    def pack(t):  # [B, H', S, D] -> [T, H', D]
-        return t.transpose(1, 2).reshape(batch * seqlen, t.shape[1], head_dim).index_select(0, indices)
-
-    window = (sliding_window - 1, sliding_window - 1) if sliding_window is not None else (-1, -1)
-    out = _import_kernel_sources().flash_attn_varlen_func(
-        pack(query),
-        pack(key),
-        pack(value),
-        cu_seqlens,
-        cu_seqlens,
-        longest,
-        longest,
-        softmax_scale=scaling,
-        causal=True,
-        window_size=window,
-        s_aux=s_aux.to(query.dtype) if s_aux is not None else None,
-    )
-    padded = out.new_zeros(batch * seqlen, heads, head_dim).index_copy(0, indices, out)
-    return padded.view(batch, seqlen, heads, head_dim), None
-
-
+# %% The project's kernel without `kernels`: its sources on the batch's valid tokens, packed ----------------------
 def project_kernel_attention(route: str) -> tuple[str, str]:
     """The attn_implementation name that runs the project's kernel here, and how it was obtained."""
-    from hf_gptoss_rl.testing import setup_project_attention
+    from hf_gptoss_rl.attention_variants import register_span_kernel_attention, setup_project_attention
 
     if route != "direct":
         try:
@@ -418,14 +314,8 @@ def project_kernel_attention(route: str) -> tuple[str, str]:
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
     else:
         reason = "--kernel-route direct"
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    setup_project_attention("direct")  # imports the kernel sources (fails early if they are broken)
-    AttentionInterface.register(SPAN_KERNEL_ATTENTION, varlen_sink_kernel_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(SPAN_KERNEL_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
     return (
-        SPAN_KERNEL_ATTENTION,
+        register_span_kernel_attention(),
         f"kernel sources via AttentionInterface, valid tokens packed into one varlen call ({reason})",
     )
 
@@ -589,7 +479,7 @@ def sink_control(rollouts: Rollouts, warm_model, prompts: list[list[int]], args)
 
     import torch
 
-    from hf_gptoss_rl.testing import register_sink_dropping_attention
+    from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
     from trl_ext.rollout import SamplingParams, run_sync
 
     control = copy.deepcopy(warm_model).float()
@@ -836,7 +726,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
     import torch
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import register_sink_dropping_attention
+    from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
     from trl_ext.recipes import boxed_format_reward_func, retool_reward_func
 
@@ -1050,7 +940,7 @@ def _reward_cell(summary: dict, runs: list[dict]) -> str:
 
 
 def _pm(stat: dict | None, spec: str = ".3g") -> str:
-    from hf_gptoss_rl.testing import fmt
+    from benchmarks._cli import fmt
 
     if not stat or stat["mean"] is None:
         return "–"
@@ -1113,7 +1003,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def write_report(result: dict, out: Path) -> None:
-    from hf_gptoss_rl.testing import fmt
+    from benchmarks._cli import fmt
 
     result = without_local_paths(upgrade_result(result))  # a report names no local folder
     json_name, md_name, png_name = report_names(result["setup"].get("rollout_backend", "embedded"))
@@ -1335,8 +1225,9 @@ def main(argv=None) -> dict:
     from transformers import GptOssForCausalLM
     from trl import SFTConfig
 
+    from benchmarks._cli import environment
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer, render_prompt
-    from hf_gptoss_rl.testing import environment, tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.cold_start import StopAtLoss, cold_start
     from trl_ext.recipes import load_math_dataset
     from trl_ext.tools import CodeInterpreterTool

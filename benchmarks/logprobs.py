@@ -9,7 +9,7 @@ outputs, head frozen as with LoRA, so only the hidden states get a gradient).
 - `full_logits`: what a stock TRL GRPO step computes: `lm_head(hidden)` in bf16, `.float() / T`, `log_softmax`,
   gather, and the entropy from the same logits (`[S, V]` fp32 tensors kept for the backward).
 - `chunked_torch`: `hf_gptoss_rl.logprobs.chunked_logprobs` with its PyTorch-op chunk math
-  (`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch`): 512 tokens at a time, fp32 logits, nothing `[S, V]` kept.
+  (`use_backends(logprobs="torch")`): 512 tokens at a time, fp32 logits, nothing `[S, V]` kept.
 - `chunked_fused`: the same with the fused Triton chunk kernels (`hf_gptoss_rl/_logprobs_triton.py`, the CUDA
   default): one read of each chunk's logits forward, one read and one write backward.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -54,15 +53,13 @@ def full_logits(hidden, weight, targets, temperature):
 
 
 def run_variant(name, hidden, weight, targets, temperature):
+    from hf_gptoss_rl import use_backends
     from hf_gptoss_rl.logprobs import chunked_logprobs
 
     if name == "full_logits":
         return full_logits(hidden, weight, targets, temperature)
-    os.environ["HF_GPTOSS_RL_LOGPROBS_BACKEND"] = "torch" if name == "chunked_torch" else "triton"
-    try:
+    with use_backends(logprobs="torch" if name == "chunked_torch" else "triton"):
         return chunked_logprobs(hidden, weight, targets, temperature=temperature)
-    finally:
-        os.environ.pop("HF_GPTOSS_RL_LOGPROBS_BACKEND", None)
 
 
 def rel(a, b):
@@ -246,7 +243,7 @@ def main():
             results[s][name] = r
             print(s, name, r, flush=True)
         del hidden, targets, g_lp, g_h
-    from hf_gptoss_rl.testing import git_commit
+    from benchmarks._cli import git_commit
 
     meta = {
         "device": torch.cuda.get_device_name(),

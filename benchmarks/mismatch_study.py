@@ -12,7 +12,7 @@ One policy, one set of sampled trajectories, several ways of scoring them:
    - `eager_without_sinks`: eager math with the sink column removed (what a sink-dropping kernel computes);
    - `flex_attention`: transformers' flex + sink renormalisation (CUDA only: flex refuses sinks on CPU);
    - the project's kernel (`hf-gptoss-rl/sink-flash-attn3`, or its sources registered directly when `kernels`
-     is missing, see `hf_gptoss_rl.testing.setup_project_attention`).
+     is missing, see `hf_gptoss_rl.attention_variants.setup_project_attention`).
    Experts, weights, dtype and tokens are identical across rows: only attention changes.
 3. Metrics: `trl_ext.mismatch.mismatch_metrics` (the trainer's own numbers): mean/max |p_rollout - p_train|,
    k3 KL(rollout ‖ train), log-perplexity difference, share of tokens with |Δp| > threshold.
@@ -23,9 +23,9 @@ One policy, one set of sampled trajectories, several ways of scoring them:
    from "far from the true distribution": eager rounds its scores and softmax to bf16, an implementation that
    keeps them in fp32 can be closer to exact yet further from an eager bf16 rollout.
 
-Models: a tiny GPT-OSS (`hf_gptoss_rl.testing.tiny_gptoss_config`, real 201,088-id vocabulary) and a
+Models: a tiny GPT-OSS (`hf_gptoss_rl.model_builders.tiny_gptoss_config`, real 201,088-id vocabulary) and a
 gpt-oss-20b-shaped one (`gptoss_20b_config`, `--layers` to keep fewer of its 24 layers). Weights are random
-(`hf_gptoss_rl.testing.build_random_gptoss`: sinks ~ N(--sink-mean, --sink-std), logits with std ~ --logit-std), so
+(`hf_gptoss_rl.model_builders.build_random_gptoss`: sinks ~ N(--sink-mean, --sink-std), logits with std ~ --logit-std), so
 completions are gibberish; that is fine for a mismatch study, which compares two computations of the same
 distribution on the same tokens.
 
@@ -49,16 +49,14 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
-from hf_gptoss_rl.testing import (
+from benchmarks._cli import OUT_HELP, environment, exit_if_failed, fmt, output_dir, without_local_paths
+from hf_gptoss_rl.attention_variants import (
     SINK_DROPPING_ATTENTION,
-    build_random_gptoss,
-    environment,
-    fmt,
     register_sink_dropping_attention,
     set_project_attention,
     setup_project_attention,
 )
+from hf_gptoss_rl.model_builders import build_random_gptoss
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS_SOURCE = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -98,7 +96,7 @@ def load_prompts(n: int) -> tuple[list[list[int]], str]:
 
 
 def model_config(kind: str, layers: int | None):
-    from hf_gptoss_rl.testing import gptoss_20b_config, tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import gptoss_20b_config, tiny_gptoss_config
 
     if kind == "tiny":
         return tiny_gptoss_config(num_hidden_layers=layers or 2)

@@ -5,7 +5,7 @@ What runs (one process, same weights, same routing):
 1. Correctness at T=2048: every implementation, bf16, against an fp64 copy of the layer run with the same
    routing (relative L2 error of the output, the input gradient, the routing-weight gradient and the four
    expert weight/bias gradients). The memory-efficient experts are also run with their PyTorch gate path
-   (`HF_GPTOSS_RL_EXPERTS_BACKEND=torch`) to cross-check the Triton kernels.
+   (`use_backends(experts="torch")`) to cross-check the Triton kernels.
 2. Timing and memory for T in {4096, 32768, 65536}: the experts module (`GptOssExperts`, dispatched through
    transformers' `ALL_EXPERTS_FUNCTIONS`) called with fixed routing from the layer's router (random router
    weights with a per-expert bias, so the load is uneven as in a trained model). `train` = forward + backward
@@ -27,7 +27,6 @@ import argparse
 import copy
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, RATIO_RULE, output_dir, ratio, without_local_paths
+from benchmarks._cli import OUT_HELP, RATIO_RULE, git_commit, output_dir, ratio, without_local_paths
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,10 +43,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def build_layer(testing, device):
+def build_layer(device):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    config = testing.gptoss_20b_config()
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
+
+    config = gptoss_20b_config()
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     with torch.device(device):
@@ -107,6 +108,8 @@ def configure(module, variant: str, chunk_rows: int | None = None):
 
 
 def correctness(mlp, device, tokens=2048):
+    from hf_gptoss_rl import use_backends
+
     experts = mlp.experts
     ref = copy.deepcopy(experts).double()
     set_impl(ref, "eager")
@@ -118,14 +121,10 @@ def correctness(mlp, device, tokens=2048):
     for variant, backend in cases:
         configure(experts, variant)
         experts.zero_grad(set_to_none=True)
-        if backend:
-            os.environ["HF_GPTOSS_RL_EXPERTS_BACKEND"] = backend
-        try:
+        with use_backends(**({"experts": backend} if backend else {})):
             out, dx, dw = train_step(experts, x, scores, index, grad_out)
             with torch.no_grad():
                 out_ng = experts(x, index, scores)
-        finally:
-            os.environ.pop("HF_GPTOSS_RL_EXPERTS_BACKEND", None)
         row = {
             "variant": variant + (" [torch gate]" if backend else ""),
             "out": rel(out, out_ref),
@@ -326,7 +325,6 @@ def main():
     import triton
 
     import hf_gptoss_rl.experts as experts_mod
-    import hf_gptoss_rl.testing as testing
 
     meta = {
         "device": torch.cuda.get_device_name(),
@@ -335,11 +333,11 @@ def main():
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
-        "commit": testing.git_commit(),
+        "commit": git_commit(),
         "default_chunk_rows": experts_mod.DEFAULT_CHUNK_ROWS,
     }
     print(meta, flush=True)
-    mlp, config = build_layer(testing, device)
+    mlp, config = build_layer(device)
     experts = mlp.experts
 
     t0 = time.time()

@@ -51,7 +51,7 @@ def measure(args) -> dict:
     from transformers import GptOssForCausalLM
 
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 
     class TimedTrainer(AgenticGRPOTrainer):

@@ -63,8 +63,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from hf_gptoss_rl.model_builders import gptoss_20b_config, tiny_gptoss_config
     from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel, sequence_parallel_logprobs
-    from hf_gptoss_rl.testing import gptoss_20b_config, tiny_gptoss_config
 
     on_gpu = args.device == "cuda"
     dist.init_process_group("nccl" if on_gpu else "gloo")

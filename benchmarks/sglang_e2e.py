@@ -20,7 +20,7 @@ what it measured.
 4. ``sync_timing``: the median sync time per mode from phase 2, bytes moved, and the extrapolation to gpt-oss-20b
    (bytes at 20b / measured GB/s).
 
-The model is GPT-OSS with the gpt-oss-20b layer shapes (``hf_gptoss_rl.testing.gptoss_20b_config``, ``--layers``
+The model is GPT-OSS with the gpt-oss-20b layer shapes (``hf_gptoss_rl.model_builders.gptoss_20b_config``, ``--layers``
 of its 24 layers) and random weights and sinks drawn as in `benchmarks.mismatch_study`, saved in bf16 with
 ``save_pretrained`` (SGLang reads it with ``--skip-tokenizer-init``: no tokenizer files). Prompts:
 `benchmarks.mismatch_study.load_prompts` (GSM8K rendered in harmony).
@@ -77,7 +77,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections import Counter
@@ -88,7 +87,7 @@ import torch
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
 from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
-from trl_ext.sglang_serve import server_environment
+from trl_ext.sglang_serve import ServerProcess, log_tail, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -139,14 +138,6 @@ def error_text(exc: BaseException) -> str:
 # ------------------------------------------------------------------------------------------------------------ server
 
 
-def _new_session_dying_with_parent() -> None:  # runs in the child before exec
-    os.setsid()
-    with contextlib.suppress(Exception):  # Linux: the server gets SIGKILL if this script dies without cleaning up
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 # The flags every server of this script gets: the portable Triton attention backend (SGLang's own default for GPT-OSS
 # is fa3 on Hopper and trtllm_mha on Blackwell: `_gpt_oss_overrides` in sglang/srt/arg_groups/overrides.py),
 # PyTorch sampling, no grammar backend.
@@ -155,7 +146,8 @@ E2E_LAUNCH_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pyto
 
 class ServerManager:
     """Launches SGLang with a given set of flags (reusing a healthy server launched with the same flags), or
-    hands out ``--url``. The server runs in its own session; `stop` kills the whole process group.
+    hands out ``--url``; each launch is a `trl_ext.sglang_serve.ServerProcess` (own session, whole process group
+    stopped).
 
     Reads ``args.server_cmd``, ``server_args``, ``url``, ``port``, ``mem_fraction_static`` and
     ``disable_cuda_graph``. ``launch_flags`` go to every launch (default `E2E_LAUNCH_FLAGS`; ``[]`` leaves the
@@ -166,7 +158,7 @@ class ServerManager:
         self.launch_flags = list(E2E_LAUNCH_FLAGS if launch_flags is None else launch_flags)
         self.model_dir = model_dir
         self.logs_dir = logs_dir
-        self.proc: subprocess.Popen | None = None
+        self.process: ServerProcess | None = None
         self.flags: list[str] | None = None
         self.url: str | None = args.url
         self.log_path: Path | None = None
@@ -199,12 +191,12 @@ class ServerManager:
         if self.external:
             if flags and flags_required:
                 raise RuntimeError(f"server flags {flags} need a launched server; --url was given (not relaunched)")
-            self._wait_ready(self.url, timeout_s)
+            self.version = wait_until_ready(self.url, timeout_s)
             return self.url
         if (
-            self.proc is not None
+            self.process is not None
             and self.flags == flags
-            and self.proc.poll() is None
+            and self.process.running()
             and (any_weights or not self.dirty)
         ):
             return self.url
@@ -215,25 +207,16 @@ class ServerManager:
         port = self.args.port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.flags = list(flags)
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
         self.log_path = self.logs_dir / f"server_{len(self.launches) + 1}_{safe}.log"
-        cmd = self.command(flags, port)
-        record = {"name": name, "command": shlex.join(cmd), "log": str(self.log_path)}
+        self.process = ServerProcess(self.command(flags, port), self.url, log_path=self.log_path)
+        record = {"name": name, "command": shlex.join(self.process.command), "log": str(self.log_path)}
         self.launches.append(record)
-        log(f"launching server ({name}): {shlex.join(cmd)}")
+        log(f"launching server ({name}): {record['command']}")
         t0 = time.monotonic()
-        with open(self.log_path, "wb") as fh:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_new_session_dying_with_parent,
-                env=server_environment(),  # SGLang's own environment: the trainer's PYTHONPATH stays here
-            )
+        self.process.start()
         try:
-            self._wait_ready(self.url, timeout_s)
+            self.version = self.process.wait_ready(timeout_s)
         except BaseException:
             record["ready"] = False
             raise
@@ -242,57 +225,15 @@ class ServerManager:
         log(f"server ready in {record['ready_s']} s")
         return self.url
 
-    def _wait_ready(self, url: str, timeout_s: float) -> None:
-        """SGLangEngine's readiness wait (``/health`` then ``/server_info``), failing early if the process exits."""
-        from trl_ext.rollout import SGLangEngine
-
-        engine = SGLangEngine(url, ready_timeout_s=max(timeout_s, 1.0), log_every_s=30.0)
-        box: dict = {}
-
-        def wait() -> None:
-            try:
-                engine.check_servers()
-                box["version"] = engine.run(engine.weight_sync.server_states(), timeout_s=30)[0].version
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                box["error"] = exc
-
-        thread = threading.Thread(target=wait, daemon=True)
-        thread.start()
-        try:
-            while thread.is_alive():
-                thread.join(0.5)
-                if self.proc is not None and self.proc.poll() is not None and thread.is_alive():
-                    raise RuntimeError(f"server process exited with status {self.proc.returncode} before ready")
-            if "error" in box:
-                raise box["error"]
-            self.version = box.get("version")
-        finally:
-            if not thread.is_alive():
-                with contextlib.suppress(Exception):
-                    engine.run(engine.close(), timeout_s=10)
-
     def log_tail(self, lines: int = 40) -> str | None:
-        if self.log_path is None or not self.log_path.exists():
-            return None
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_path, lines)  # the last launch's log, also once it stopped
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 15 s; waits at most 20 s in all."""
-        proc, self.proc, self.flags = self.proc, None, None
-        if proc is None:
+        process, self.process, self.flags = self.process, None, None
+        if process is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the scheduler/detokenizer children too
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        log(f"server stopped (status {proc.returncode})")
+        log(f"server stopped (status {process.stop(grace_s=15)})")
 
 
 # ------------------------------------------------------------------------------------------------------------ model
@@ -405,7 +346,7 @@ def build_model(args, device: torch.device, work_dir: Path | None = None) -> dic
     """Build the random GPT-OSS, cold-start it (``--cold-start-steps``), save it (safetensors, bf16) into
     ``args.model_dir``, check config.json for SGLang."""
     from benchmarks.mismatch_study import model_config
-    from hf_gptoss_rl.testing import build_random_gptoss
+    from hf_gptoss_rl.model_builders import build_random_gptoss
     from trl_ext.weight_sync import save_config_for_sglang
 
     config = model_config(args.model, args.layers)
@@ -487,7 +428,7 @@ def params_of_20b() -> int:
     """Parameters of gpt-oss-20b's layer shapes at full depth (counted on the meta device)."""
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import gptoss_20b_config
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
 
     with torch.device("meta"):
         model = GptOssForCausalLM(gptoss_20b_config(num_hidden_layers=GPTOSS_20B_LAYERS))
@@ -850,7 +791,7 @@ def phase_trainer(ctx, results: dict) -> None:
 
 def phase_mismatch(ctx, result: dict) -> None:
     from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts, score_batch, train_logps
-    from hf_gptoss_rl.testing import (
+    from hf_gptoss_rl.attention_variants import (
         SINK_DROPPING_ATTENTION,
         register_sink_dropping_attention,
         set_project_attention,
@@ -1585,7 +1526,7 @@ def main(argv=None) -> dict:
         write_outputs(args.out, results)
         log(f"merged {len(args.merge)} runs into {args.out / 'sglang_e2e.md'}, .json, .png")
         return results
-    from hf_gptoss_rl.testing import environment
+    from benchmarks._cli import environment
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))

@@ -33,7 +33,7 @@ from hf_gptoss_rl import (
     sequence_parallel_mesh,
 )
 from hf_gptoss_rl.harmony import encode_text
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "gsm8k_train_mini.jsonl"
 

@@ -10,6 +10,9 @@ Importing the package calls :func:`register` once, which registers, through tran
 transformers' own ``integrations/`` modules. Without the import, transformers silently replaces
 ``"hf-gptoss-rl/sink-flash-attn3"`` on GPT-OSS models with ``kernels-community/vllm-flash-attn3``, a kernel with no
 sink gradient.
+
+Triton-or-PyTorch choices (``experts``, ``logprobs``, ``rope``) start from ``HF_GPTOSS_RL_<PART>_BACKEND``, read
+once at import; :func:`set_backends` / :func:`use_backends` change them in-process.
 """
 
 __version__ = "0.1.0"
@@ -18,6 +21,7 @@ import threading
 
 from . import attention as attention
 from . import experts as experts
+from ._backend import set_backends, use_backends
 from .sequence_parallel import (
     disable_sequence_parallel,
     enable_sequence_parallel,
@@ -83,5 +87,7 @@ __all__ = [
     "sequence_parallel_disabled",
     "sequence_parallel_logprobs",
     "sequence_parallel_mesh",
+    "set_backends",
     "shard_inputs",
+    "use_backends",
 ]

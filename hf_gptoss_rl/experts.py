@@ -45,20 +45,20 @@ forward (a sync-free forward, then a host-planned backward when the experts trai
 
 Backends: on CUDA the gate, bias and combine steps run in fused Triton kernels (``hf_gptoss_rl._experts_triton``)
 and, with bf16 weights, the matmuls in ``torch._grouped_mm``; elsewhere (CPU, fp32 matmuls) a per-expert
-``torch.mm`` loop over the same chunks and the same math in PyTorch, exact in fp32. Environment overrides (read
-at call time): ``HF_GPTOSS_RL_EXPERTS_BACKEND=torch|triton`` (``triton`` on CPU needs TRITON_INTERPRET=1 set
-before triton is imported) and ``HF_GPTOSS_RL_EXPERTS_GROUPED_MM=1`` (use ``torch._grouped_mm``, hence the
-sync-free plan, on CPU too).
+``torch.mm`` loop over the same chunks and the same math in PyTorch, exact in fp32. Overrides
+(``hf_gptoss_rl.set_backends`` / ``use_backends``, started from the environment at import, see
+``hf_gptoss_rl._backend``): ``experts="torch"|"triton"`` (``HF_GPTOSS_RL_EXPERTS_BACKEND``; ``triton`` on CPU needs
+TRITON_INTERPRET=1 set before triton is imported) and ``experts_grouped_mm=True``
+(``HF_GPTOSS_RL_EXPERTS_GROUPED_MM=1``: use ``torch._grouped_mm``, hence the sync-free plan, on CPU too).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ._backend import use_triton
+from . import _backend
 
 try:  # Triton is optional: the PyTorch path covers CPU and any device Triton cannot drive.
     from . import _experts_triton
@@ -195,15 +195,17 @@ def _host_chunks(bounds: list[int], num_experts: int, chunk_rows: int, device: t
 # --------------------------------------------------------------------------------------------------------
 
 
+_TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
 def _grouped_mm_supported(t: torch.Tensor) -> bool:
     """`torch._grouped_mm` on CUDA bf16 (SM90 for torch < 2.9, SM80+ after), as transformers gates it."""
-    if os.environ.get("HF_GPTOSS_RL_EXPERTS_GROUPED_MM") == "1":  # tests: force it on CPU (torch >= 2.9)
+    if _backend.current.experts_grouped_mm:  # tests: force it on CPU (torch >= 2.9)
         return hasattr(torch, "_grouped_mm")
     if not (t.is_cuda and t.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
         return False
     major, minor = torch.cuda.get_device_capability(t.device)
-    torch_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return (major, minor) >= (8, 0) if torch_version >= (2, 9) else major == 9
+    return (major, minor) >= (8, 0) if _TORCH_VERSION >= (2, 9) else major == 9
 
 
 def _segments(chunk: _Chunk):
@@ -255,8 +257,8 @@ def _segment_sum(d: torch.Tensor, chunk: _Chunk, expert: torch.Tensor, w: torch.
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    """Triton on CUDA; on CPU only when asked (`HF_GPTOSS_RL_EXPERTS_BACKEND=triton` with TRITON_INTERPRET=1)."""
-    return use_triton("HF_GPTOSS_RL_EXPERTS_BACKEND", t, _experts_triton is not None)
+    """Triton on CUDA; on CPU only when asked (backend ``experts="triton"`` with TRITON_INTERPRET=1)."""
+    return _backend.use_triton("experts", t, _experts_triton is not None)
 
 
 def _valid_rows(expert: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ Stock GPT-OSS applies RoPE with seven bf16 elementwise passes per tensor (four m
 H200. :func:`apply_fused_gptoss_rope` routes the GPT-OSS modeling module's ``apply_rotary_pos_emb`` through one
 Triton kernel each way (``hf_gptoss_rl._rope_triton``): fp32 math rounded once (closer to exact than the stock
 bf16 chain, never further), the output in the projections' memory order so the attention call needs no copy.
-Tensors the kernel does not take (CPU without ``HF_GPTOSS_RL_ROPE_BACKEND=triton``, a ``cos`` that needs a
+Tensors the kernel does not take (CPU without the ``rope`` backend ``triton``, a ``cos`` that needs a
 gradient, other layouts) go to the original function, so other models in the process are unaffected.
 """
 
@@ -49,7 +49,7 @@ import warnings
 import torch
 from torch import nn
 
-from ._backend import backend_from_env
+from . import _backend
 
 __all__ = ["apply_fused_gptoss_rope", "apply_liger_gptoss_rms_norm", "fused_rotary_pos_emb", "liger_available"]
 
@@ -139,17 +139,13 @@ class _FusedRotary(torch.autograd.Function):
         return _rope_triton.rotate_half_pairs(grad, cos, sin, inverse=True), None, None
 
 
-def _rope_backend() -> str:
-    return backend_from_env("HF_GPTOSS_RL_ROPE_BACKEND")
-
-
 def _fused_rope_declines(q, k, cos, sin, unsqueeze_dim) -> str | None:
     """Why the fused kernel does not take this call (None: it does)."""
-    backend = _rope_backend()
+    backend = _backend.current.rope
     if backend == "torch":
-        return "HF_GPTOSS_RL_ROPE_BACKEND=torch"
+        return "the rope backend is torch"
     if not (q.is_cuda or backend == "triton"):
-        return "CPU tensors (the Triton interpreter needs HF_GPTOSS_RL_ROPE_BACKEND=triton)"
+        return "CPU tensors (the Triton interpreter needs the rope backend triton)"
     if unsqueeze_dim != 1:
         return f"unsqueeze_dim={unsqueeze_dim}"
     if cos.requires_grad or sin.requires_grad:
@@ -205,7 +201,7 @@ def apply_fused_gptoss_rope(model: nn.Module) -> nn.Module:
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__ == "GptOssAttention"}
     if not modules:
         raise ValueError("no GptOssAttention module found: is this a GPT-OSS model?")
-    if _rope_backend() != "torch":
+    if _backend.current.rope != "torch":
         try:
             from . import _rope_triton  # noqa: F401
         except Exception as exc:  # pragma: no cover - triton missing

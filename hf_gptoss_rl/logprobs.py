@@ -19,7 +19,8 @@ Math, with `z = (h W^T + b) / T` for one token, `p = softmax(z)`, `lse = logsume
 and dz/dlogits = 1/T. On CUDA the elementwise work on each chunk's logits runs in two fused Triton kernels
 (`hf_gptoss_rl._logprobs_triton`: one read of the logits in the forward, one read and one write in the backward);
 elsewhere the same math runs in PyTorch ops, so this works wherever the model runs. Override with
-`HF_GPTOSS_RL_LOGPROBS_BACKEND=torch|triton` (`triton` on CPU needs TRITON_INTERPRET=1 set before triton is imported).
+`hf_gptoss_rl.set_backends(logprobs="torch"|"triton")` or, read at import, `HF_GPTOSS_RL_LOGPROBS_BACKEND`
+(`triton` on CPU needs TRITON_INTERPRET=1 set before triton is imported).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ._backend import backend_from_env, use_triton
+from . import _backend
 
 __all__ = [
     "ChunkedLogProbs",
@@ -53,10 +54,9 @@ except Exception:  # pragma: no cover - triton missing or unusable on this machi
 
 def _use_triton(t: torch.Tensor) -> bool:
     """Fused Triton kernels for float32 logits on CUDA; on CPU only when asked (tests, under TRITON_INTERPRET=1)."""
-    if t.dtype == torch.float64:  # float64 inputs: float64 math, in PyTorch (the setting is still validated)
-        backend_from_env("HF_GPTOSS_RL_LOGPROBS_BACKEND")
+    if t.dtype == torch.float64:  # float64 inputs: float64 math, in PyTorch
         return False
-    return use_triton("HF_GPTOSS_RL_LOGPROBS_BACKEND", t, _logprobs_triton is not None)
+    return _backend.use_triton("logprobs", t, _logprobs_triton is not None)
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -853,7 +853,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
     if args.drop_sinks:
-        from hf_gptoss_rl.testing import register_sink_dropping_attention
+        from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
 
         model.set_attn_implementation(register_sink_dropping_attention())
     engine = EmbeddedEngine(

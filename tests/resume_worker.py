@@ -18,7 +18,7 @@ from datasets import Dataset
 from transformers import GptOssForCausalLM
 
 from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 
 STEPS = 4

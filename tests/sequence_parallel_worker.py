@@ -13,6 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from hf_gptoss_rl.sequence_parallel import (
     disable_sequence_parallel,
     enable_sequence_parallel,
@@ -22,7 +23,6 @@ from hf_gptoss_rl.sequence_parallel import (
     sequence_parallel_mesh,
     shard_inputs,
 )
-from hf_gptoss_rl.testing import tiny_gptoss_config
 
 VOCAB = 64
 

@@ -342,7 +342,7 @@ def test_rollout_logprobs_match_the_trainer_forward(backend):
     from fake_sglang_server import FakeSGLangServer  # tests/: a test double of SGLang's HTTP server
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.rollout import EmbeddedEngine, SGLangEngine
 
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssPreTrainedModel
 
 import hf_gptoss_rl
 from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION, CACHE_ENV_VAR, KERNEL_REPO_ID, build_local_kernel
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 VOCAB = 128
 SLIDING_WINDOW = 8
@@ -147,7 +147,7 @@ def test_import_has_no_side_effects_and_the_id_needs_no_kernels_package(tmp_path
         "    import hf_gptoss_rl\n"
         "after_import = dict(os.environ)\n"
         "assert 'hf_gptoss_rl._sink_flash_attn3' not in sys.modules, 'kernel imported eagerly'\n"
-        "from hf_gptoss_rl.testing import tiny_gptoss_config\n"
+        "from hf_gptoss_rl.model_builders import tiny_gptoss_config\n"
         "torch.manual_seed(0)\n"
         "model = transformers.GptOssForCausalLM(tiny_gptoss_config(vocab_size=32))\n"
         "ids = torch.tensor([[1, 2, 3, 4, 5]])\n"

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_gptoss_rl import testing as common
+from hf_gptoss_rl import attention_variants
 from hf_gptoss_rl.attention import KERNEL_REPO_ID
+from hf_gptoss_rl.model_builders import build_random_gptoss
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,10 +31,10 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 def _tiny_model(**overrides):
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
     config = tiny_gptoss_config(vocab_size=256, num_hidden_layers=2, sliding_window=4, **overrides)
-    return common.build_random_gptoss(config, device="cpu", dtype=torch.float32, seed=3, sink_mean=1.0, sink_std=1.5)
+    return build_random_gptoss(config, device="cpu", dtype=torch.float32, seed=3, sink_mean=1.0, sink_std=1.5)
 
 
 def _right_padded_batch(vocab: int):
@@ -48,8 +49,8 @@ def test_direct_kernel_registration_matches_eager():
     """The no-`kernels` fallback (kernel sources via AttentionInterface) computes eager's sink attention."""
     model = _tiny_model().eval()
     ids, mask = _right_padded_batch(model.config.vocab_size)
-    name, _ = common.setup_project_attention("direct")
-    assert name == common.DIRECT_KERNEL_ATTENTION
+    name, _ = attention_variants.setup_project_attention("direct")
+    assert name == attention_variants.DIRECT_KERNEL_ATTENTION
     with torch.no_grad():
         model.set_attn_implementation("eager")
         ref = model(input_ids=ids, attention_mask=mask).logits
@@ -62,7 +63,7 @@ def test_direct_kernel_registration_matches_eager():
 def test_direct_kernel_refuses_left_padding():
     model = _tiny_model().eval()
     ids, mask = _right_padded_batch(model.config.vocab_size)
-    name, _ = common.setup_project_attention("direct")
+    name, _ = attention_variants.setup_project_attention("direct")
     model.set_attn_implementation(name)
     with pytest.raises(ValueError, match="right padding"):
         model(input_ids=ids, attention_mask=mask.flip(-1))
@@ -72,7 +73,7 @@ def test_sink_dropping_attention_is_eager_without_the_sink():
     """`eager_without_sinks` equals eager when the sinks vanish (-1e4) and differs from it with real sinks."""
     model = _tiny_model().eval()
     ids, mask = _right_padded_batch(model.config.vocab_size)
-    name = common.register_sink_dropping_attention()
+    name = attention_variants.register_sink_dropping_attention()
     valid = mask.bool()
     with torch.no_grad():
         model.set_attn_implementation(name)
@@ -113,7 +114,7 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path):
     from benchmarks import full_step
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
     from hf_gptoss_rl.logprobs import add_chunked_logprob_head
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
     torch.manual_seed(0)
     config = tiny_gptoss_config(num_hidden_layers=2, hidden_size=32, intermediate_size=32, head_dim=8)
@@ -196,7 +197,7 @@ def test_mismatch_study_runs_on_cpu(tmp_path):
     rows = {row["attn_implementation"]: row for row in res["rows"]}
     assert res["num_sequences"] == 2 and res["completion_tokens"] > 0
     assert "skipped" in rows["flex_attention"]["note"]  # CPU: flex refuses sinks
-    exact, dropped = rows["eager"], rows[common.SINK_DROPPING_ATTENTION]
+    exact, dropped = rows["eager"], rows[attention_variants.SINK_DROPPING_ATTENTION]
     project = next(r for r in res["rows"] if r["attention"].startswith("project kernel"))
     for row in (exact, dropped, project):
         assert "note" not in row, row
@@ -222,7 +223,7 @@ def test_mismatch_study_exact_reference_fp32_and_no_exact(tmp_path):
     _run([*args, "--max-new-tokens", "8", "--dtype", "float32", "--out", str(tmp_path / "fp32")])
     (res,) = json.loads((tmp_path / "fp32" / "mismatch_study.json").read_text())["results"]
     rows = {row["attn_implementation"]: row for row in res["rows"]}
-    eager, dropped = rows["eager"], rows[common.SINK_DROPPING_ATTENTION]
+    eager, dropped = rows["eager"], rows[attention_variants.SINK_DROPPING_ATTENTION]
     assert eager["exact_prob_diff_max"] < 1e-6 and abs(eager["exact_k3_kl"]) < 1e-9, eager
     assert res["exact"]["rollout"]["k3_kl"] < 1e-6  # fp32 KV-cached decode vs one fp32 forward
     assert dropped["exact_k3_kl"] > 1e-3  # the comparison is not trivially zero
@@ -256,7 +257,7 @@ def test_full_step_runs_on_cpu(tmp_path):
             assert r[key]["seconds"] > 0, (name, key, r[key])
         assert r["lora_grads_finite"]
         assert r["trainable_params"] < r["params"] / 5  # LoRA only
-    assert results["project"]["attn_implementation"] in (common.DIRECT_KERNEL_ATTENTION, KERNEL_REPO_ID)
+    assert results["project"]["attn_implementation"] in (attention_variants.DIRECT_KERNEL_ATTENTION, KERNEL_REPO_ID)
     assert results["project_sac_experts"]["checkpoint_saves"] == ["attention", "experts"]
     assert "project_sac_experts: " in (tmp_path / "full_step.md").read_text()  # its own speed-up line
     # --profile: one profiled step per run, ops ranked by self time; the project's attention is one entry (its
@@ -305,7 +306,9 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
     import os
 
     from benchmarks import logprobs as bench
+    from hf_gptoss_rl import _backend as backend_settings
 
+    logprobs_before = backend_settings.current.logprobs
     torch.manual_seed(0)
     hidden = torch.randn(6, 16)
     weight = torch.randn(300, 16)
@@ -317,7 +320,7 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
         lp, ent = bench.run_variant(name, hidden, weight, targets, 0.8)
         torch.testing.assert_close(lp.double(), ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent.double(), ref[1], rtol=1e-5, atol=1e-5)
-    assert "HF_GPTOSS_RL_LOGPROBS_BACKEND" not in os.environ  # the variant switch does not leak
+    assert backend_settings.current.logprobs == logprobs_before  # the variant switch does not leak
     saved = json.loads((REPO / "docs" / "benchmarks" / "logprobs.json").read_text())
     bench.write_report(tmp_path, {int(s): v for s, v in saved["results"].items()}, saved["correctness"], saved["meta"])
     text = (tmp_path / "logprobs.md").read_text()
@@ -540,7 +543,7 @@ def test_full_step_ragged_batch_runs_on_cpu(tmp_path):
 def test_grpo_step_flops_by_hand():
     """The FLOP model of the full-step report, on a config small enough to count by hand."""
     from benchmarks.full_step import grpo_step_flops
-    from hf_gptoss_rl.testing import gptoss_20b_config
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
 
     config = gptoss_20b_config(
         num_hidden_layers=2, hidden_size=8, intermediate_size=4, head_dim=2, num_attention_heads=4,
@@ -562,7 +565,7 @@ def test_full_step_mfu_uses_the_recorded_gpu_peak():
     """The report's MFU section: the model FLOPs over the step time over the dense bf16 peak of the GPU the run
     recorded, by NVIDIA's datasheet table; no section for a device without a known peak or a report without one."""
     from benchmarks.full_step import VARIANTS, flop_limit_lines, grpo_step_flops
-    from hf_gptoss_rl.testing import gptoss_20b_config
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
 
     name = next(iter(VARIANTS))
     results = [{"variant": name, "seq_len": 4096, "grpo_step": {"seconds": 2.0}}]

@@ -10,7 +10,7 @@ from jinja2.exceptions import TemplateError
 from transformers import GptOssForCausalLM
 
 from hf_gptoss_rl.harmony import RETURN, encode_text, load_gptoss_tokenizer, render_prompt
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 
 @pytest.fixture(scope="module")

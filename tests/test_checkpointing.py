@@ -21,7 +21,7 @@ from hf_gptoss_rl.checkpointing import (
     selective_checkpoint_policy,
     selective_checkpointing_kwargs,
 )
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 pytest.importorskip("kernels")
 from transformers import GptOssForCausalLM  # noqa: E402

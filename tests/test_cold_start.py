@@ -121,7 +121,7 @@ def test_cold_start_sft_learns_the_demonstrations(tmp_path):
     from trl import SFTConfig
 
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.tools import CodeInterpreterTool
 
     tokenizer = load_gptoss_tokenizer()

@@ -92,7 +92,7 @@ def test_model_config_flags_reach_the_model(name, tmp_path):
     import torch
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.recipes import policy_from_model_config
 
     module = _load_script(name)

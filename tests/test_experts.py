@@ -14,7 +14,8 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 import hf_gptoss_rl  # noqa: F401  (registers "memory_efficient")
 from hf_gptoss_rl import experts as me
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl import set_backends
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 VOCAB = 96
 
@@ -293,8 +294,7 @@ def test_triton_kernels_match_torch_path(monkeypatch):
     grad_out = torch.randn(tokens, 48, generator=g).to(device)
 
     def run(backend, grouped):
-        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_BACKEND", backend)
-        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1" if grouped else "0")
+        set_backends(experts=backend, experts_grouped_mm=grouped)
         module.zero_grad(set_to_none=True)
         module.experts_chunk_rows = 13
         xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -311,7 +311,7 @@ def test_triton_kernels_match_torch_path(monkeypatch):
 
 
 def test_bad_inputs_raise_clear_errors(monkeypatch):
-    monkeypatch.delenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", raising=False)  # the host plan raises ValueError
+    set_backends(experts_grouped_mm=False)  # the host plan raises ValueError
     module = _experts_module()
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="negative expert"):
@@ -394,8 +394,7 @@ def test_sync_free_plan_matches_host_plan_and_fp64(backend, top_k, chunk_rows, t
     monkeypatch.setattr(me, "_plan_routing", lambda *a: plans.append(a[-1]) or real_plan(*a))
 
     def run(grouped):
-        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_BACKEND", backend)
-        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1" if grouped else "0")
+        set_backends(experts=backend, experts_grouped_mm=grouped)
         module.zero_grad(set_to_none=True)
         plans.clear()
         xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -441,7 +440,7 @@ def test_sync_free_plan_bf16_matches_host_plan(monkeypatch):
     grad_out = torch.randn(20, 32, generator=g).to(torch.bfloat16)
 
     def run(grouped):
-        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1" if grouped else "0")
+        set_backends(experts_grouped_mm=grouped)
         xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
         out = module(xr, index, wr)
         out.backward(grad_out)
@@ -491,7 +490,7 @@ def test_sync_free_plan_reads_nothing_back(backend, monkeypatch):
     back to the host; the host plan does (so the count can fail), and so does a backward with expert weight
     gradients."""
     _skip_unless_triton_runs(backend)
-    monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_BACKEND", backend)
+    set_backends(experts=backend)
     module = _experts_module(num_experts=5)
     module.experts_chunk_rows = 7
     index = _sentinel_routing(12, 4, 5, seed=0)
@@ -509,7 +508,7 @@ def test_sync_free_plan_reads_nothing_back(backend, monkeypatch):
         return mode.reads + method_calls, result
 
     def counts(grouped, frozen):
-        monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1" if grouped else "0")
+        set_backends(experts_grouped_mm=grouped)
         module.requires_grad_(not frozen)
         x.grad = weights.grad = None
         forward, out = host_reads(lambda: module(x, index, weights))
@@ -527,7 +526,7 @@ def test_sync_free_plan_reads_nothing_back(backend, monkeypatch):
 
 def test_sync_free_plan_rejects_negative_indices(monkeypatch):
     """The sync-free plan checks negative indices on the device (at once on CPU, at the next sync on CUDA)."""
-    monkeypatch.setenv("HF_GPTOSS_RL_EXPERTS_GROUPED_MM", "1")
+    set_backends(experts_grouped_mm=True)
     module = _experts_module()
     with pytest.raises(RuntimeError, match="negative expert"):
         module(torch.randn(4, 32), torch.tensor([[0, -1]] * 4), torch.rand(4, 2))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm, liger_available
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 pytestmark = pytest.mark.skipif(not liger_available(), reason="liger-kernel is not installed")
 from transformers import GptOssForCausalLM  # noqa: E402

@@ -15,8 +15,8 @@ import torch
 from transformers import GptOssForCausalLM
 from transformers.models.gpt_oss import modeling_gpt_oss
 
-from hf_gptoss_rl import fused_layers
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl import fused_layers, set_backends
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 try:
     from hf_gptoss_rl import _rope_triton
@@ -33,7 +33,7 @@ def restore_rope(monkeypatch):
     """apply_fused_gptoss_rope swaps a module-level function: put the original back after the test."""
     monkeypatch.setattr(modeling_gpt_oss, "apply_rotary_pos_emb", modeling_gpt_oss.apply_rotary_pos_emb)
     if DEVICE == "cpu":
-        monkeypatch.setenv("HF_GPTOSS_RL_ROPE_BACKEND", "triton")
+        set_backends(rope="triton")
 
 
 def projected(batch, seq, heads, head_dim, dtype, seed):
@@ -144,22 +144,21 @@ def test_patched_tiny_gptoss_matches_stock(restore_rope):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_dispatcher_falls_back_to_the_original(restore_rope, monkeypatch):
+def test_dispatcher_falls_back_to_the_original(restore_rope):
     """Calls the kernel does not take (here: backend torch, a cos that needs a gradient) run the original."""
-    monkeypatch.setenv("HF_GPTOSS_RL_ROPE_BACKEND", "torch")
+    set_backends(rope="torch")
     q = projected(1, 5, 2, 16, torch.float32, seed=4)
     k = projected(1, 5, 1, 16, torch.float32, seed=5)
     cos, sin = angles(1, 5, 8, torch.float32, seed=6)
     want = modeling_gpt_oss.apply_rotary_pos_emb(q, k, cos, sin)
     got = fused_layers.fused_rotary_pos_emb(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    monkeypatch.setenv("HF_GPTOSS_RL_ROPE_BACKEND", "triton")
+    set_backends(rope="triton")
     cos_g = cos.clone().requires_grad_()
     got = fused_layers.fused_rotary_pos_emb(q, k, cos_g, sin)
     assert got[0].grad_fn is not None and "Fused" not in type(got[0].grad_fn).__name__
-    monkeypatch.setenv("HF_GPTOSS_RL_ROPE_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="HF_GPTOSS_RL_ROPE_BACKEND"):
-        fused_layers.fused_rotary_pos_emb(q, k, cos, sin)
+    with pytest.raises(ValueError, match="backend rope must be auto, torch or triton, got 'bogus'"):
+        set_backends(rope="bogus")
 
 
 def test_refuses_a_model_without_gptoss_attention():

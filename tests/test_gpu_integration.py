@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_gptoss_rl  # noqa: F401  (registers the kernel and the experts implementation)
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 pytestmark = [
     pytest.mark.gpu,

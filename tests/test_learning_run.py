@@ -16,6 +16,7 @@ pytest.importorskip("trl")
 pytest.importorskip("openai_harmony")
 
 from benchmarks import learning_run
+from hf_gptoss_rl.attention_variants import SPAN_KERNEL_ATTENTION
 
 SMOKE = [
     "--device", "cpu", "--model-size", "tiny", "--steps", "2", "--cold-start-steps", "2", "--cold-start-batch", "2",
@@ -59,7 +60,7 @@ def test_learning_run_cpu_smoke(tmp_path):
     # same prompts per seed across arms; the kernel reproduces the exact-sink engine, dropping the sinks does not
     k3 = {name: arm["runs"]["0"]["steps"][0]["mismatch_k3_kl"] for name, arm in result["arms"].items()}
     assert k3["sink_kernel"] < 1e-8 < k3["sink_dropping"] and k3["frozen_sinks"] < 1e-8, k3
-    assert result["arms"]["sink_kernel"]["runs"]["0"]["attention"] == learning_run.SPAN_KERNEL_ATTENTION
+    assert result["arms"]["sink_kernel"]["runs"]["0"]["attention"] == SPAN_KERNEL_ATTENTION
     saved = json.loads((tmp_path / "learning_run.json").read_text())
     assert saved["arms"]["sink_kernel"]["runs"]["1"]["steps"] == result["arms"]["sink_kernel"]["runs"]["1"]["steps"]
     assert (tmp_path / "learning_run.png").stat().st_size > 0

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
+from hf_gptoss_rl import set_backends
 from hf_gptoss_rl.logprobs import causal_lm_token_logprobs, chunked_logprobs
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
 
 def _reference(hidden, weight, bias, targets, temperature):
@@ -29,7 +30,7 @@ def backend(request, monkeypatch):
             pytest.skip("triton is not importable")
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
-    monkeypatch.setenv("HF_GPTOSS_RL_LOGPROBS_BACKEND", request.param)
+    set_backends(logprobs=request.param)
     return request.param
 
 
@@ -171,7 +172,7 @@ def test_fused_kernels_match_torch_path(grads, frozen_head, monkeypatch):
     g_lp, g_h = torch.randn(n), torch.randn(n)
     results = {}
     for name in ("torch", "triton", "fp64"):
-        monkeypatch.setenv("HF_GPTOSS_RL_LOGPROBS_BACKEND", "torch" if name == "fp64" else name)
+        set_backends(logprobs="torch" if name == "fp64" else name)
         dtype = torch.float64 if name == "fp64" else torch.float32
         hidden = hidden0.to(dtype, copy=True).requires_grad_()
         weight = weight0.to(dtype, copy=True).requires_grad_(not frozen_head)
@@ -221,7 +222,7 @@ def test_fused_kernels_cuda_gptoss_head_match_fp64(grads, monkeypatch):
     g_lp, g_h = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     results = {}
     for name in ("torch", "triton", "fp64"):
-        monkeypatch.setenv("HF_GPTOSS_RL_LOGPROBS_BACKEND", "torch" if name == "fp64" else name)
+        set_backends(logprobs="torch" if name == "fp64" else name)
         hidden = hidden0.to(torch.float64 if name == "fp64" else torch.bfloat16, copy=True).requires_grad_()
         w = weight.double() if name == "fp64" else weight
         logps, entropy = chunked_logprobs(hidden, w, targets, temperature=0.7, chunk_size=32)

@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 from transformers import GptOssForCausalLM  # noqa: E402
 
 from hf_gptoss_rl.lora import fuse_lora_update, skip_autocast_undone_lora_casts  # noqa: E402
-from hf_gptoss_rl.testing import tiny_gptoss_config  # noqa: E402
+from hf_gptoss_rl.model_builders import tiny_gptoss_config  # noqa: E402
 
 VOCAB = 96
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

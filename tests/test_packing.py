@@ -36,8 +36,8 @@ def test_packed_masks_raise_no_deprecation_warning():
 
     import torch
 
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from hf_gptoss_rl.packing import packed_attention_masks
-    from hf_gptoss_rl.testing import tiny_gptoss_config
 
     config = tiny_gptoss_config(vocab_size=64, sliding_window=2)
     config._attn_implementation = "eager"

@@ -115,7 +115,7 @@ def test_seeded_sampling_does_not_depend_on_batching():
     torch.manual_seed(0)
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
     config = tiny_gptoss_config(num_hidden_layers=2, hidden_size=32, intermediate_size=32, head_dim=8)
     config._attn_implementation = "eager"

@@ -22,7 +22,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import gptoss_chat_template
 
 from hf_gptoss_rl.harmony import CALL, END, RETURN, load_gptoss_tokenizer
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext import AgenticGRPOTrainer
 from trl_ext.rollout import AgentLoop, GenerationOutput, RolloutEngine, SamplingParams
 from trl_ext.tools import FunctionTool

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GptOssForCausalLM
 
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext.rollout import EmbeddedEngine, GenerationOutput, SamplingParams, SGLangOfflineEngine
 
 VOCAB = 128

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import GptOssForCausalLM
 
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from hf_gptoss_rl.routing import (
     RoutingError,
     RoutingRecorder,
@@ -21,7 +22,6 @@ from hf_gptoss_rl.routing import (
     no_route,
     routing_shape,
 )
-from hf_gptoss_rl.testing import tiny_gptoss_config
 from trl_ext.rollout import EmbeddedEngine, GenerationOutput, SamplingParams, run_sync
 
 VOCAB = 97

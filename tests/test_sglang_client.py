@@ -27,7 +27,7 @@ import torch
 from fake_sglang_server import FakeSGLangServer, Fault
 from transformers import GptOssForCausalLM
 
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext.rollout import AgentLoop, EmbeddedEngine, SamplingParams, SGLangEngine, SGLangError
 from trl_ext.rollout.sglang import SGLangUnavailableError
 from trl_ext.weight_sync import (

@@ -41,7 +41,7 @@ def test_serves_until_ctrl_c(tmp_path):
     import torch
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.weight_sync.transport import free_port
 
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def _saved_model(folder, dtype):
     import torch
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
     torch.manual_seed(0)
     GptOssForCausalLM(tiny_gptoss_config(vocab_size=256)).to(dtype).save_pretrained(folder)
@@ -147,3 +147,96 @@ def test_the_offline_installs_python_replaces_the_callers_python_path(tmp_path):
         env=dict(os.environ, PYTHONPATH="/trainer/site-packages"), capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert out.splitlines()[0] == str(target) and "/trainer/site-packages" not in out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie (exited, not yet reaped by its new parent) is gone too
+        return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_server_process_serves_logs_and_stops_its_whole_group(tmp_path):
+    """`ServerProcess` (the one launcher: this command, the benchmarks, the tests): the test double answers the
+    readiness wait with its version, writes the log file, and `stop` ends the leader and a child it left running in
+    its process group (SGLang's scheduler and detokenizer are such children)."""
+    import torch
+    from transformers import GptOssForCausalLM
+
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
+    from trl_ext.sglang_serve import ServerProcess
+    from trl_ext.weight_sync.transport import free_port
+
+    torch.manual_seed(0)
+    GptOssForCausalLM(tiny_gptoss_config(vocab_size=256)).save_pretrained(tmp_path / "model")
+    port, child_pid = free_port(), tmp_path / "child.pid"
+    fake = (
+        f"{sys.executable} {REPO / 'tests' / 'fake_sglang_server.py'} --model-path {tmp_path / 'model'} --port {port}"
+    )
+    command = ["sh", "-c", f"sleep 300 & echo $! > {child_pid}; exec {fake}"]
+    server = ServerProcess(command, f"http://127.0.0.1:{port}", log_path=tmp_path / "logs" / "server.log")
+    server.start()
+    try:
+        assert server.wait_ready(120) and server.version == server.wait_ready(120)
+        assert server.running() and "serving" in server.log_tail()
+        child = int(child_pid.read_text())
+        assert _alive(child)
+    finally:
+        status = server.stop(grace_s=10)
+    assert status is not None and not server.running()
+    assert _wait_gone(child), "the child left in the server's process group outlived stop()"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_server_process_readiness_has_a_deadline(tmp_path):
+    """A server that never answers: the wait ends at its deadline with an error naming the URL."""
+    from trl_ext.rollout import SGLangUnavailableError
+    from trl_ext.sglang_serve import ServerProcess
+    from trl_ext.weight_sync.transport import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    server = ServerProcess(["sleep", "300"], url, log_path=tmp_path / "server.log").start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SGLangUnavailableError, match=url):
+            server.wait_ready(2)
+    finally:
+        server.stop(grace_s=5)
+    assert time.monotonic() - t0 < 30
+
+
+def test_server_process_dies_with_the_process_that_launched_it(tmp_path):
+    """A launcher killed without cleaning up (SIGKILL) leaves no server behind (PR_SET_PDEATHSIG on Linux)."""
+    pid_file = tmp_path / "server.pid"
+    code = (
+        "import sys, time; from trl_ext.sglang_serve import ServerProcess; "
+        f"s = ServerProcess(['sleep', '300'], 'http://127.0.0.1:9').start(); open({str(pid_file)!r}, 'w').write("
+        "str(s.proc.pid)); time.sleep(300)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server_pid = int(pid_file.read_text())
+        assert _alive(server_pid)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    gone = _wait_gone(server_pid)
+    if not gone:
+        os.kill(server_pid, signal.SIGKILL)
+    assert gone, "the server outlived the process that launched it"

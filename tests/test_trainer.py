@@ -17,9 +17,10 @@ import torch
 from datasets import Dataset
 from transformers import GptOssForCausalLM
 
+from hf_gptoss_rl import set_backends
 from hf_gptoss_rl.harmony import CALL, load_gptoss_tokenizer
 from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.rollout import EmbeddedEngine, GenerationOutput, RolloutEngine
 from trl_ext.rollout.recovery import RESTART_RECOVERIES
@@ -646,7 +647,7 @@ def test_fused_rope_routes_the_policy_through_the_kernel(tmp_path, tokenizer, mo
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
     monkeypatch.setattr(modeling_gpt_oss, "apply_rotary_pos_emb", modeling_gpt_oss.apply_rotary_pos_emb)
-    monkeypatch.setenv("HF_GPTOSS_RL_ROPE_BACKEND", "triton")
+    set_backends(rope="triton")
     original = modeling_gpt_oss.apply_rotary_pos_emb
     trainer, _ = scripted_trainer(tmp_path, tokenizer, max_steps=1, fused_rope=True)
     assert modeling_gpt_oss.apply_rotary_pos_emb.hf_gptoss_rl_original is original

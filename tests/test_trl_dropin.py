@@ -14,7 +14,7 @@ from transformers import GptOssForCausalLM
 from trl import GRPOConfig
 
 from hf_gptoss_rl.harmony import CALL, load_gptoss_tokenizer
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_ext.rollout import GenerationOutput, RolloutEngine, SamplingParams
 from trl_ext.rollout.sglang import sampling_params_payload

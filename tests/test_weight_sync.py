@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import GptOssForCausalLM
 
-from hf_gptoss_rl.testing import tiny_gptoss_config
+from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext.weight_sync import export_policy_weights
 
 peft = pytest.importorskip("peft")

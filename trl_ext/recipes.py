@@ -145,7 +145,7 @@ def policy_from_model_config(model_args, training_args):
         import torch
         from transformers import GptOssForCausalLM
 
-        from hf_gptoss_rl.testing import tiny_gptoss_config
+        from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
         if training_args.model_init_kwargs:
             raise ValueError("--model_init_kwargs applies to a checkpoint, not to the 'tiny' model built here")

@@ -10,6 +10,10 @@ them (routing replay), LoRA adapter sync when asked, and CUDA graphs on. It prin
 ``/health`` answers, prints the URL and the trainer flags that use it, then serves until interrupted (Ctrl-C stops the
 server's whole process group). Flags after ``--`` go to SGLang unchanged.
 
+`ServerProcess` is the one launcher of an SGLang server process in this project (this command, the benchmarks and
+the tests use it): a session of its own that dies with its parent, SGLang's own environment, the readiness wait of
+`SGLangEngine` with a deadline, an optional log file, and a stop of the whole process group.
+
 The server's environment is its own: the trainer's ``PYTHONPATH`` (and ``PYTHONHOME``) are not passed on
 (`server_environment`), so packages of the trainer's environment cannot shadow the versions SGLang pins. A
 checkpoint is served in the dtype it is stored in; ``--dtype`` with another dtype needs ``--convert-to DIR`` (a copy
@@ -21,14 +25,14 @@ stored in that dtype is written there and served), because SGLang builds GPT-OSS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
+import threading
+from pathlib import Path
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -150,55 +154,150 @@ def server_command(args, extra: list[str]) -> list[str]:
     return cmd + extra
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll ``GET /health`` until 200; `RuntimeError` when the server exits first or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+def _own_session_dying_with_parent() -> None:  # runs in the child, between fork and exec
+    """A session of its own (stopped as one process group, deaf to the terminal's Ctrl-C) and, on Linux, SIGKILL
+    when the launching thread's process dies, so that a killed trainer or benchmark leaves no server behind."""
+    os.setsid()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def wait_until_ready(
+    url: str, timeout_s: float, proc: subprocess.Popen | None = None, api_key: str | None = None
+) -> str | None:
+    """`SGLangEngine`'s readiness wait (``/health``, then ``/server_info``, which needs the server's ``--api-key``
+    if it has one) on `url` within `timeout_s`; returns the SGLang version the server reports. `RuntimeError` as
+    soon as `proc` (the server's process) exits first; `SGLangUnavailableError` (naming the URL and the last cause)
+    at the deadline."""
+    from .rollout import SGLangEngine
+
+    engine = SGLangEngine(url, api_key=api_key, ready_timeout_s=max(timeout_s, 1.0), log_every_s=30.0)
+    box: dict = {}
+
+    def wait() -> None:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        time.sleep(1.0)
-    raise RuntimeError(f"{url} was not ready after {timeout_s:.0f} s (last: {last})")
+            engine.check_servers()
+            box["version"] = engine.run(engine.weight_sync.server_states(), timeout_s=30)[0].version
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+            if proc is not None and proc.poll() is not None and thread.is_alive():
+                raise RuntimeError(f"the server process exited with status {proc.returncode} before it was ready")
+        if "error" in box:
+            raise box["error"]
+        return box.get("version")
+    finally:
+        if not thread.is_alive():
+            with contextlib.suppress(Exception):
+                engine.run(engine.close(), timeout_s=10)
+
+
+def log_tail(path: Path | None, lines: int = 40) -> str | None:
+    """The last `lines` lines of a server's log file (None: no log written)."""
+    if path is None or not path.exists():
+        return None
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class ServerProcess:
+    """One SGLang server process: `start` launches `command` in a session of its own that dies with this process,
+    in `server_environment`, its output to `log_path` (or this process's own output when None); `wait_ready`
+    blocks until `url` serves (a deadline, failing early if the process exits); `stop` ends the whole process
+    group (SIGTERM, then SIGKILL for the scheduler and detokenizer children that outlive the leader)."""
+
+    def __init__(
+        self, command: list[str], url: str, *, log_path: str | os.PathLike | None = None, api_key: str | None = None
+    ) -> None:
+        self.command = list(command)
+        self.url = url
+        self.api_key = api_key
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.proc: subprocess.Popen | None = None
+        self.version: str | None = None  # what the server reports in /server_info once ready
+
+    def start(self) -> ServerProcess:
+        if self.proc is not None:
+            raise RuntimeError(f"the server for {self.url} was already started")
+        launch = dict(stdin=subprocess.DEVNULL, preexec_fn=_own_session_dying_with_parent, env=server_environment())
+        if self.log_path is None:
+            self.proc = subprocess.Popen(self.command, **launch)
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "wb") as fh:
+                self.proc = subprocess.Popen(self.command, stdout=fh, stderr=subprocess.STDOUT, **launch)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        if self.proc is None:
+            raise RuntimeError(f"the server for {self.url} was not started")
+        self.version = wait_until_ready(self.url, timeout_s, self.proc, self.api_key)
+        return self.version
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait(self) -> int:
+        """Block until the server exits; its status."""
+        return self.proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str | None:
+        return log_tail(self.log_path, lines)
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM to the process group, SIGKILL to it after `grace_s`; the leader's status (None: never started)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the scheduler/detokenizer children too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        return proc.returncode
+
+
+def _api_key(extra: list[str]) -> str | None:
+    """The ``--api-key`` passed on to SGLang after ``--`` (the readiness wait's ``/server_info`` needs it)."""
+    for i, flag in enumerate(extra):
+        if flag == "--api-key" and i + 1 < len(extra):
+            return extra[i + 1]
+        if flag.startswith("--api-key="):
+            return flag.split("=", 1)[1]
+    return None
 
 
 def main(argv=None) -> int:
+    from .rollout import SGLangUnavailableError
+
     args, extra = parse_args(argv)
     args.model = prepare_model(args)
-    cmd = server_command(args, extra)
-    url = f"http://{args.host}:{args.port}"
-    print(f"launching: {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True, env=server_environment())  # own group: stopped as a whole
-
-    def stop(*_):
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(143)))
+    server = ServerProcess(server_command(args, extra), f"http://{args.host}:{args.port}", api_key=_api_key(extra))
+    print(f"launching: {shlex.join(server.command)}", flush=True)
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: (server.stop(grace_s=30), sys.exit(143)))
     try:
-        wait_healthy(url, proc, args.ready_timeout_s)
-        print(f"SGLang is ready at {url}", flush=True)
-        print(f"trainer flags: --rollout_backend sglang --sglang_urls {url}", flush=True)
-        return proc.wait()
+        server.wait_ready(args.ready_timeout_s)
+        print(f"SGLang is ready at {server.url}", flush=True)
+        print(f"trainer flags: --rollout_backend sglang --sglang_urls {server.url}", flush=True)
+        return server.wait()
     except KeyboardInterrupt:
         print("interrupted: stopping the server", flush=True)
         return 130
-    except RuntimeError as exc:
+    except (RuntimeError, SGLangUnavailableError) as exc:
         print(f"sglang_serve: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        stop()
+        server.stop(grace_s=30)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""`benchmarks/learning_run.py`'s `sink_kernel_span` route (the project's kernel on the valid tokens of a TRL batch,
-packed into one varlen call per layer) against the per-span loop it replaced and against GPT-OSS eager attention
-with sinks, on batches that are left- and right-padded at once."""
+"""`hf_gptoss_rl.attention_variants`' `sink_kernel_span` route (the project's kernel on the valid tokens of a TRL
+batch, packed into one varlen call per layer; the learning run's kernel arm without `kernels`) against the per-span
+loop it replaced and against GPT-OSS eager attention with sinks, on batches that are left- and right-padded at once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import learning_run
+from hf_gptoss_rl import attention_variants
 
 # [left pad | valid | right pad] per row; row 3 is empty (all pad), row 4 unpadded
 SPANS = [(3, 10), (0, 7), (2, 12), (0, 0), (0, 14)]
@@ -50,7 +50,7 @@ def test_varlen_route_matches_per_span_kernel(backend, sliding_window, monkeypat
         pytest.importorskip("triton")
         if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1 from the start")
-    learning_run.project_kernel_attention("direct")
+    attention_variants.register_span_kernel_attention()
     # the route and the reference reach the kernel through import_kernel_sources: there, with the backend passed to
     # every call (the kernel reads SINK_FLASH_ATTN3_BACKEND once, at import; the root conftest set it to "torch")
     from hf_gptoss_rl import attention as hf_attention
@@ -79,7 +79,7 @@ def test_varlen_route_matches_per_span_kernel(backend, sliding_window, monkeypat
         return out.detach(), [t.grad for t in (q, k, v, s)]
 
     scaling = dim**-0.5
-    new, new_grads = run(lambda q, k, v, s: learning_run.varlen_sink_kernel_attention(
+    new, new_grads = run(lambda q, k, v, s: attention_variants.varlen_sink_kernel_attention(
         None, q, k, v, mask, scaling=scaling, sliding_window=sliding_window, s_aux=s)[0])  # fmt: skip
     ref, ref_grads = run(lambda q, k, v, s: _per_span_reference(None, q, k, v, mask, scaling, sliding_window, s))
     pads = ~mask.bool()
@@ -99,9 +99,9 @@ def test_varlen_route_matches_eager_gptoss():
     pytest.importorskip("transformers")
     from transformers import GptOssForCausalLM
 
-    from hf_gptoss_rl.testing import tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
 
-    name, _ = learning_run.project_kernel_attention("direct")
+    name = attention_variants.register_span_kernel_attention()
     torch.manual_seed(0)
     config = tiny_gptoss_config(vocab_size=128, sliding_window=4)
     config._attn_implementation = "eager"
@@ -132,17 +132,19 @@ def test_varlen_route_matches_eager_gptoss():
 
 
 def test_varlen_route_refuses_holes_and_packs_once_per_mask():
-    learning_run.project_kernel_attention("direct")
+    attention_variants.register_span_kernel_attention()
     q = torch.randn(1, 4, 6, 16)
     k = v = torch.randn(1, 2, 6, 16)
     holey = torch.tensor([[1, 1, 0, 1, 1, 0]])
     with pytest.raises(ValueError, match="contiguous"):
-        learning_run.varlen_sink_kernel_attention(None, q, k, v, holey, scaling=0.25, s_aux=torch.zeros(4))
+        attention_variants.varlen_sink_kernel_attention(None, q, k, v, holey, scaling=0.25, s_aux=torch.zeros(4))
     # one packing (one host sync) per mask: transformers gives the same mask, or views of one tensor, to every layer
     base = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
-    first = learning_run._varlen_packing(base)
-    assert learning_run._varlen_packing(base[:, -6:]) is first and learning_run._varlen_packing(base) is first
+    first = attention_variants._varlen_packing(base)
+    assert (
+        attention_variants._varlen_packing(base[:, -6:]) is first and attention_variants._varlen_packing(base) is first
+    )
     indices, cu_seqlens, longest = first
     assert indices.tolist() == [1, 2, 3, 4, 6, 7, 8] and cu_seqlens.tolist() == [0, 4, 7] and longest == 4
     base[1, 3] = 1  # in place: a new version, a new packing
-    assert learning_run._varlen_packing(base)[1].tolist() == [0, 4, 8]
+    assert attention_variants._varlen_packing(base)[1].tolist() == [0, 4, 8]
