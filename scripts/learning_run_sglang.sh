@@ -8,11 +8,12 @@
 #   scripts/learning_run_sglang.sh OUT [learning_run.py flags for every process...]
 #
 #   OUT/warm/                 the warm start (weights, practised problems, digest)
-#   OUT/part_<arm>/           each arm's report (learning_run_sglang.{json,md,png}); OUT/part_<arm>.log its output
+#   OUT/part_<arm>_seeds_<seeds>/  each process's report (learning_run_sglang.{json,md,png}); .log: its output
 #   OUT/merged/               the merged report
 #
 # Environment: PYTHON (the trainer's python, default python3), SERVER_CMD (default
 # "/opt/sglang/bin/python -m sglang.launch_server"), ARMS (default all three), SEEDS (default 0,1,2),
+# PROCESS_PER_SEED (1: one process and server per arm and seed, all at once; default 0: the seeds one after another),
 # MEM_FRACTION (each server's --mem-fraction-static, default 0.1), SERVER_ARGS (flags for every server, set empty
 # for none; default:
 # Triton attention, no prefill CUDA graph, decode graphs up to batch 64).
@@ -34,19 +35,26 @@ mkdir -p "$OUT"
 tail -1 "$OUT/warm.log"
 
 IFS=, read -ra arms <<<"$ARMS"
-note="The ${#arms[@]} arms ran at the same time on one GPU, one process and one SGLang server (--mem-fraction-static \
-$MEM_FRACTION) each; their step times include that sharing."
-pids=()
-for arm in "${arms[@]}"; do
-  "$PYTHON" benchmarks/learning_run.py --rollout-backend sglang --warm-start "$OUT/warm" --arms "$arm" \
-    --seeds "$SEEDS" --server-cmd "$SERVER_CMD" --server-args "$SERVER_ARGS" --mem-fraction-static "$MEM_FRACTION" \
-    --server-start-lock "$OUT/server_start.lock" --note "$note" --out "$OUT/part_$arm" "$@" \
-    >"$OUT/part_$arm.log" 2>&1 &
-  pids+=($!)
+IFS=, read -ra seeds <<<"$SEEDS"
+groups=("$SEEDS")  # the seeds each process of an arm runs, one after another
+[ "${PROCESS_PER_SEED:-0}" = 1 ] && groups=("${seeds[@]}")
+jobs=$((${#arms[@]} * ${#groups[@]}))
+note="$jobs processes ran at the same time on one GPU (arms x seed groups: ${arms[*]} x ${groups[*]}), one SGLang \
+server (--mem-fraction-static $MEM_FRACTION) each; their step times include that sharing."
+pids=() names=()
+for group in "${groups[@]}"; do
+  for arm in "${arms[@]}"; do
+    name="${arm}_seeds_${group//,/_}"
+    "$PYTHON" benchmarks/learning_run.py --rollout-backend sglang --warm-start "$OUT/warm" --arms "$arm" \
+      --seeds "$group" --server-cmd "$SERVER_CMD" --server-args "$SERVER_ARGS" --mem-fraction-static "$MEM_FRACTION" \
+      --server-start-lock "$OUT/server_start.lock" --note "$note" --out "$OUT/part_$name" "$@" \
+      >"$OUT/part_$name.log" 2>&1 &
+    pids+=($!) names+=("$name")
+  done
 done
 status=0
 for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { echo "arm ${arms[$i]} failed (see $OUT/part_${arms[$i]}.log)" >&2; status=1; }
+  wait "${pids[$i]}" || { echo "${names[$i]} failed (see $OUT/part_${names[$i]}.log)" >&2; status=1; }
 done
 parts=("$OUT"/part_*/learning_run_sglang.json)
 if [ -e "${parts[0]}" ]; then
