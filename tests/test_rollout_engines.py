@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,6 +215,10 @@ class _StubTokenizerManager:
         self.calls: list[str] = []
         self.version = "default"
         self.payload_counts: list[int] = []
+        self.lora_paths: list[str | None] = []  # the ``lora_path`` of each generate call
+        self.adapters: set[str] = set()  # the adapters loaded
+        self.refuse_lora: set[str] = set()  # adapter names whose load fails, after loading them (a cut-off load)
+        self.ignore_version_tag = False
 
     def _bind(self, what: str):
         loop = asyncio.get_running_loop()
@@ -225,6 +230,7 @@ class _StubTokenizerManager:
 
     async def generate_item(self, **kwargs):
         self._bind("generate")
+        self.lora_paths.append(kwargs.get("lora_path"))
         ids = [5, 6]
         return {
             "output_ids": ids,
@@ -249,6 +255,25 @@ class _StubTokenizerManager:
         if self.refuse:
             return False, "Failed to update parameter online: shape mismatch"
         self.version = obj.weight_version
+        return True, "Success"
+
+    async def load_lora_adapter_from_tensors(self, obj, request):
+        self._bind(f"load {obj.lora_name}")
+        self.payload_counts.append(len(obj.serialized_named_tensors))
+        self.adapters.add(obj.lora_name)
+        if obj.lora_name in self.refuse_lora:
+            return SimpleNamespace(success=False, error_message=f"the load of {obj.lora_name} was cut off")
+        return SimpleNamespace(success=True, error_message=None)
+
+    async def unload_lora_adapter(self, obj, request):
+        self._bind(f"unload {obj.lora_name}")
+        self.adapters.discard(obj.lora_name)
+        return SimpleNamespace(success=True, error_message=None)
+
+    async def update_weight_version(self, obj):
+        self._bind(f"version {obj.new_version}")
+        if not self.ignore_version_tag:
+            self.version = obj.new_version
         return True, "Success"
 
     def config_value(self, name):
@@ -276,8 +301,30 @@ def _stub_sglang(monkeypatch):
     class EndWeightUpdateReqInput:
         rid: str | None = field(default=None)
 
+    @dataclass
+    class LoadLoRAAdapterFromTensorsReqInput:
+        lora_name: str
+        config_dict: dict
+        serialized_named_tensors: list
+
+    @dataclass
+    class UnloadLoRAAdapterReqInput:
+        lora_name: str
+
+    @dataclass
+    class UpdateWeightVersionReqInput:
+        new_version: str
+        abort_all_requests: bool = False
+
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
-    for cls in (UpdateWeightsFromTensorReqInput, BeginWeightUpdateReqInput, EndWeightUpdateReqInput):
+    for cls in (
+        UpdateWeightsFromTensorReqInput,
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        LoadLoRAAdapterFromTensorsReqInput,
+        UnloadLoRAAdapterReqInput,
+        UpdateWeightVersionReqInput,
+    ):
         setattr(io_struct, cls.__name__, cls)
     for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
@@ -287,8 +334,6 @@ def _stub_sglang(monkeypatch):
 
 @pytest.mark.parametrize("refuse", [False, True])
 def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse, tmp_path):
-    from types import SimpleNamespace
-
     from safetensors.torch import save_file
 
     from trl_ext.weight_sync import WeightSyncError
@@ -321,6 +366,115 @@ def test_offline_engine_keeps_one_loop_and_checks_updates(monkeypatch, refuse, t
     assert tm.calls[2:] == ["begin", "update", "end"]  # the session is closed even when the update failed
     assert tm.payload_counts == [2]  # one payload per TP rank
     asyncio.run(engine.close())
+
+
+def _stub_offline_engine(tm, checkpoint_dir):
+    """What `SGLangOfflineEngine` reads of an ``sglang.Engine``: the tokenizer manager, TP size 2, the checkpoint."""
+    return SimpleNamespace(
+        tokenizer_manager=tm,
+        server_args=SimpleNamespace(tp_size=2, model_path=str(checkpoint_dir)),
+        shutdown=lambda: None,
+        async_generate=lambda **kw: tm.generate_item(**kw),
+    )
+
+
+def _lora_adapter(module="layers.0.q"):
+    from trl_ext.weight_sync import LoRAAdapter
+
+    names = [f"base_model.model.{module}.lora_A.weight", f"base_model.model.{module}.lora_B.weight"]
+    return LoRAAdapter({"r": 2, "lora_alpha": 4}, [(n, torch.zeros(2, 2)) for n in names])
+
+
+def test_offline_weight_sync_loads_adapters_and_checks_them(monkeypatch, tmp_path):
+    """`SGLangOfflineWeightSync` alone, without SGLang: an adapter is loaded under a new name per version, the engine
+    tagged with the version, the previous adapter unloaded; a failed load leaves the served adapter and version, and
+    the adapter it may have left loaded is unloaded by the next sync; unknown modules and a version the engine does
+    not report are refused."""
+    from safetensors.torch import save_file
+
+    from trl_ext.weight_sync import WeightSyncError
+    from trl_ext.weight_sync.offline import SGLangOfflineWeightSync
+
+    _stub_sglang(monkeypatch)
+    save_file({"layers.0.q.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    tm = _StubTokenizerManager()
+
+    async def run(coro):
+        return await coro
+
+    sync = SGLangOfflineWeightSync(_stub_offline_engine(tm, tmp_path), run)
+    assert sync.config.checkpoint_path == str(tmp_path) and sync.config.verify == ("version",)
+
+    async def steps():
+        await sync.update_lora(_lora_adapter(), 1)
+        assert (sync.served_adapter, sync.version, tm.adapters) == ("policy-v1", 1, {"policy-v1"})
+        await sync.update_lora(_lora_adapter(), 2)
+        assert (sync.served_adapter, sync.version, tm.adapters) == ("policy-v2", 2, {"policy-v2"})
+        tm.refuse_lora.add("policy-v3")
+        with pytest.raises(WeightSyncError, match="load_lora_adapter_from_tensors failed: the load of policy-v3"):
+            await sync.update_lora(_lora_adapter(), 3)
+        assert (sync.served_adapter, sync.version, tm.adapters) == ("policy-v2", 2, {"policy-v2", "policy-v3"})
+        await sync.update_lora(_lora_adapter(), 4)
+        assert (sync.served_adapter, sync.version, tm.adapters) == ("policy-v4", 4, {"policy-v4"})
+        calls = len(tm.calls)
+        with pytest.raises(WeightSyncError, match="modules the served model does not have: \\['layers.9.q'\\]"):
+            await sync.update_lora(_lora_adapter("layers.9.q"), 5)
+        assert len(tm.calls) == calls  # refused before anything was sent
+        tm.ignore_version_tag = True  # an engine that answers the tag but keeps reporting version 4
+        with pytest.raises(WeightSyncError, match="reports weight_version '4' after the sync to 6"):
+            await sync.update_lora(_lora_adapter(), 6)
+        assert sync.version == 4
+
+    asyncio.run(steps())
+    assert tm.calls[:7] == [
+        "load policy-v1",
+        "version 1",
+        "load policy-v2",
+        "version 2",
+        "unload policy-v1",
+        "load policy-v3",
+        "unload policy-v3",  # the leftover of the failed load, before the next load
+    ]
+    assert set(tm.payload_counts) == {2}  # one payload per TP rank
+
+
+def test_offline_engine_syncs_through_its_weight_sync(monkeypatch, tmp_path):
+    """`SGLangOfflineEngine` has no sync logic of its own: its updates are those of its `SGLangOfflineWeightSync`
+    (called on the engine's loop, with the detached tensors and the version), its `weight_version` is the sync's, and
+    its requests name the adapter the sync serves."""
+    from safetensors.torch import save_file
+
+    from trl_ext.weight_sync.offline import SGLangOfflineWeightSync
+
+    _stub_sglang(monkeypatch)
+    save_file({"w": torch.zeros(2), "layers.0.q.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    tm = _StubTokenizerManager()
+    delegated = []
+    for method in ("update", "update_lora"):
+        original = getattr(SGLangOfflineWeightSync, method)
+
+        async def spy(self, payload, version, _original=original, _method=method):
+            delegated.append((_method, payload, version))
+            return await _original(self, payload, version)
+
+        monkeypatch.setattr(SGLangOfflineWeightSync, method, spy)
+    engine = SGLangOfflineEngine(engine=_stub_offline_engine(tm, tmp_path))
+    try:
+        assert isinstance(engine.weight_sync, SGLangOfflineWeightSync)
+        weight = torch.zeros(2, requires_grad=True)
+        asyncio.run(engine.update_weights([("w", weight)], version=1))
+        adapter = _lora_adapter()
+        asyncio.run(engine.update_lora_adapter(adapter, version=2))
+        out = asyncio.run(engine.generate([1, 2], SamplingParams(max_new_tokens=2, stop_token_ids=())))
+    finally:
+        asyncio.run(engine.close())
+    assert [(m, v) for m, _, v in delegated] == [("update", 1), ("update_lora", 2)]
+    ((name, sent),) = delegated[0][1]
+    assert name == "w" and not sent.requires_grad  # detached by the engine
+    assert delegated[1][1] is adapter
+    assert engine.weight_version == engine.weight_sync.version == 2 and tm.version == "2"
+    assert tm.lora_paths == ["policy-v2"] and out.weight_version == 2
+    assert tm.calls == ["begin", "update", "end", "load policy-v2", "version 2", "generate"]
 
 
 def test_generation_passes_the_cache_under_its_current_name(model):

@@ -27,7 +27,8 @@ request bodies follow ``sglang/srt/managers/io_struct.py`` of both):
 - ``meta_info.weight_version`` (the version the server says it served) recorded on every output; ``finish_reason``
   ``abort`` surfaced, not hidden.
 
-`SGLangOfflineEngine` wraps ``sglang.Engine`` (imported lazily; a clear `ImportError` without sglang).
+`SGLangOfflineEngine` wraps ``sglang.Engine`` (imported lazily; a clear `ImportError` without sglang); its weight
+sync is `trl_ext.weight_sync.offline`.
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ..weight_sync import LoRAAdapter, WeightSyncConfig, WeightSyncError
-from ..weight_sync import verify as sync_checks
+from ..weight_sync import LoRAAdapter, WeightSyncConfig
+from ..weight_sync.offline import SGLangOfflineWeightSync
 from ..weight_sync.sglang import SGLangHTTPWeightSync
-from ..weight_sync.transport import serialize_per_rank
 from .engine import RolloutEngine, validate_input_ids
 from .types import GenerationOutput, SamplingParams
 
@@ -880,10 +880,11 @@ class SGLangOfflineEngine(RolloutEngine):
     (``TokenizerManager.auto_create_handle_loop``), and ``Engine``'s synchronous methods run on the loop that
     existed at construction (``Engine.loop``). A trainer that calls ``asyncio.run`` per batch would strand the
     output loop on a closed loop after the first batch, so every call here runs on one private loop (a daemon
-    thread) for the engine's life, and weight updates call the tokenizer manager's coroutines directly there.
-    Every weight update's ``(success, message)`` is checked: a refusal raises `WeightSyncError`. Before an update,
-    every tensor name must be one of the checkpoint the engine was built from (``checkpoint_path``, default its
-    ``model_path``): ``sglang.Engine`` skips unknown names and still reports success.
+    thread) for the engine's life. Weight updates are the ``weight_sync`` of the engine
+    (`trl_ext.weight_sync.offline.SGLangOfflineWeightSync`), which calls the tokenizer manager's coroutines on that
+    loop and checks every result: a refusal raises `WeightSyncError`. Before an update, every tensor name must be one
+    of the checkpoint the engine was built from (``checkpoint_path``, default its ``model_path``): ``sglang.Engine``
+    skips unknown names and still reports success.
     """
 
     def __init__(self, engine=None, *, checkpoint_path: str | None = None, **server_args) -> None:
@@ -898,33 +899,21 @@ class SGLangOfflineEngine(RolloutEngine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="SGLangOfflineEngine", daemon=True)
         self._thread.start()
         self._engine = engine if engine is not None else sglang.Engine(**server_args)
-        self._version: int | str | None = None
-        self._lora_name: str | None = None
-        self._requested_adapters: set[str] = set()
-        self.lora_name = "policy"
-        path = checkpoint_path or getattr(getattr(self._engine, "server_args", None), "model_path", None)
-        self._checkpoint_path = path
-        self._checkpoint_names: set[str] | None = None
-
-    def _check_names(self, names: list[str]) -> None:
-        if self._checkpoint_names is None:
-            found = sync_checks.checkpoint_tensor_names(self._checkpoint_path) if self._checkpoint_path else None
-            if not found:
-                raise WeightSyncError(
-                    f"cannot read the tensor names of the served checkpoint {self._checkpoint_path!r}; pass "
-                    "checkpoint_path= a local copy of it (sglang.Engine skips names its model does not have)"
-                )
-            self._checkpoint_names = found
-        unknown = sync_checks.unknown_names(names, checkpoint=self._checkpoint_names, params=None)
-        if unknown:
-            raise WeightSyncError(
-                "sglang.Engine update refused: "
-                + sync_checks.describe_unknown(unknown, f"checkpoint {self._checkpoint_path}")
-            )
+        self.weight_sync = SGLangOfflineWeightSync(self._engine, self._on_loop, checkpoint_path=checkpoint_path)
 
     @property
     def weight_version(self) -> int | str | None:
-        return self._version
+        """The version of the last verified weight sync (None before the first)."""
+        return self.weight_sync.version
+
+    @property
+    def lora_name(self) -> str:
+        """Name prefix of the adapters loaded with LoRA sync (``<lora_name>-v<version>``)."""
+        return self.weight_sync.config.lora_name
+
+    @lora_name.setter
+    def lora_name(self, name: str) -> None:
+        self.weight_sync.config.lora_name = name
 
     async def _on_loop(self, coro):
         if self._engine is None:
@@ -937,114 +926,24 @@ class SGLangOfflineEngine(RolloutEngine):
         kwargs = dict(
             input_ids=ids, sampling_params=sampling_params_payload(sampling), return_logprob=True, logprob_start_len=-1
         )
-        if self._lora_name is not None:
-            kwargs["lora_path"] = self._lora_name
+        if self.weight_sync.served_adapter is not None:
+            kwargs["lora_path"] = self.weight_sync.served_adapter
         item = await self._on_loop(self._engine.async_generate(**kwargs))
         return parse_generate_item(item)
 
-    async def _call(self, what: str, coro) -> None:
-        result = await self._on_loop(coro)
-        success, message = (
-            (result[0], result[1])
-            if isinstance(result, tuple)
-            else (
-                getattr(result, "success", None),
-                getattr(result, "error_message", None) or getattr(result, "message", None),
-            )
-        )
-        if not success:
-            raise WeightSyncError(f"sglang.Engine {what} failed: {message}")
-
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """``update_weights_from_tensor`` through the tokenizer manager, inside a begin/end session when this
-        sglang has one (``Engine.begin_weight_update``, 0.5.23), with one payload per TP rank; every result is
-        checked and the served ``weight_version`` read back."""
-        from sglang.srt.managers import io_struct
-
+        """Load new weights as ``version`` and verify (`trl_ext.weight_sync.offline.SGLangOfflineWeightSync.update`:
+        ``update_weights_from_tensor`` through the tokenizer manager, one payload per TP rank, every result checked
+        and the served ``weight_version`` read back)."""
         named = [(n, t.detach()) for n, t in named_tensors]
         if not named:
             raise ValueError("update_weights: no tensors")
-        self._check_names([n for n, _ in named])
-        if torch.cuda.is_available():  # CUDA IPC handles, as SGLang's own callers send (not host shared memory)
-            device = torch.device("cuda", torch.cuda.current_device())
-            named = [(n, t.to(device)) for n, t in named]
-        tm = self._engine.tokenizer_manager
-        tp_size = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
-        session = hasattr(io_struct, "BeginWeightUpdateReqInput") and hasattr(tm, "begin_weight_update")
-        if session:
-            await self._call("begin_weight_update", tm.begin_weight_update(io_struct.BeginWeightUpdateReqInput(), None))
-        try:
-            req = io_struct.UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=serialize_per_rank(named, tp_size),
-                load_format=None,
-                flush_cache=True,
-                weight_version=str(version),
-            )
-            await self._call("update_weights_from_tensor", tm.update_weights_from_tensor(req, None))
-        finally:
-            if session:
-                await self._call("end_weight_update", tm.end_weight_update(io_struct.EndWeightUpdateReqInput(), None))
-        self._check_version(version)
-        self._version = version
+        await self.weight_sync.update(named, version)
 
     async def update_lora_adapter(self, adapter: LoRAAdapter, *, version: int) -> None:
-        from sglang.srt.managers import io_struct
-
-        tm = self._engine.tokenizer_manager
-        tp_size = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
-        name = f"{self.lora_name}-v{version}"
-        modules = sync_checks.unknown_lora_modules(
-            [n for n, _ in adapter.named_tensors], checkpoint=self._checkpoint_names_or_read(), params=None
-        )
-        if modules:
-            raise WeightSyncError(f"the adapter targets modules the served model does not have: {modules[:5]}")
-        for leftover in sorted(self._requested_adapters - {self._lora_name}):  # a failed load may have left it
-            result = await self._on_loop(
-                tm.unload_lora_adapter(io_struct.UnloadLoRAAdapterReqInput(lora_name=leftover), None)
-            )
-            logger.info("unloaded leftover adapter %s: %s", leftover, result)
-            self._requested_adapters.discard(leftover)
-        self._requested_adapters.add(name)  # before the request: a failed load may still leave it loaded
-        req = io_struct.LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=name,
-            config_dict=adapter.config_dict,
-            serialized_named_tensors=serialize_per_rank(dict(adapter.named_tensors), tp_size),
-        )
-        await self._call("load_lora_adapter_from_tensors", tm.load_lora_adapter_from_tensors(req, None))
-        old, self._lora_name = self._lora_name, name
-        # tag the version (the adapter carries none): a coroutine from 0.5.23 on
-        # (``TokenizerControlMixin.update_weight_version``); 0.5.17 records it synchronously
-        # (``_update_weight_version_if_provided``, what its ``/update_weight_version`` route amounts to)
-        if hasattr(tm, "update_weight_version"):
-            await self._on_loop(
-                tm.update_weight_version(
-                    io_struct.UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
-                )
-            )
-        else:
-            tm._update_weight_version_if_provided(str(version))
-        if old is not None:
-            await self._call(
-                "unload_lora_adapter", tm.unload_lora_adapter(io_struct.UnloadLoRAAdapterReqInput(lora_name=old), None)
-            )
-            self._requested_adapters.discard(old)
-        self._check_version(version)
-        self._version = version
-
-    def _checkpoint_names_or_read(self) -> set[str]:
-        if self._checkpoint_names is None:
-            self._check_names([])
-        return self._checkpoint_names
-
-    def _check_version(self, version) -> None:
-        tm = self._engine.tokenizer_manager
-        served = (
-            tm.config_value("weight_version")
-            if hasattr(tm, "config_value")
-            else getattr(getattr(tm, "server_args", None), "weight_version", None)
-        )
-        if served is not None and str(served) != str(version):
-            raise WeightSyncError(f"sglang.Engine reports weight_version {served!r} after the sync to {version!r}")
+        """Load a PEFT adapter as ``<lora_name>-v<version>``; later requests name it in ``lora_path``
+        (`trl_ext.weight_sync.offline.SGLangOfflineWeightSync.update_lora`)."""
+        await self.weight_sync.update_lora(adapter, version)
 
     async def health(self) -> bool:
         return self._engine is not None

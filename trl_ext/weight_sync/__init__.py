@@ -8,6 +8,7 @@ One package, one file per concern:
 - `transport`: how it travels (SGLang's tensor serialization, flattened buckets, the NCCL group, files on disk);
 - `verify`: what the server serves against what was sent (names, changed parameters, the log-prob probe);
 - `sglang`: SGLang's weight-update endpoints, driven and checked for every server of an `SGLangEngine`.
+- `offline`: the weight updates of an in-process ``sglang.Engine``, driven and checked for an `SGLangOfflineEngine`.
 
 `push_policy_weights` is the trainer's one call per step.
 """

@@ -40,6 +40,7 @@ from .transport import (
     flatten_bucket,
     free_port,
     init_weight_update_group,
+    on_cuda_for_ipc,
     plan_buckets,
     serialize_per_rank,
     write_adapter,
@@ -634,10 +635,8 @@ class SGLangHTTPWeightSync:
     async def _sync_tensor(self, states, named, version, loaded, failures) -> None:
         config = self.config
         hint = ""
-        if torch.cuda.is_available():  # CUDA IPC: the servers map this process's GPU memory
-            device = torch.device("cuda", torch.cuda.current_device())
-            named = [(n, t.to(device)) for n, t in named]
-        else:
+        named = on_cuda_for_ipc(named)  # CUDA IPC: the servers map this process's GPU memory
+        if not torch.cuda.is_available():
             hint = (
                 " (no CUDA here: the tensors travel as CPU shared memory, which a server in another process can only "
                 "open if it shares this process's multiprocessing authkey; use weight_sync_mode='disk' on CPU)"
@@ -848,10 +847,7 @@ class SGLangHTTPWeightSync:
             payload_for = lambda s: {"lora_name": name, "lora_path": str(out_dir)}  # noqa: E731
             path = "/load_lora_adapter"
         else:
-            tensors = dict(adapter.named_tensors)
-            if torch.cuda.is_available():
-                device = torch.device("cuda", torch.cuda.current_device())
-                tensors = {k: v.to(device) for k, v in tensors.items()}
+            tensors = dict(on_cuda_for_ipc(adapter.named_tensors))
             payload_for = lambda s: {  # noqa: E731
                 "lora_name": name,
                 "config_dict": adapter.config_dict,

@@ -1,6 +1,7 @@
 """How weights travel: SGLang's serialization of tensors, flattened buckets, the NCCL group, files on disk.
 
-- `serialize_per_rank`: SGLang's ``MultiprocessingSerializer`` payloads (CUDA-IPC handles), one per TP rank.
+- `serialize_per_rank`: SGLang's ``MultiprocessingSerializer`` payloads (CUDA-IPC handles, `on_cuda_for_ipc`), one per
+  TP rank.
 - `plan_buckets` + `flatten_bucket`: SGLang's ``FlattenedTensorBucket`` layout, one NCCL broadcast per bucket.
 - `init_weight_update_group`: the standalone NCCL/gloo group shared by the trainer and the engine ranks.
 - `write_checkpoint`, `write_adapter`, `save_config_for_sglang`: what ``/update_weights_from_disk`` and
@@ -133,6 +134,16 @@ def serialize_per_rank(obj, tp_size: int) -> list[str]:
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     return [serialize(obj) for _ in range(tp_size)]
+
+
+def on_cuda_for_ipc(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors on this process's current CUDA device, so that `serialize` sends CUDA-IPC handles, as SGLang's own
+    callers send them (host tensors would travel as shared memory, which a receiver in another process can only open
+    with this process's multiprocessing authkey). Unchanged without CUDA."""
+    if not torch.cuda.is_available():
+        return list(named)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return [(n, t.to(device)) for n, t in named]
 
 
 @dataclass
