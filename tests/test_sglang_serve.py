@@ -86,7 +86,7 @@ def _saved_model(folder, dtype):
     return str(folder)
 
 
-def test_a_dtype_the_checkpoint_does_not_store_is_refused_or_converted(tmp_path):
+def test_a_dtype_the_checkpoint_does_not_store_is_refused_or_converted(tmp_path, capsys):
     """A checkpoint the trainer saved from fp32 weights, served as bfloat16: refused with the way out (SGLang would
     stop at its warm-up), or served from a bfloat16 copy with --convert-to. A checkpoint already stored in the served
     dtype is served as it is, and --dtype after `--` (unchecked) is refused."""
@@ -104,6 +104,7 @@ def test_a_dtype_the_checkpoint_does_not_store_is_refused_or_converted(tmp_path)
     args.model = served
     assert "--dtype bfloat16" in " ".join(server_command(args, extra))
     assert prepare_model(parse_args(["--model", fp32])[0]) == fp32  # no --dtype: SGLang serves what is stored
+    assert "stores float32 tensors, so SGLang serves float32" in capsys.readouterr().out
     bf16 = _saved_model(tmp_path / "bf16", torch.bfloat16)
     assert prepare_model(parse_args(["--model", bf16, "--dtype", "bfloat16"])[0]) == bf16
     with pytest.raises(SystemExit):

@@ -106,12 +106,20 @@ def prepare_model(args) -> str:
 
     from .weight_sync import checkpoint_dtypes, convert_checkpoint
 
-    if not args.dtype:
-        return args.model
     try:
         stored = checkpoint_dtypes(args.model)
     except FileNotFoundError as exc:
+        if not args.dtype:  # a folder SGLang resolves itself (a Hub id, say): nothing to check here
+            return args.model
         raise SystemExit(f"sglang_serve: {exc}") from None
+    if not args.dtype:
+        if "float32" in stored:  # served as stored: say so, since RL usually serves bf16
+            print(
+                f"note: {args.model} stores float32 tensors, so SGLang serves float32; for bfloat16 serving pass "
+                "--dtype bfloat16 --convert-to DIR",
+                flush=True,
+            )
+        return args.model
     wanted = str(getattr(torch, args.dtype, args.dtype)).removeprefix("torch.")
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"sglang_serve: --dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
