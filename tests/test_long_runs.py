@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from trl_ext.checkpoints import CheckpointDiskFullError, checkpoint_problem, latest_checkpoint
-from trl_ext.rollout import EmbeddedEngine, RolloutServerLostError
+from trl_ext.rollout import EmbeddedEngine, RolloutServerLostError, run_sync
 from trl_ext.weight_sync.transport import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,8 +264,11 @@ def test_rollout_server_dies_mid_batch_and_mid_sync_and_comes_back(tmp_path, ser
         weight_sync_mode="distributed", weight_sync_bucket_mb=bucket_mb, sglang_retry_deadline_s=60.0,
     )  # fmt: skip
     served = _recording_served_versions(trainer)
-    with caplog.at_level("WARNING"):
-        trainer.train()
+    try:
+        with caplog.at_level("WARNING"):
+            trainer.train()
+    finally:  # the client leaves its weight-update group: the group's name is free again for later tests
+        run_sync(trainer.rollout_engine.close())
     assert servers.restarts == 2
     assert "a server restarted. Pushing the weights again and sampling the batch again" in caplog.text
     assert "sending the weights again (attempt 2 of 3)" in caplog.text
