@@ -45,6 +45,12 @@ from trl.trainer.utils import RepeatSampler, get_config_model_id
 from .config import REASONING_EFFORTS, AgenticGRPOConfig
 from .mismatch import SEQUENCE_LEVEL_MODES, importance_sampling_ratio, mismatch_metrics
 from .policy import apply_model_implementations, policy_model, prepare_policy
+from .policy_forward import (
+    policy_logps_and_entropies,
+    pool_sequence_parallel_inputs,
+    sequence_parallel_loss_scale,
+    setup_sequence_parallel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +255,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self.rollout_func = _agent_rollout
         self._sp_group = None
         if args.sequence_parallel_size > 1:  # after the engine copy: it must keep the model's own attention
-            self._setup_sequence_parallel()
+            self._sp_group = setup_sequence_parallel(self)
         self._loss_inputs: dict[str, Any] | None = None  # inputs of the `_compute_loss` call in flight
         self.last_importance_weights: torch.Tensor | None = None  # the latest correction weights (for inspection)
         # the trainer's weight version: the global step of the last sync it pushed; None before the first, when the
@@ -316,111 +322,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 f"reasoning_effort must be one of {REASONING_EFFORTS}, got {kwargs['reasoning_effort']!r}."
             )
         return kwargs
-
-    def _setup_sequence_parallel(self):
-        """Ulysses SP over groups of `sequence_parallel_size` consecutive ranks (DDP).
-
-        The ranks of a group pool their micro-batches (`_sp_union`) and each computes 1/P of every sequence of the
-        pooled batch (`hf_gptoss_rl.sequence_parallel`); the loss is scaled so that DDP's average over all ranks
-        gives the gradient of the data-parallel run without SP.
-        """
-        import torch.distributed as dist
-
-        from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel
-
-        size = self.args.sequence_parallel_size
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("sequence_parallel_size > 1 needs several processes (accelerate launch / torchrun)")
-        world = dist.get_world_size()
-        if world % size:
-            raise ValueError(f"world size {world} is not divisible by sequence_parallel_size={size}")
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            raise ValueError("sequence_parallel_size > 1 is supported with DDP (accelerate launch --multi_gpu) only")
-        if not self.args.is_on_policy or self.beta != 0.0:
-            raise ValueError(
-                "sequence_parallel_size > 1 needs the on-policy setting (num_iterations=1, one optimizer step per "
-                "generation) and beta=0: the extra old/reference log-prob passes are not sequence-parallel"
-            )
-        rank = dist.get_rank()
-        for start in range(0, world, size):  # every rank creates every group (torch.distributed's rule)
-            group = dist.new_group(list(range(start, start + size)))
-            if start <= rank < start + size:
-                self._sp_group = group
-        enable_sequence_parallel(self.accelerator.unwrap_model(self.model), self._sp_group)
-
-    def _sp_union(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Concatenate the micro-batches of the SP group (every rank then holds the same pooled batch)."""
-        import torch.distributed as dist
-
-        gathered: list = [None] * self.args.sequence_parallel_size
-        dist.all_gather_object(gathered, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
-        device = self.accelerator.device
-        out: dict[str, Any] = {}
-        left_padded = {"prompt_ids": self._tokenizer.pad_token_id, "prompt_mask": 0}
-        right_padded = {
-            "completion_ids": self._tokenizer.pad_token_id,
-            "completion_mask": 0,
-            "tool_mask": 1,
-            "sampling_per_token_logps": 0.0,
-            "old_per_token_logps": 0.0,
-            "ref_per_token_logps": 0.0,
-        }
-        if "prompt_routed_experts" in inputs:  # routing replay: padding has no record
-            from hf_gptoss_rl.routing import no_route
-
-            left_padded["prompt_routed_experts"] = no_route(inputs["prompt_routed_experts"].dtype)
-            right_padded["completion_routed_experts"] = no_route(inputs["completion_routed_experts"].dtype)
-        for key, value in inputs.items():
-            parts = [g[key] for g in gathered]
-            if key == "num_items_in_batch":
-                out[key] = value  # already global
-            elif key in left_padded or key in right_padded:
-                width = max(p.shape[1] for p in parts)
-                pad_value = left_padded.get(key, right_padded.get(key))
-                padded = []
-                for p in parts:
-                    filler = p.new_full((p.shape[0], width - p.shape[1], *p.shape[2:]), pad_value)
-                    padded.append(torch.cat([filler, p] if key in left_padded else [p, filler], dim=1))
-                out[key] = torch.cat(padded).to(device)
-            elif isinstance(value, torch.Tensor) and value.dim() >= 1:
-                out[key] = torch.cat(parts).to(device)
-            else:
-                raise ValueError(f"cannot pool input {key!r} across the sequence-parallel group")
-        return out
-
-    def _sp_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False, routing=None
-    ):
-        from hf_gptoss_rl.sequence_parallel import gather_outputs, shard_inputs
-
-        seq_len = input_ids.shape[1]
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-logits_to_keep] = -100
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-        if routing is not None:
-            batch["routed_experts"] = routing  # sharded with its tokens
-        shard = shard_inputs(batch, self._sp_group, pad_token_id=self._tokenizer.pad_token_id)
-        if routing is not None:
-            self._replay(shard["routed_experts"])
-        extra = {"output_router_logits": True} if compute_aux_loss else {}
-        with self.accelerator.autocast():
-            out = model(
-                input_ids=shard["input_ids"],
-                attention_mask=shard["attention_mask"],
-                position_ids=shard["position_ids"],
-                shift_labels=shard["shift_labels"],
-                fused_lm_head=True,
-                **extra,
-            )
-        # [B, S_padded] on every rank: position t scores token t+1
-        logps = gather_outputs(out.log_probs, self._sp_group, dim=1)[:, : seq_len - 1]
-        entropy = gather_outputs(out.entropy, self._sp_group, dim=1)[:, : seq_len - 1]
-        return logps[:, -logits_to_keep:], entropy[:, -logits_to_keep:], out.aux_loss
-
-    def _sp_loss_scale(self) -> float:
-        # Losses normalised by a count of the (pooled, P times larger) batch need x P; those normalised by the
-        # global token count (dapo, cispo, vespo) already match the data-parallel run.
-        return 1.0 if self.loss_type in ("dapo", "cispo", "vespo") else float(self.args.sequence_parallel_size)
 
     def _build_rollout_engine(self):
         args = self.args
@@ -876,12 +777,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         # Shallow copy: the correction replaces `advantages` for this call only (buffered inputs are reused).
-        self._loss_inputs = self._sp_union(inputs) if self._sp_group is not None else dict(inputs)
+        self._loss_inputs = pool_sequence_parallel_inputs(self, inputs) if self._sp_group is not None else dict(inputs)
         try:
             loss = super()._compute_loss(model, self._loss_inputs)
         finally:
             self._loss_inputs = None
-        return loss * self._sp_loss_scale() if self._sp_group is not None else loss
+        return loss * sequence_parallel_loss_scale(self) if self._sp_group is not None else loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
         routing = self._routing_for(input_ids)
@@ -918,27 +819,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return every > 0 and self.model.training and self.state.global_step % every == 0
 
     def _dispatch_logps(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
-        """One log-prob pass on the path this batch takes: sequence-parallel, packed, padded with routing, TRL's."""
-        # SP: only the loss forward (inside `_compute_loss`, on the group's pooled batch) runs sequence-parallel
-        if self._sp_group is not None and self._loss_inputs is not None:
-            logps, entropies, aux_loss = self._sp_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=kw.get("compute_aux_loss", False),
-                routing=routing,
-            )  # fmt: skip
-        elif self.padding_free and not a and all(kw.get(k) is None for k in kw if k not in _PACKED_KWARGS):
-            logps, entropies, aux_loss = self._packed_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, routing=routing,
-                **{k: kw[k] for k in _PACKED_KWARGS if k in kw},
-            )  # fmt: skip
-        elif routing is not None:
-            logps, entropies, aux_loss = self._replayed_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw
-            )
-        else:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *a, **kw
-            )
-        return logps, entropies, aux_loss
+        """One log-prob pass on the path this batch takes (`trl_ext.policy_forward`); SP: only the loss forward
+        (inside `_compute_loss`, on the group's pooled batch) runs sequence-parallel."""
+        return policy_logps_and_entropies(
+            self, super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask, logits_to_keep,
+            routing, *a, sequence_parallel=self._sp_group is not None and self._loss_inputs is not None, **kw,
+        )  # fmt: skip
 
     def _log_mismatch_by_routing(self, logps, other_logps, inputs) -> None:
         """`routing/k3_kl_{replayed,own}` and `routing/prob_diff_max_{replayed,own}`: the mismatch against the
@@ -972,97 +858,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         routing = torch.cat([source["prompt_routed_experts"], source["completion_routed_experts"]], dim=1)
         return routing if tuple(routing.shape[:2]) == tuple(input_ids.shape) else None
 
-    def _replay(self, routing: torch.Tensor):
-        """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
-        # None (auto) replays whenever the engine recorded routing; False only measures the agreement; the extra
-        # pass of `routing_mismatch_every` runs the other way
-        replay = (self.args.routing_replay is not False) != self._replay_flip
-        self.routing_replay.set_plan(routing, replay=replay, device=self.accelerator.device)
-
-    def _replayed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
-        """TRL's padded pass, chunk by chunk, each chunk's forward with its rows' routing."""
-        batch_size = kw.pop("batch_size", None) or input_ids.size(0)
-        if a:
-            raise ValueError("routing replay: unexpected positional arguments to the log-prob pass")
-        chunks = range(0, input_ids.size(0), batch_size)
-        if torch.is_grad_enabled() and len(chunks) > 1:
-            # the backward's checkpoint recompute replays the plan in place when it runs: one forward per backward
-            raise ValueError("routing replay: a differentiated log-prob pass must be one forward (batch_size=None)")
-        outs = []
-        for start in chunks:
-            end = start + batch_size
-            self._replay(routing[start:end])
-            outs.append(
-                super()._get_per_token_logps_and_entropies(
-                    model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kw
-                )
-            )
-        if not torch.is_grad_enabled():
-            self.routing_replay.clear()
-        logps = torch.cat([o[0] for o in outs])
-        entropies = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
-        aux = torch.stack([o[2] for o in outs]).mean() if outs[0][2] is not None else None
-        return logps, entropies, aux
-
     def _log_routing_agreement(self) -> None:
         measured = self.routing_replay.take_agreement()
         if measured is not None:
             metrics = self._metrics["train" if self.model.training else "eval"]
             metrics["routing/agreement"].append(measured[0])
             metrics["routing/agreement_min_layer"].append(measured[1])
-
-    def _packed_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        routing=None,
-    ):
-        """TRL's `_get_per_token_logps_and_entropies` with each chunk of rows packed into one row without padding.
-
-        `hf_gptoss_rl.packing.packed_completion_logprobs`: the real tokens of the rows, `position_ids` restarting
-        per trajectory, results back in TRL's `[B, T]` layout (0 for prompt tokens and pads, as padded).
-        """
-        from hf_gptoss_rl.packing import packed_completion_logprobs, rows_are_contiguous
-
-        batch_size = batch_size or input_ids.size(0)
-        all_logps, all_entropies, all_aux = [], [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            ids = input_ids[start : start + batch_size]
-            mask = attention_mask[start : start + batch_size]
-            if routing is not None and rows_are_contiguous(mask):  # packed as `pack_rows` packs the ids
-                if torch.is_grad_enabled() and input_ids.size(0) > batch_size:
-                    raise ValueError("routing replay: a differentiated log-prob pass must be one forward")
-                self._replay(routing[start : start + batch_size][mask.bool()])
-            elif routing is not None:
-                self._replay(routing[start : start + batch_size])
-            if rows_are_contiguous(mask):
-                logps, entropies, aux = packed_completion_logprobs(
-                    model, ids, mask, logits_to_keep, compute_aux_loss=compute_aux_loss,
-                    autocast=self.accelerator.autocast,
-                )  # fmt: skip
-            else:
-                _warn_once(
-                    "padding_free: an attention mask with a hole inside a trajectory; this chunk runs padded "
-                    "(TRL's path) to keep its positions"
-                )
-                logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy,
-                    compute_aux_loss=compute_aux_loss,
-                )  # fmt: skip
-            all_logps.append(logps)
-            all_entropies.append(entropies)
-            all_aux.append(aux)
-        if routing is not None and not torch.is_grad_enabled():
-            self.routing_replay.clear()
-        logps = torch.cat(all_logps, dim=0)
-        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
-        return logps, entropies, aux_loss
 
     def _apply_rollout_correction(self, per_token_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
         mode = "train" if self.model.training else "eval"
@@ -1208,10 +1009,6 @@ _WEIGHT_SYNC_PROBE_TEXT = (
 )
 
 
-# `_get_per_token_logps_and_entropies` keyword arguments the packed path takes (the others are multimodal inputs)
-_PACKED_KWARGS = frozenset({"batch_size", "compute_entropy", "compute_aux_loss"})
-
-
 def _is_current_version(served, expected) -> bool:
     """Whether a turn served on version `served` was sampled by the trainer's weights, version `expected` (the
     global step of the last sync; None before the first: the initial policy, reported as 0 or without a version)."""
@@ -1229,15 +1026,6 @@ def _version_number(version) -> float | None:
         return float(version)
     except (TypeError, ValueError):
         return None
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
 
 
 def _lora_module_names(policy) -> set[str]:
