@@ -51,6 +51,14 @@ from .policy_forward import (
     sequence_parallel_loss_scale,
     setup_sequence_parallel,
 )
+from .rollout_batch import (
+    RolloutBatch,
+    log_rollout_metrics,
+    reward_completions,
+    rollout_fields,
+    routing_layout,
+    run_rollout_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -226,8 +234,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # after the engine's copy of the policy: the hooks serve the trainer's routers only
         self.routing_replay = None
         self._replay_flip = False  # True during the extra pass of `routing_mismatch_every`
-        self._pending_routing: dict[str, torch.Tensor] | None = None  # this generation's records, TRL's layout
-        self._pending_completions: list | None = None  # this generation's `completions` for the rewards (`_generate`)
+        self._rollout_batch: RolloutBatch | None = None  # the generation in flight, from `_rollout` to the loss
         if self._routing_shape is not None:
             from hf_gptoss_rl.routing import RoutingReplay
 
@@ -535,152 +542,36 @@ class AgenticGRPOTrainer(GRPOTrainer):
         rank, step = self.accelerator.process_index, self.state.global_step
         seeds = [rollout_seed(self.args.seed, mode, step, rank, i) for i in range(len(prompt_ids))]
         start = time.perf_counter()
-        trajectories = self._run_rollout_batch(prompt_ids, seeds)
+        trajectories = run_rollout_batch(self, prompt_ids, seeds)
         self._metrics["train" if self.model.training else "eval"]["timing/rollout_s"].append(
             time.perf_counter() - start
         )
-        pad_id = self._tokenizer.pad_token_id
         # what reward functions get as `completions` (`_generate`): TRL's layouts, built from the harmony turns
-        self._pending_completions = self._reward_completions(prompts, trajectories) if self._harmony else None
-        out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
-        for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "format_errors", "finish_reason"):
-            out[key] = []
-        for traj in trajectories:
-            traj.check_alignment()
-            ids, mask, logps = list(traj.completion_ids), list(traj.completion_mask), list(traj.rollout_logprobs)
-            if not ids:  # an aborted request can return nothing; TRL needs one token: a pad that is never trained
-                ids, mask, logps = [pad_id], [0], [0.0]
-            out["prompt_ids"].append(list(traj.prompt_ids))
-            out["completion_ids"].append(ids)
-            out["env_mask"].append(mask)
-            out["logprobs"].append(logps)
-            if not self._harmony and traj.finish_reason == "final":  # one plain turn: its text is the answer
-                traj.final_text = self._tokenizer.decode(traj.completion_ids, skip_special_tokens=True)
-            out["final_text"].append(traj.final_text or "")
-            out["num_turns"].append(traj.num_turns)
-            out["num_tool_calls"].append(traj.num_tool_calls)
-            out["tool_errors"].append(sum(1 for c in traj.tool_calls if c.error))
-            out["format_errors"].append(len(traj.errors))
-            out["finish_reason"].append(traj.finish_reason)
-        self._log_rollout_metrics(out)
+        completions = reward_completions(prompts, trajectories) if self._harmony else None
+        fields = rollout_fields(trajectories, self._tokenizer, harmony=self._harmony)
+        log_rollout_metrics(self, fields)
         self._check_served_versions(trajectories)
-        self._pending_routing = self._routing_layout(trajectories, out) if self._routing_shape is not None else None
-        return out
-
-    def _run_rollout_batch(self, prompt_ids: list, seeds: list) -> list:
-        """The agent loop on one batch, which a server's restart or loss never lets through (`trl_ext.rollout.recovery`).
-
-        A batch with turns served on a restarted server's launch weights is sampled again, with the same seeds, once
-        the current weights were pushed to the servers again and verified. A server that a request gave up on (no
-        answer within `sglang_retry_deadline_s`) stops training with `RolloutServerLostError`, naming it and the
-        checkpoint to resume from. Every process takes the same branch (the counts are summed over processes).
-        """
-        from .rollout import run_sync
-        from .rollout.recovery import RESTART_RECOVERIES, RolloutServerLostError, served_on_launch_weights
-
-        engine = self.rollout_engine
-        attempt = 0
-        while True:
-            trajectories = run_sync(self.agent_loop.run_batch(prompt_ids, seeds))
-            lost = engine.take_unreachable() if hasattr(engine, "take_unreachable") else {}
-            restarted = served_on_launch_weights(trajectories, self.synced_weight_version)
-            counts = torch.tensor([len(lost), restarted], dtype=torch.float64, device=self.accelerator.device)
-            if self.accelerator.num_processes > 1:
-                counts = self.accelerator.gather(counts).reshape(-1, 2).sum(0)
-            if counts[0] > 0:
-                from accelerate.utils import gather_object
-
-                from .checkpoints import resume_hint
-
-                gone = dict(gather_object(sorted(lost.items()))) if self.accelerator.num_processes > 1 else lost
-                raise RolloutServerLostError(
-                    "rollout server(s) stopped answering and did not answer again within sglang_retry_deadline_s="
-                    f"{self.args.sglang_retry_deadline_s:g} s: "
-                    + "; ".join(f"{url} ({error})" for url, error in sorted(gone.items()))
-                    + f". Training stops before this batch is used; {resume_hint(self.args.output_dir)} once the "
-                    "server serves again."
-                )
-            if counts[1] == 0 or attempt == RESTART_RECOVERIES:
-                return trajectories  # still on launch weights after the last attempt: the stale check stops it
-            logger.warning(
-                "%d trajectories of this batch had turns served on a server's launch weights (no weight version) while "
-                "the trainer is at version %s: a server restarted. Pushing the weights again and sampling the batch "
-                "again (attempt %d of %d)",
-                int(counts[1]),
-                self.synced_weight_version,
-                attempt + 2,
-                RESTART_RECOVERIES + 1,
-            )
-            self.sync_rollout_weights()
-            attempt += 1
-
-    @staticmethod
-    def _reward_completions(prompts: list, trajectories: list) -> list | None:
-        """The `completions` TRL would hand reward functions for these harmony trajectories.
-
-        Chat prompts: the completion's messages, as TRL's tool loop builds them (`GRPOTrainer._tool_call_loop` with
-        `parse_response`): each assistant turn with its `thinking` (analysis), `tool_calls` and `content` (final
-        answer, partial when cut off), each tool result as a `tool` message (`Trajectory.messages`). Text prompts:
-        None, i.e. TRL's own decoding (`processing_class.batch_decode(completion_ids, skip_special_tokens=True)`),
-        which is never empty when the model sampled a token; the final answer alone is the `final_text` keyword.
-        """
-        from trl.data_utils import is_conversational
-
-        # TRL decides per batch, from the first prompt (`GRPOTrainer._generate`)
-        if not is_conversational({"prompt": prompts[0]}):
-            return None
-        # a trajectory that sampled nothing (an aborted request) gets what TRL parses from an empty completion
-        return [list(traj.messages) or [{"role": "assistant", "content": ""}] for traj in trajectories]
+        routing = routing_layout(self, trajectories, fields) if self._routing_shape is not None else None
+        self._rollout_batch = RolloutBatch(fields, completions=completions, routing=routing)
+        return fields
 
     def _generate(self, prompts: list):
         """TRL's `_generate` (which calls the `rollout_func`), with the agent loop's `completions` in place of TRL's
         decoding: TRL parses the completion ids as one assistant turn (or decodes them), which for a harmony
         trajectory glues the turns, the channel names and the tool output into one text."""
-        self._pending_completions = None
+        self._rollout_batch = None  # set by `_rollout` (the default `rollout_func`), taken by the next hooks
         output = super()._generate(prompts)
-        completions, self._pending_completions = self._pending_completions, None
+        completions = self._rollout_batch.completions if self._rollout_batch is not None else None
         if completions is None:  # text prompts, a user's `rollout_func`, a model without harmony: TRL's decoding
             return output
         # TRL 1.16: (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)
         return (*output[:3], completions, *output[4:])
 
-    def _routing_layout(self, trajectories: list, out: dict[str, list]) -> dict[str, torch.Tensor] | None:
-        """The trajectories' routing records in TRL's layout: `prompt_routed_experts` `[B, P, layers, top_k]` (left
-        padded, as `prompt_ids`) and `completion_routed_experts` `[B, C, layers, top_k]` (right padded); tokens without a
-        record hold `no_route`. None when no trajectory has one (an engine that does not record routing)."""
-        from hf_gptoss_rl.routing import check_routing, no_route, routing_dtype
-
-        records = [t.routed_experts for t in trajectories]
-        if all(r is None for r in records):
-            if self.args.routing_replay:
-                raise ValueError(
-                    "routing_replay=True but the rollout engine returned no routing: build it with "
-                    "record_routing (EmbeddedEngine(record_routing=True), SGLangEngine(record_routing=...))"
-                )
-            return None
-        layers, top_k, experts = self._routing_shape
-        dtype = routing_dtype(experts)
-        prompt_width = max(len(p) for p in out["prompt_ids"])
-        completion_width = max(len(c) for c in out["completion_ids"])
-        prompt = torch.full((len(records), prompt_width, layers, top_k), no_route(dtype), dtype=dtype)
-        completion = torch.full((len(records), completion_width, layers, top_k), no_route(dtype), dtype=dtype)
-        for i, (record, prompt_ids) in enumerate(zip(records, out["prompt_ids"])):
-            if record is None:
-                continue
-            n = len(prompt_ids)
-            check_routing(record, num_layers=layers, top_k=top_k, num_experts=experts, source=f"trajectory {i}")
-            if record.shape[0] > n + len(out["completion_ids"][i]):
-                raise ValueError(f"trajectory {i}: routing for {record.shape[0]} tokens, more than it has")
-            prompt[i, prompt_width - n :] = record[:n].to(dtype)
-            completion[i, : record.shape[0] - n] = record[n:].to(dtype)
-        device = self.accelerator.device
-        return {"prompt_routed_experts": prompt.to(device), "completion_routed_experts": completion.to(device)}
-
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self._pending_routing is not None:  # shuffled and split with the rest of the batch by TRL
-            output.update(self._pending_routing)
-        self._pending_routing = None
+        batch, self._rollout_batch = self._rollout_batch, None
+        if batch is not None and batch.routing is not None:  # shuffled and split with the rest of the batch by TRL
+            output.update(batch.routing)
         return output
 
     def training_step(self, *args, **kwargs):
@@ -738,40 +629,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "rollout/stale_trajectories)."
             )
         logger.warning("%s Training on them (allow_stale_rollouts=True).", message)
-
-    def _log_rollout_metrics(self, out: dict[str, list]) -> None:
-        mode = "train" if self.model.training else "eval"
-        device = self.accelerator.device
-        n = len(out["num_turns"])
-        local = torch.tensor(
-            [
-                n,
-                sum(out["num_turns"]),
-                sum(out["num_tool_calls"]),
-                sum(1 for c in out["num_tool_calls"] if c > 0),
-                sum(out["tool_errors"]),
-                sum(1 for t in out["final_text"] if t),
-                sum(1 for r in out["finish_reason"] if r == "length"),
-                sum(1 for r in out["finish_reason"] if r == "abort"),
-                sum(out["format_errors"]),
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-        total = self.accelerator.reduce(local, reduction="sum").tolist()
-        count = max(total[0], 1.0)
-        metrics = self._metrics[mode]
-        metrics["rollout/turns_mean"].append(total[1] / count)
-        metrics["rollout/tool_calls_mean"].append(total[2] / count)
-        metrics["rollout/frac_with_tool_call"].append(total[3] / count)
-        metrics["rollout/tool_errors_per_call"].append(total[4] / max(total[2], 1.0))
-        if self.agent_tools:  # TRL's names for the same two numbers (GRPOTrainer logs them when it has tools)
-            metrics["tools/call_frequency"].append(total[2] / count)
-            metrics["tools/failure_frequency"].append(total[4] / total[2] if total[2] > 0 else 0.0)
-        metrics["rollout/frac_final_answer"].append(total[5] / count)
-        metrics["rollout/frac_truncated"].append(total[6] / count)
-        metrics["rollout/frac_aborted"].append(total[7] / count)
-        metrics["rollout/format_errors_mean"].append(total[8] / count)
 
     # ------------------------------------------------------------------ loss: mismatch metrics and correction
 
@@ -852,7 +709,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         generation-time passes, this generation's (None: no record, or another batch, e.g. TRL's reference pass)."""
         if self.routing_replay is None:
             return None
-        source = self._loss_inputs if self._loss_inputs is not None else self._pending_routing
+        batch = self._rollout_batch
+        source = self._loss_inputs if self._loss_inputs is not None else (batch.routing if batch is not None else None)
         if not source or "prompt_routed_experts" not in source:
             return None
         routing = torch.cat([source["prompt_routed_experts"], source["completion_routed_experts"]], dim=1)
