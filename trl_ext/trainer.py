@@ -12,11 +12,8 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
   reuses the loss's own forward instead (`_get_per_token_logps_and_entropies`), so the on-policy ratio stays 1
   under MoE routing noise.
 - Mismatch metrics and TRL's importance-sampling correction (`vllm_importance_sampling_*`, same modes, bounds and
-  `sampling/*` metrics, applied to any rollout engine; `trl_ext.mismatch`) compare the rollout log-probs with the
-  training log-probs of the same forward (on-policy) or with TRL's recomputed old log-probs (off-policy). The IS
-  ratio `w` is folded into the advantages (`A -> A * w`, a detached `[B, T]` tensor, which TRL's loss supports):
-  for the clipped objective `min(r A w, clip(r) A w) = w min(r A, clip(r) A)` as `w >= 0`, exactly TRL's
-  "per-token loss × IS ratio"; VESPO gets it as TRL passes it (`importance_sampling_ratio`).
+  `sampling/*` metrics, applied to any rollout engine; `trl_ext.rollout_correction`) compare the rollout log-probs
+  with the training log-probs of the same forward (on-policy) or with TRL's recomputed old log-probs (off-policy).
 - Rendering: harmony for GPT-OSS; other causal LMs get TRL's rendering (chat template) and single-turn rollouts.
 - Weight sync: after every optimizer step (and on resume) the policy's weights — LoRA merged, names as in the base
   model's `state_dict` — go to the engine (`RolloutEngine.update_weights`) with the global step as version. Each
@@ -24,13 +21,16 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
   an error by default, counted in `rollout/stale_trajectories` with `allow_stale_rollouts=True`.
 - Log-probs: `hf_gptoss_rl.logprobs` replaces TRL's fused head where TRL has no Triton (same call contract), and
   sequence parallelism (`sequence_parallel_size`) pools the micro-batches of an SP group for the loss forward.
+
+This class holds the hooks; each concern lives in a module of its own: `trainer_args` (argument checks),
+`policy` (policy preparation), `policy_forward` (the log-prob forward), `rollout_batch` (one generation's
+rollouts, carried from `_rollout` through `_generate` to the loss), `rollout_correction` (mismatch metrics and IS
+correction), `rollout_sync` (weight sync and served versions).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -40,10 +40,9 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers import PreTrainedModel, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import RepeatSampler, get_config_model_id
+from trl.trainer.utils import RepeatSampler
 
-from .config import REASONING_EFFORTS, AgenticGRPOConfig
-from .mismatch import SEQUENCE_LEVEL_MODES, importance_sampling_ratio, mismatch_metrics
+from .config import AgenticGRPOConfig
 from .policy import apply_model_implementations, policy_model, prepare_policy
 from .policy_forward import (
     policy_logps_and_entropies,
@@ -59,14 +58,19 @@ from .rollout_batch import (
     routing_layout,
     run_rollout_batch,
 )
+from .rollout_correction import apply_rollout_correction, log_mismatch_by_routing
+from .rollout_sync import (
+    RolloutWeightSync,
+    StaleRolloutError,
+    check_served_versions,
+    push_weights,
+    sync_rollout_weights,
+)
+from .trainer_args import agentic_args, check_prompt_column, check_report_to, harmony_kwargs, model_type
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AgenticGRPOTrainer", "StaleRolloutError"]
-
-
-class StaleRolloutError(RuntimeError):
-    """Trajectories were served on a weight version other than the trainer's (see `allow_stale_rollouts`)."""
 
 
 class _EpochSeededRepeatSampler(RepeatSampler):
@@ -80,35 +84,6 @@ class _EpochSeededRepeatSampler(RepeatSampler):
     def set_epoch(self, epoch: int) -> None:
         if self.shuffle and self.seed is not None:  # TRL only creates the generator when it shuffles
             self.generator.manual_seed(self.seed + epoch)
-
-
-class _RolloutWeightSync(TrainerCallback):
-    """Pushes the policy to the rollout engine after each optimizer step, and once on resume."""
-
-    def __init__(self, trainer: AgenticGRPOTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # A resumed run loaded checkpoint weights the engine has never seen; a fresh run's engine already serves
-        # the initial policy (the embedded engine is built from it; an SGLang server is launched from the same
-        # checkpoint).
-        if state.global_step > 0 and self.trainer.rollout_engine.weight_version != state.global_step:
-            self.trainer.sync_rollout_weights()
-        elif state.global_step == 0 and self.trainer._servers_hold_other_weights():
-            self.trainer.sync_rollout_weights()  # version 0: the initial policy
-        if state.global_step > 0:  # synced now, or the engine already holds the checkpoint's step
-            self.trainer.synced_weight_version = state.global_step
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.step_start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        metrics = self.trainer._metrics["train"]
-        if getattr(self, "step_start", None) is not None:  # generation (if any), log-probs, forward/backward, update
-            metrics["timing/step_s"].append(time.perf_counter() - self.step_start)
-            self.step_start = None
-        self.trainer.sync_rollout_weights()
-        self.trainer.synced_weight_version = state.global_step
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -180,11 +155,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "the reward in `reward_funcs` (they receive `final_text`, `num_tool_calls`, ... and the dataset "
                 "columns), or pass your own `rollout_func`."
             )
-        args = self._agentic_args(model, args)
-        _check_report_to(args.report_to)
-        _check_prompt_column(train_dataset, "train_dataset")
-        _check_prompt_column(eval_dataset, "eval_dataset")
-        self._harmony = _model_type(model, args) == "gpt_oss"
+        args = agentic_args(model, args)
+        check_report_to(args.report_to)
+        check_prompt_column(train_dataset, "train_dataset")
+        check_prompt_column(eval_dataset, "eval_dataset")
+        self._harmony = model_type(model, args) == "gpt_oss"
         if not self._harmony and tools:
             raise ValueError(
                 "tools: the agent loop parses tool calls from GPT-OSS harmony turns, and this model is not GPT-OSS "
@@ -194,7 +169,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             from hf_gptoss_rl.harmony import load_gptoss_tokenizer
 
             processing_class = load_gptoss_tokenizer()
-        self._harmony_render_kwargs = self._harmony_kwargs(args) if self._harmony else {}
+        self._harmony_render_kwargs = harmony_kwargs(args) if self._harmony else {}
         model = apply_model_implementations(model, args)
 
         super().__init__(
@@ -268,67 +243,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # the trainer's weight version: the global step of the last sync it pushed; None before the first, when the
         # engine serves the initial policy (rollouts are checked against it: `_check_served_versions`)
         self.synced_weight_version: int | None = None
-        self.add_callback(_RolloutWeightSync(self))
+        self.add_callback(RolloutWeightSync(self))
 
     # ------------------------------------------------------------------ setup
-
-    @staticmethod
-    def _agentic_args(model, args) -> AgenticGRPOConfig:
-        """`args` as an `AgenticGRPOConfig`: TRL's default config when None, a plain `GRPOConfig` upgraded."""
-        if args is None:  # TRL's default, `<model name>-GRPO`
-            name = model if isinstance(model, str) else get_config_model_id(model.config)
-            name = (name or "").rstrip("/").split("/")[-1]
-            return AgenticGRPOConfig(f"{name}-GRPO" if name else "agentic-grpo")
-        if isinstance(args, AgenticGRPOConfig):
-            return args
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a GRPOConfig or an AgenticGRPOConfig, got {type(args).__name__}")
-        trl_fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
-        extra = sorted(f.name for f in dataclasses.fields(args) if f.init and f.name not in trl_fields)
-        if extra:
-            raise TypeError(
-                f"args is a {type(args).__name__}, a GRPOConfig subclass with fields AgenticGRPOConfig does not have: "
-                f"{extra}. Pass an AgenticGRPOConfig (or a subclass of it) instead."
-            )
-        values = {name: getattr(args, name) for name in trl_fields}
-        # GRPOConfig.__post_init__ derived generation_batch_size from steps_per_generation (setting both is refused)
-        # and moved the deprecated aliases onto their successors: let the new config derive them again.
-        values.update(generation_batch_size=None, vllm_importance_sampling_cap=None, use_transformers_paged=False)
-        return AgenticGRPOConfig(**values)
-
-    @staticmethod
-    def _harmony_kwargs(args: AgenticGRPOConfig) -> dict[str, Any]:
-        """`render_prompt` keyword arguments from the config and TRL's `chat_template_kwargs`.
-
-        GPT-OSS's chat template takes `reasoning_effort`; `conversation_start_date` and `developer_instructions`
-        are harmony's own. Other keys (`model_identity`, `builtin_tools`, ...) are refused by name.
-        """
-        kwargs: dict[str, Any] = {
-            "reasoning_effort": args.reasoning_effort,
-            "developer_instructions": args.developer_instructions,
-        }
-        template_kwargs = dict(args.chat_template_kwargs or {})
-        harmony_keys = {"reasoning_effort", "conversation_start_date", "developer_instructions"}
-        unsupported = sorted(set(template_kwargs) - harmony_keys)
-        if unsupported:
-            raise ValueError(
-                f"chat_template_kwargs {unsupported} are not supported for GPT-OSS: prompts are rendered in harmony "
-                "(hf_gptoss_rl.harmony.render_prompt), which takes reasoning_effort, conversation_start_date and "
-                "developer_instructions."
-            )
-        for key, value in template_kwargs.items():
-            configured = kwargs.get(key)
-            default = {"reasoning_effort": "medium"}.get(key)
-            if configured not in (None, default, value):
-                raise ValueError(
-                    f"chat_template_kwargs[{key!r}]={value!r} disagrees with {key}={configured!r}; set only one."
-                )
-            kwargs[key] = value
-        if kwargs["reasoning_effort"] not in REASONING_EFFORTS:
-            raise ValueError(
-                f"reasoning_effort must be one of {REASONING_EFFORTS}, got {kwargs['reasoning_effort']!r}."
-            )
-        return kwargs
 
     def _build_rollout_engine(self):
         args = self.args
@@ -581,55 +498,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             if self.routing_replay is not None:
                 self.routing_replay.clear()
 
-    def _check_served_versions(self, trajectories: list) -> None:
-        """Log the versions that served this batch and fail on trajectories served on another version.
-
-        A trajectory is stale when one of its turns was served (the engine's answer says so) on a version other than
-        `synced_weight_version`, the global step of the trainer's last sync; before the first sync the engine must
-        serve the initial policy, which engines report as version 0 or without a version (SGLang's `"default"`).
-        `rollout/weight_version` is the oldest version served in the batch (an answer without a version counts as 0:
-        the weights its server was launched with), `rollout/stale_trajectories` the number of stale trajectories; both
-        over all processes, which all raise together (`StaleRolloutError`) unless `allow_stale_rollouts`.
-        """
-        expected = self.synced_weight_version
-        stale = [t for t in trajectories if not all(_is_current_version(v, expected) for v in t.weight_versions)]
-        numbers = [n for t in trajectories for n in map(_version_number, t.weight_versions) if n is not None]
-        local = torch.tensor(
-            [len(stale), len(trajectories), min(numbers, default=math.inf)],
-            dtype=torch.float64,
-            device=self.accelerator.device,
-        )
-        gathered = self.accelerator.gather(local).reshape(-1, 3)
-        num_stale, total, oldest = gathered[:, 0].sum().item(), gathered[:, 1].sum().item(), gathered[:, 2].min().item()
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["rollout/stale_trajectories"].append(num_stale)
-        if math.isfinite(oldest):  # every process skips it alike: no engine gave a numeric version
-            metrics["rollout/weight_version"].append(oldest)
-        if num_stale == 0:
-            return
-        from accelerate.utils import gather_object
-
-        wrong = {v for t in stale for v in t.weight_versions if not _is_current_version(v, expected)}
-        served = sorted(set(gather_object(sorted(wrong, key=repr))), key=repr)
-        if expected is None:
-            want = "0, the initial policy (no weight sync yet)"
-            why = "a server still holds weights loaded before this run (another run's sync)"
-        else:
-            want = f"{expected} (the global step of the trainer's last weight sync)"
-            why = "a server restarted or was reloaded since the last sync, or a sync did not reach it"
-        if None in served:
-            why += " (None: an answer without a version, SGLang's 'default', i.e. a server on its launch weights)"
-        message = (
-            f"{num_stale:.0f} of {total:.0f} trajectories of this batch had turns served on weight version(s) "
-            f"{served}, expected {want}: the rollout engine did not serve the policy being trained; {why}."
-        )
-        if not self.args.allow_stale_rollouts:
-            raise StaleRolloutError(
-                f"{message} Set allow_stale_rollouts=True to train on such trajectories anyway (counted in "
-                "rollout/stale_trajectories)."
-            )
-        logger.warning("%s Training on them (allow_stale_rollouts=True).", message)
-
     # ------------------------------------------------------------------ loss: mismatch metrics and correction
 
     def _compute_loss(self, model, inputs):
@@ -666,8 +534,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
         if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
             if other_logps is not None:
-                self._log_mismatch_by_routing(logps, other_logps, inputs)
-            self._apply_rollout_correction(logps, inputs)
+                log_mismatch_by_routing(self, logps, other_logps, inputs)
+            apply_rollout_correction(self, logps, inputs)
         return logps, entropies, aux_loss
 
     def _routing_mismatch_step(self) -> bool:
@@ -682,25 +550,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self, super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask, logits_to_keep,
             routing, *a, sequence_parallel=self._sp_group is not None and self._loss_inputs is not None, **kw,
         )  # fmt: skip
-
-    def _log_mismatch_by_routing(self, logps, other_logps, inputs) -> None:
-        """`routing/k3_kl_{replayed,own}` and `routing/prob_diff_max_{replayed,own}`: the mismatch against the
-        rollout with the engine's routing replayed and with the trainer's own, on the same tokens (one of the two
-        is the loss forward, the other the extra pass of `routing_mismatch_every`)."""
-        replayed = self.args.routing_replay is not False
-        by_name = {"replayed": logps, "own": other_logps} if replayed else {"replayed": other_logps, "own": logps}
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        gather = self.accelerator.gather
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        for name, train_logps in by_name.items():
-            stats = mismatch_metrics(
-                train_logps.detach(), inputs["sampling_per_token_logps"], mask,
-                threshold=self.args.mismatch_token_threshold,
-            )  # fmt: skip
-            metrics[f"routing/k3_kl_{name}"].append(gather(stats["k3_kl"]).mean().item())
-            metrics[f"routing/prob_diff_max_{name}"].append(gather(stats["prob_diff_max"]).max().item())
 
     # ------------------------------------------------------------------ routing replay
 
@@ -723,167 +572,17 @@ class AgenticGRPOTrainer(GRPOTrainer):
             metrics["routing/agreement"].append(measured[0])
             metrics["routing/agreement_min_layer"].append(measured[1])
 
-    def _apply_rollout_correction(self, per_token_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
-        mode = "train" if self.model.training else "eval"
-        args = self.args
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        rollout_logps = inputs["sampling_per_token_logps"]
-        # On-policy, the training log-probs of the sampled tokens are this very forward's; off-policy, TRL's old
-        # log-probs (recomputed right after generation) are the trainer's view of the sampling policy.
-        old = inputs.get("old_per_token_logps")
-        train_logps = (per_token_logps if old is None else old).detach()
-
-        stats = mismatch_metrics(train_logps, rollout_logps, mask, threshold=args.mismatch_token_threshold)
-        gather = self.accelerator.gather
-        metrics = self._metrics[mode]
-        metrics["mismatch/prob_diff_max"].append(gather(stats["prob_diff_max"]).max().item())
-        for key in ("prob_diff_mean", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold", "is_weight_std"):
-            metrics[f"mismatch/{key}"].append(gather(stats[key]).mean().item())
-        # TRL's names (its vLLM path logs them with the correction on; here they are always logged)
-        metrics["sampling/sampling_logp_difference/mean"].append(gather(stats["logp_diff_mean"]).mean().item())
-        metrics["sampling/sampling_logp_difference/max"].append(gather(stats["logp_diff_max"]).max().item())
-
-        if not args.vllm_importance_sampling_correction:
-            return
-        is_mode = args.vllm_importance_sampling_mode
-        bounds = {
-            "clip_min": args.vllm_importance_sampling_clip_min,
-            "clip_max": args.vllm_importance_sampling_clip_max,
-        }
-        ratio = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode, **bounds)  # [B, T] or [B, 1]
-        weights = ratio.expand_as(train_logps)
-        self.last_importance_weights = weights
-        if self.loss_type == "vespo":  # TRL's VESPO folds the ratio into its own sequence weights
-            inputs["importance_sampling_ratio"] = ratio
-        else:
-            advantages = inputs["advantages"]
-            if advantages.dim() == 1:
-                advantages = advantages.unsqueeze(1)
-            inputs["advantages"] = advantages * weights  # [B, T], see the module docstring
-
-        # TRL's metrics: over the sequences (sequence modes) or the policy tokens (token modes); 0 when empty
-        sequence_level = is_mode in SEQUENCE_LEVEL_MODES
-        flat = ratio.flatten() if sequence_level else ratio[mask.bool()]
-        nonempty = flat.numel() > 0
-        zero = ratio.new_zeros(())
-        for stat, reduce in (("min", "min"), ("mean", "mean"), ("max", "max")):
-            local = getattr(flat, stat)() if nonempty else zero
-            metrics[f"sampling/importance_sampling_ratio/{stat}"].append(getattr(gather(local), reduce)().item())
-        # beyond TRL: the share of ratios the mode changed (truncated, or masked to 0)
-        if is_mode.endswith("truncate"):
-            raw = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode.replace("truncate", "mask"),
-                                            clip_min=None, clip_max=None)  # fmt: skip
-            raw = raw.flatten() if sequence_level else raw[mask.bool()]
-            changed = (raw != flat).float().mean() if nonempty else zero
-            metrics["mismatch/frac_is_truncated"].append(gather(changed).mean().item())
-        else:
-            changed = (flat == 0).float().mean() if nonempty else zero
-            metrics["mismatch/frac_is_masked"].append(gather(changed).mean().item())
-
-    # ------------------------------------------------------------------ weight sync
-
-    def _push_weights(self, engine, version: int) -> None:
-        from .weight_sync import push_policy_weights
-
-        remote = self.args.rollout_backend == "sglang"
-        probe = None
-        if remote and "logprobs" in self.args.weight_sync_verify:
-            probe = self._tokenizer.encode(_WEIGHT_SYNC_PROBE_TEXT, add_special_tokens=False)[:48]
-        push_policy_weights(
-            engine,
-            self.model if self.is_fsdp_enabled else self.accelerator.unwrap_model(self.model),
-            version=version,
-            accelerator=self.accelerator,
-            is_fsdp=self.is_fsdp_enabled,
-            lora=remote and self.args.weight_sync_lora,
-            is_main_process=self.accelerator.is_main_process or not remote,  # one process talks to the servers
-            probe_ids=probe,
-        )
-
-    def _servers_hold_other_weights(self) -> bool:
-        """Whether a fresh run's rollout servers serve weights other than their launch ones or version 0: another
-        run's, or this run's own from before a kill that came before its first checkpoint. Decided on the main
-        process, for all."""
-        engine, held = self.rollout_engine, {}
-        if hasattr(engine, "served_versions") and self.accelerator.is_main_process:
-            held = {u: v for u, v in engine.served_versions().items() if not _is_current_version(v, None)}
-            if held:
-                logger.warning(
-                    "rollout servers serve weight versions %s, not the initial policy: pushing it to them (version 0)",
-                    held,
-                )
-        if self.accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            decision = [bool(held)]
-            broadcast_object_list(decision, from_process=0)
-            return decision[0]
-        return bool(held)
+    # ------------------------------------------------------------------ weight sync (`trl_ext.rollout_sync`)
 
     def sync_rollout_weights(self) -> None:
-        """Send the current policy to the rollout engine, versioned by the global step.
+        """Send the current policy to the rollout engine, versioned by the global step (`rollout_sync`)."""
+        sync_rollout_weights(self)
 
-        With SGLang the main process syncs; its outcome is broadcast so that every process raises when it failed
-        (instead of the other ranks waiting at a barrier until the collective timeout).
-        """
-        error = None
-        start = time.perf_counter()
-        try:
-            self._push_weights(self.rollout_engine, version=self.state.global_step)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
-            error = exc
-        self._metrics["train"]["timing/weight_sync_s"].append(time.perf_counter() - start)
-        verify_s = getattr(getattr(self.rollout_engine, "weight_sync", None), "last_verify_s", None)
-        if error is None and verify_s is not None:  # SGLang: the sync's checks (served version, checksums)
-            self._metrics["train"]["timing/weight_sync_verify_s"].append(verify_s)
-        if self.args.rollout_backend == "sglang" and self.accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
+    def _push_weights(self, engine, version: int) -> None:
+        push_weights(self, engine, version)
 
-            outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-            broadcast_object_list(outcome, from_process=0)
-            if error is None and outcome[0] is not None:
-                from .weight_sync import WeightSyncError
-
-                raise WeightSyncError(f"rollout weight sync failed on the main process: {outcome[0]}")
-        if error is not None:
-            from .weight_sync import ServerLostError
-
-            if isinstance(error, ServerLostError):
-                from .checkpoints import resume_hint
-                from .rollout.recovery import RolloutServerLostError
-
-                raise RolloutServerLostError(
-                    f"{error}. Training stops here; {resume_hint(self.args.output_dir)} once the server serves again."
-                ) from error
-            raise error
-
-
-# A fixed, ordinary sentence: the "logprobs" sync check scores it on every server and in the trainer.
-_WEIGHT_SYNC_PROBE_TEXT = (
-    "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers that changed "
-    "physics: on the photoelectric effect, Brownian motion, special relativity and mass-energy equivalence."
-)
-
-
-def _is_current_version(served, expected) -> bool:
-    """Whether a turn served on version `served` was sampled by the trainer's weights, version `expected` (the
-    global step of the last sync; None before the first: the initial policy, reported as 0 or without a version)."""
-    if expected is None:
-        return served is None or str(served) == "0"
-    return served is not None and str(served) == str(expected)
-
-
-def _version_number(version) -> float | None:
-    """A served version as a number for `rollout/weight_version`: None (the server's launch weights) is 0, a
-    version that is not a number (a label) is left out."""
-    if version is None:
-        return 0.0
-    try:
-        return float(version)
-    except (TypeError, ValueError):
-        return None
+    def _check_served_versions(self, trajectories: list) -> None:
+        check_served_versions(self, trajectories)
 
 
 def _lora_module_names(policy) -> set[str]:
@@ -897,62 +596,6 @@ def _lora_module_names(policy) -> set[str]:
         for name, module in policy.named_modules()
         if isinstance(module, LoraLayer) and active in module.lora_A
     }
-
-
-def _model_type(model, args) -> str | None:
-    """`config.model_type` of a model instance, or of a model id/path (read from its config, as TRL will load it)."""
-    if not isinstance(model, str):
-        return getattr(model.config, "model_type", None)
-    from transformers import AutoConfig
-
-    init_kwargs = args.model_init_kwargs or {}
-    config = AutoConfig.from_pretrained(
-        model,
-        revision=init_kwargs.get("revision"),
-        trust_remote_code=init_kwargs.get("trust_remote_code", args.trust_remote_code),
-    )
-    return config.model_type
-
-
-def _check_prompt_column(dataset, name: str) -> None:
-    """TRL reads `example["prompt"]` at the first step; fail at construction instead, naming the column."""
-    if dataset is None:
-        return
-    if isinstance(dataset, dict):  # DatasetDict, or TRL's {name: dataset} eval sets
-        for key, value in dataset.items():
-            _check_prompt_column(value, f"{name}[{key!r}]")
-        return
-    columns = getattr(dataset, "column_names", None)
-    if columns is None:  # an IterableDataset whose features are unknown until read
-        return
-    if "prompt" not in columns:
-        raise ValueError(
-            f"{name} has no 'prompt' column (its columns: {list(columns)}). GRPO samples completions for the "
-            "prompts in a 'prompt' column: text, or a list of chat messages. Rename yours, e.g. "
-            "`dataset.rename_column('question', 'prompt')`, or map it."
-        )
-
-
-# `report_to` backends with an extra of their own: (modules that may provide it, the extra)
-_LOGGING_BACKENDS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wandb": (("wandb",), "wandb"),
-                     "trackio": (("trackio",), "trackio")}  # fmt: skip
-
-
-def _check_report_to(report_to) -> None:
-    """Fail at construction, naming what to install, for a `report_to` backend that is not installed (transformers
-    would too, but without the project's extra)."""
-    import importlib.util
-
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    for name in names:
-        if name not in _LOGGING_BACKENDS:
-            continue
-        modules, extra = _LOGGING_BACKENDS[name]
-        if not any(importlib.util.find_spec(m) is not None for m in modules):
-            raise ImportError(
-                f"report_to={name!r} needs the {modules[0]} package: pip install 'hf_gptoss_rl[{extra}]' (or pip "
-                f"install {modules[0]}), or pass report_to='none'"
-            )
 
 
 def _agent_rollout(prompts: list, trainer: AgenticGRPOTrainer) -> dict[str, list]:
