@@ -25,6 +25,7 @@ from hf_gptoss_rl.harmony import CALL, END, RETURN, load_gptoss_tokenizer
 from hf_gptoss_rl.model_builders import tiny_gptoss_config
 from trl_ext import AgenticGRPOTrainer
 from trl_ext.rollout import AgentLoop, GenerationOutput, RolloutEngine, SamplingParams
+from trl_ext.rollout_batch import reward_completions
 from trl_ext.tools import FunctionTool
 
 CPU = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
@@ -301,6 +302,6 @@ def test_a_trajectory_that_sampled_nothing_is_an_empty_answer():
 
     empty = Trajectory(prompt_ids=[1], finish_reason="abort")
     chat = [{"role": "user", "content": QUESTION}]
-    assert AgenticGRPOTrainer._reward_completions([chat], [empty]) == [[{"role": "assistant", "content": ""}]]
+    assert reward_completions([chat], [empty]) == [[{"role": "assistant", "content": ""}]]
     # text prompts: TRL's own decoding of the completion ids (for an empty trajectory, a pad: "")
-    assert AgenticGRPOTrainer._reward_completions([QUESTION], [empty]) is None
+    assert reward_completions([QUESTION], [empty]) is None

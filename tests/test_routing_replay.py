@@ -509,3 +509,42 @@ def test_trainer_logs_the_mismatch_with_and_without_replay(tmp_path):
     off = _trainer(tmp_path / "off", engine=rotating, routing_replay=True)  # the default: no extra forward
     off.train()
     assert not _logged(off, "routing/k3_kl_own") and _logged(off, "routing/agreement")
+
+
+def test_differentiated_replayed_pass_over_several_chunks_is_refused_on_every_path():
+    """A replayed forward's backward recomputes it with the plan installed last, so a differentiated pass must be one
+    forward: refused before any forward on the padded path, on the packed path and on a packed chunk that runs padded
+    (a hole in its mask). Without gradients the chunks run, each with its own rows' plan."""
+    from types import SimpleNamespace
+
+    from trl_ext.policy_forward import policy_logps_and_entropies
+
+    ids = torch.ones(4, 6, dtype=torch.long)
+    full, holey = torch.ones_like(ids), torch.tensor([[1, 1, 0, 1, 1, 1]] * 4)
+    routing = torch.arange(4).view(4, 1, 1, 1).expand(4, 6, 2, 2).to(torch.uint8)
+    plans, forwards = [], []
+
+    def trl_forward(model, input_ids, attention_mask, logits_to_keep, **kw):
+        forwards.append(input_ids.shape[0])
+        return torch.zeros(input_ids.shape[0], logits_to_keep), None, None
+
+    def fake_trainer(packed):
+        return SimpleNamespace(
+            padding_free=packed, args=SimpleNamespace(routing_replay=True), _replay_flip=False,
+            accelerator=SimpleNamespace(device=torch.device("cpu")),
+            routing_replay=SimpleNamespace(set_plan=lambda plan, **kw: plans.append(plan), clear=lambda: None),
+        )  # fmt: skip
+
+    for packed, mask in ((False, full), (True, full), (True, holey)):
+        with torch.enable_grad(), pytest.raises(ValueError, match="must be one forward"):
+            policy_logps_and_entropies(fake_trainer(packed), trl_forward, None, ids, mask, 3, routing, batch_size=2)
+        assert not forwards and not plans
+    for packed in (False, True):  # positive control: no gradient, two padded chunks with their rows' plans
+        with torch.no_grad():
+            logps, _, _ = policy_logps_and_entropies(
+                fake_trainer(packed), trl_forward, None, ids, holey, 3, routing, batch_size=2
+            )
+        assert logps.shape == (4, 3) and forwards == [2, 2]
+        assert [p[:, 0, 0, 0].tolist() for p in plans] == [[0, 1], [2, 3]]
+        forwards.clear()
+        plans.clear()

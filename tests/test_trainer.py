@@ -712,6 +712,7 @@ def test_checkpoint_max_tokens_defaults_follow_gpu_memory(monkeypatch):
     from types import SimpleNamespace
 
     from hf_gptoss_rl import checkpointing
+    from trl_ext.policy import resolve_checkpoint_max_tokens
 
     model, engine_copy = tiny_model(), tiny_model(seed=1)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -725,12 +726,12 @@ def test_checkpoint_max_tokens_defaults_follow_gpu_memory(monkeypatch):
     def resolve(kept, setting, saves=("attention", "experts"), engine=None):
         fake = SimpleNamespace(
             args=SimpleNamespace(**{f"checkpoint_{kept}_max_tokens": setting}, checkpoint_saves=list(saves)),
-            accelerator=SimpleNamespace(device=torch.device("cuda", 0)),
-            _policy_model=lambda: model,
+            accelerator=SimpleNamespace(device=torch.device("cuda", 0), unwrap_model=lambda m: m),
+            model=model,
+            _harmony=True,
             rollout_engine=SimpleNamespace(model=engine),
-            _checkpoint_saves=lambda: list(saves),
         )
-        return AgenticGRPOTrainer._resolve_checkpoint_max_tokens(fake, kept)
+        return resolve_checkpoint_max_tokens(fake, kept)
 
     layers, free = model.config.num_hidden_layers, total - weight_bytes - buffer_bytes
     experts = checkpointing.kept_experts_bytes_per_token(model.config, 4) * layers
@@ -754,17 +755,13 @@ def test_chunked_head_is_the_default_and_follows_the_entropy_bonus(tmp_path, tok
     from types import SimpleNamespace
 
     from hf_gptoss_rl import logprobs
+    from trl_ext.policy import use_chunked_logprobs
 
     calls = []
     install = logprobs.add_chunked_logprob_head
     monkeypatch.setattr(logprobs, "add_chunked_logprob_head", lambda *a, **k: calls.append(k) or install(*a, **k))
-    for device in ("cpu", "cuda", "xpu"):
-        for choice, expected in (("auto", True), ("chunked", True), ("trl", False)):
-            fake = SimpleNamespace(
-                args=SimpleNamespace(logprobs_implementation=choice),
-                accelerator=SimpleNamespace(device=torch.device(device)),
-            )
-            assert AgenticGRPOTrainer._use_chunked_logprobs(fake) == expected, (device, choice)
+    for choice, expected in (("auto", True), ("chunked", True), ("trl", False)):  # on every device: no device input
+        assert use_chunked_logprobs(SimpleNamespace(logprobs_implementation=choice)) == expected, choice
     trainer, _ = scripted_trainer(tmp_path, tokenizer, entropy_coef=entropy_coef)
     assert trainer.entropy_coef == entropy_coef
     assert calls and calls[-1]["hidden_grad_in_forward"] is (False if entropy_coef else None)
@@ -775,10 +772,12 @@ def test_projections_are_kept_for_gpt_oss_policies_only():
     rule would keep its MLP products too, so it matches nothing there, like `"attention"` with another attention."""
     from types import SimpleNamespace
 
+    from trl_ext.policy import checkpoint_saves
+
     saves = ["attention", "experts", "projections"]
     for gpt_oss, expected in ((True, saves), (False, ["attention", "experts"])):
         fake = SimpleNamespace(args=SimpleNamespace(checkpoint_saves=saves), _harmony=gpt_oss)
-        assert AgenticGRPOTrainer._checkpoint_saves(fake) == expected
+        assert checkpoint_saves(fake) == expected
 
 
 def test_bytes_on_counts_each_tensor_on_the_device_once():

@@ -12,11 +12,8 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
   reuses the loss's own forward instead (`_get_per_token_logps_and_entropies`), so the on-policy ratio stays 1
   under MoE routing noise.
 - Mismatch metrics and TRL's importance-sampling correction (`vllm_importance_sampling_*`, same modes, bounds and
-  `sampling/*` metrics, applied to any rollout engine; `trl_ext.mismatch`) compare the rollout log-probs with the
-  training log-probs of the same forward (on-policy) or with TRL's recomputed old log-probs (off-policy). The IS
-  ratio `w` is folded into the advantages (`A -> A * w`, a detached `[B, T]` tensor, which TRL's loss supports):
-  for the clipped objective `min(r A w, clip(r) A w) = w min(r A, clip(r) A)` as `w >= 0`, exactly TRL's
-  "per-token loss × IS ratio"; VESPO gets it as TRL passes it (`importance_sampling_ratio`).
+  `sampling/*` metrics, applied to any rollout engine; `trl_ext.rollout_correction`) compare the rollout log-probs
+  with the training log-probs of the same forward (on-policy) or with TRL's recomputed old log-probs (off-policy).
 - Rendering: harmony for GPT-OSS; other causal LMs get TRL's rendering (chat template) and single-turn rollouts.
 - Weight sync: after every optimizer step (and on resume) the policy's weights — LoRA merged, names as in the base
   model's `state_dict` — go to the engine (`RolloutEngine.update_weights`) with the global step as version. Each
@@ -24,13 +21,16 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
   an error by default, counted in `rollout/stale_trajectories` with `allow_stale_rollouts=True`.
 - Log-probs: `hf_gptoss_rl.logprobs` replaces TRL's fused head where TRL has no Triton (same call contract), and
   sequence parallelism (`sequence_parallel_size`) pools the micro-batches of an SP group for the loss forward.
+
+This class holds the hooks; each concern lives in a module of its own: `trainer_args` (argument checks),
+`policy` (policy preparation), `policy_forward` (the log-prob forward), `rollout_batch` (one generation's
+rollouts, carried from `_rollout` through `_generate` to the loss), `rollout_correction` (mismatch metrics and IS
+correction), `rollout_sync` (weight sync and served versions).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -40,18 +40,37 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers import PreTrainedModel, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import RepeatSampler, get_config_model_id
+from trl.trainer.utils import RepeatSampler
 
-from .config import REASONING_EFFORTS, AgenticGRPOConfig
-from .mismatch import SEQUENCE_LEVEL_MODES, importance_sampling_ratio, mismatch_metrics
+from .config import AgenticGRPOConfig
+from .policy import apply_model_implementations, policy_model, prepare_policy
+from .policy_forward import (
+    policy_logps_and_entropies,
+    pool_sequence_parallel_inputs,
+    sequence_parallel_loss_scale,
+    setup_sequence_parallel,
+)
+from .rollout_batch import (
+    RolloutBatch,
+    log_rollout_metrics,
+    reward_completions,
+    rollout_fields,
+    routing_layout,
+    run_rollout_batch,
+)
+from .rollout_correction import apply_rollout_correction, log_mismatch_by_routing
+from .rollout_sync import (
+    RolloutWeightSync,
+    StaleRolloutError,
+    check_served_versions,
+    push_weights,
+    sync_rollout_weights,
+)
+from .trainer_args import agentic_args, check_prompt_column, check_report_to, harmony_kwargs, model_type
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AgenticGRPOTrainer", "StaleRolloutError"]
-
-
-class StaleRolloutError(RuntimeError):
-    """Trajectories were served on a weight version other than the trainer's (see `allow_stale_rollouts`)."""
 
 
 class _EpochSeededRepeatSampler(RepeatSampler):
@@ -65,35 +84,6 @@ class _EpochSeededRepeatSampler(RepeatSampler):
     def set_epoch(self, epoch: int) -> None:
         if self.shuffle and self.seed is not None:  # TRL only creates the generator when it shuffles
             self.generator.manual_seed(self.seed + epoch)
-
-
-class _RolloutWeightSync(TrainerCallback):
-    """Pushes the policy to the rollout engine after each optimizer step, and once on resume."""
-
-    def __init__(self, trainer: AgenticGRPOTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # A resumed run loaded checkpoint weights the engine has never seen; a fresh run's engine already serves
-        # the initial policy (the embedded engine is built from it; an SGLang server is launched from the same
-        # checkpoint).
-        if state.global_step > 0 and self.trainer.rollout_engine.weight_version != state.global_step:
-            self.trainer.sync_rollout_weights()
-        elif state.global_step == 0 and self.trainer._servers_hold_other_weights():
-            self.trainer.sync_rollout_weights()  # version 0: the initial policy
-        if state.global_step > 0:  # synced now, or the engine already holds the checkpoint's step
-            self.trainer.synced_weight_version = state.global_step
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.step_start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        metrics = self.trainer._metrics["train"]
-        if getattr(self, "step_start", None) is not None:  # generation (if any), log-probs, forward/backward, update
-            metrics["timing/step_s"].append(time.perf_counter() - self.step_start)
-            self.step_start = None
-        self.trainer.sync_rollout_weights()
-        self.trainer.synced_weight_version = state.global_step
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -165,11 +155,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "the reward in `reward_funcs` (they receive `final_text`, `num_tool_calls`, ... and the dataset "
                 "columns), or pass your own `rollout_func`."
             )
-        args = self._agentic_args(model, args)
-        _check_report_to(args.report_to)
-        _check_prompt_column(train_dataset, "train_dataset")
-        _check_prompt_column(eval_dataset, "eval_dataset")
-        self._harmony = _model_type(model, args) == "gpt_oss"
+        args = agentic_args(model, args)
+        check_report_to(args.report_to)
+        check_prompt_column(train_dataset, "train_dataset")
+        check_prompt_column(eval_dataset, "eval_dataset")
+        self._harmony = model_type(model, args) == "gpt_oss"
         if not self._harmony and tools:
             raise ValueError(
                 "tools: the agent loop parses tool calls from GPT-OSS harmony turns, and this model is not GPT-OSS "
@@ -179,8 +169,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             from hf_gptoss_rl.harmony import load_gptoss_tokenizer
 
             processing_class = load_gptoss_tokenizer()
-        self._harmony_render_kwargs = self._harmony_kwargs(args) if self._harmony else {}
-        model = self._apply_model_implementations(model, args)
+        self._harmony_render_kwargs = harmony_kwargs(args) if self._harmony else {}
+        model = apply_model_implementations(model, args)
 
         super().__init__(
             model=model,
@@ -205,40 +195,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "FSDP on GPUs/accelerators only, not with use_cpu / --cpu. Launch on GPUs, or drop the FSDP config "
                 "(DDP: `torchrun` or `accelerate launch --cpu`)."
             )
-        # after super().__init__: the policy is loaded and on its device
-        self.liger_rms_norm, self.fused_rope = self._resolve_fused_layers(args)
-        if self.liger_rms_norm:
-            from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
-
-            apply_liger_gptoss_rms_norm(self.accelerator.unwrap_model(self.model))
-        if self.fused_rope:
-            from hf_gptoss_rl.fused_layers import apply_fused_gptoss_rope
-
-            apply_fused_gptoss_rope(self.accelerator.unwrap_model(self.model))
-        self.padding_free = self._resolve_padding_free(args)
-        if is_peft_model(self.accelerator.unwrap_model(self.model)):
-            from hf_gptoss_rl.lora import fuse_lora_update, skip_autocast_undone_lora_casts
-
-            # bf16 autocast runs the float32 adapters' matmuls in bf16: PEFT's float32 copy of every LoRA input
-            # would only be cast back (bitwise the same results without it)
-            skip_autocast_undone_lora_casts(self.accelerator.unwrap_model(self.model))
-            if args.fuse_lora_update:
-                fuse_lora_update(self.accelerator.unwrap_model(self.model))
-        if args.checkpoint_saves and self._selective_checkpointing_matches():
-            self._install_selective_checkpointing()
-        if self._use_chunked_logprobs():
-            from hf_gptoss_rl.logprobs import add_chunked_logprob_head
-
-            # Replaces TRL's fused head with the same call contract (`fused_lm_head=True`); see the config field.
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            add_chunked_logprob_head(
-                unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped,
-                temperature=self.temperature,
-                chunk_size=args.logprobs_chunk_size,
-                # an entropy bonus differentiates the entropy: its gradient needs the logits again in the backward,
-                # so computing the log-probs' part in the forward would be a wasted pass over the vocabulary
-                hidden_grad_in_forward=False if getattr(self, "_entropy_bonus_enabled", False) else None,
-            )
+        prepare_policy(self, args)  # after super().__init__: the policy is loaded and on its device
 
         from .rollout import AgentLoop
         from .rollout.types import sampling_params_from_config
@@ -252,12 +209,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # after the engine's copy of the policy: the hooks serve the trainer's routers only
         self.routing_replay = None
         self._replay_flip = False  # True during the extra pass of `routing_mismatch_every`
-        self._pending_routing: dict[str, torch.Tensor] | None = None  # this generation's records, TRL's layout
-        self._pending_completions: list | None = None  # this generation's `completions` for the rewards (`_generate`)
+        self._rollout_batch: RolloutBatch | None = None  # the generation in flight, from `_rollout` to the loss
         if self._routing_shape is not None:
             from hf_gptoss_rl.routing import RoutingReplay
 
-            self.routing_replay = RoutingReplay(self._policy_model())
+            self.routing_replay = RoutingReplay(policy_model(self))
         if sampling.sglang_extra and args.rollout_backend == "embedded" and rollout_engine is None:
             raise ValueError(
                 f"generation_kwargs {sorted(sampling.sglang_extra)} are SGLang-only; the embedded engine does not "
@@ -281,341 +237,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self.rollout_func = _agent_rollout
         self._sp_group = None
         if args.sequence_parallel_size > 1:  # after the engine copy: it must keep the model's own attention
-            self._setup_sequence_parallel()
+            self._sp_group = setup_sequence_parallel(self)
         self._loss_inputs: dict[str, Any] | None = None  # inputs of the `_compute_loss` call in flight
         self.last_importance_weights: torch.Tensor | None = None  # the latest correction weights (for inspection)
         # the trainer's weight version: the global step of the last sync it pushed; None before the first, when the
         # engine serves the initial policy (rollouts are checked against it: `_check_served_versions`)
         self.synced_weight_version: int | None = None
-        self.add_callback(_RolloutWeightSync(self))
+        self.add_callback(RolloutWeightSync(self))
 
     # ------------------------------------------------------------------ setup
-
-    @staticmethod
-    def _agentic_args(model, args) -> AgenticGRPOConfig:
-        """`args` as an `AgenticGRPOConfig`: TRL's default config when None, a plain `GRPOConfig` upgraded."""
-        if args is None:  # TRL's default, `<model name>-GRPO`
-            name = model if isinstance(model, str) else get_config_model_id(model.config)
-            name = (name or "").rstrip("/").split("/")[-1]
-            return AgenticGRPOConfig(f"{name}-GRPO" if name else "agentic-grpo")
-        if isinstance(args, AgenticGRPOConfig):
-            return args
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a GRPOConfig or an AgenticGRPOConfig, got {type(args).__name__}")
-        trl_fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
-        extra = sorted(f.name for f in dataclasses.fields(args) if f.init and f.name not in trl_fields)
-        if extra:
-            raise TypeError(
-                f"args is a {type(args).__name__}, a GRPOConfig subclass with fields AgenticGRPOConfig does not have: "
-                f"{extra}. Pass an AgenticGRPOConfig (or a subclass of it) instead."
-            )
-        values = {name: getattr(args, name) for name in trl_fields}
-        # GRPOConfig.__post_init__ derived generation_batch_size from steps_per_generation (setting both is refused)
-        # and moved the deprecated aliases onto their successors: let the new config derive them again.
-        values.update(generation_batch_size=None, vllm_importance_sampling_cap=None, use_transformers_paged=False)
-        return AgenticGRPOConfig(**values)
-
-    @staticmethod
-    def _harmony_kwargs(args: AgenticGRPOConfig) -> dict[str, Any]:
-        """`render_prompt` keyword arguments from the config and TRL's `chat_template_kwargs`.
-
-        GPT-OSS's chat template takes `reasoning_effort`; `conversation_start_date` and `developer_instructions`
-        are harmony's own. Other keys (`model_identity`, `builtin_tools`, ...) are refused by name.
-        """
-        kwargs: dict[str, Any] = {
-            "reasoning_effort": args.reasoning_effort,
-            "developer_instructions": args.developer_instructions,
-        }
-        template_kwargs = dict(args.chat_template_kwargs or {})
-        harmony_keys = {"reasoning_effort", "conversation_start_date", "developer_instructions"}
-        unsupported = sorted(set(template_kwargs) - harmony_keys)
-        if unsupported:
-            raise ValueError(
-                f"chat_template_kwargs {unsupported} are not supported for GPT-OSS: prompts are rendered in harmony "
-                "(hf_gptoss_rl.harmony.render_prompt), which takes reasoning_effort, conversation_start_date and "
-                "developer_instructions."
-            )
-        for key, value in template_kwargs.items():
-            configured = kwargs.get(key)
-            default = {"reasoning_effort": "medium"}.get(key)
-            if configured not in (None, default, value):
-                raise ValueError(
-                    f"chat_template_kwargs[{key!r}]={value!r} disagrees with {key}={configured!r}; set only one."
-                )
-            kwargs[key] = value
-        if kwargs["reasoning_effort"] not in REASONING_EFFORTS:
-            raise ValueError(
-                f"reasoning_effort must be one of {REASONING_EFFORTS}, got {kwargs['reasoning_effort']!r}."
-            )
-        return kwargs
-
-    @staticmethod
-    def _apply_model_implementations(model, args: AgenticGRPOConfig):
-        """Select the attention kernel / experts implementation requested in the config."""
-        if args.attn_implementation is None and args.experts_implementation is None:
-            return model
-        import hf_gptoss_rl
-
-        hf_gptoss_rl.register()  # the sink kernel id and "memory_efficient" (idempotent; the import already did it)
-
-        if isinstance(model, str):
-            init_kwargs = dict(args.model_init_kwargs or {})
-            if args.attn_implementation is not None:
-                init_kwargs["attn_implementation"] = args.attn_implementation
-            if args.experts_implementation is not None:
-                init_kwargs["experts_implementation"] = args.experts_implementation
-            args.model_init_kwargs = init_kwargs
-            return model
-        if args.attn_implementation is not None:
-            model.set_attn_implementation(args.attn_implementation)
-        if args.experts_implementation is not None:
-            model.set_experts_implementation(args.experts_implementation)
-        return model
-
-    def _selective_checkpointing_matches(self) -> bool:
-        """Whether `checkpoint_saves` names an op this policy runs (else plain checkpointing, without the
-        selective-checkpointing dispatch mode): the sink kernel's attention, the `memory_efficient` experts, a
-        GPT-OSS policy's projections."""
-        from hf_gptoss_rl.attention import KERNEL_REPO_ID
-
-        config = self._policy_model().config
-        saves = set(self._checkpoint_saves())
-        return (
-            "projections" in saves
-            or ("attention" in saves and getattr(config, "_attn_implementation", None) == KERNEL_REPO_ID)
-            or ("experts" in saves and getattr(config, "_experts_implementation", None) == "memory_efficient")
-        )
-
-    def _checkpoint_saves(self) -> list[str]:
-        """`args.checkpoint_saves` as this policy runs it: `"projections"` keeps a layer's attention and router
-        products, sized for GPT-OSS (`kept_projection_bytes_per_token`); in another model the same rule would also
-        keep its MLP products, so there it matches nothing, like `"attention"` with another attention."""
-        return [name for name in self.args.checkpoint_saves if name != "projections" or self._harmony]
-
-    def _install_selective_checkpointing(self):
-        """Make every `gradient_checkpointing_enable` call on the policy selective (`args.checkpoint_saves`).
-
-        `Trainer.train` (re-)enables checkpointing from `args.gradient_checkpointing_kwargs`, which must stay
-        JSON-serialisable (it is logged), so the `context_fn` is added at that call rather than stored in the args.
-        """
-        from hf_gptoss_rl.checkpointing import selective_checkpointing_kwargs
-
-        saves = tuple(self._checkpoint_saves())
-        # resolved when checkpointing is enabled
-        self.checkpoint_experts_max_tokens = self.checkpoint_projections_max_tokens = None
-        model = self.model
-        enable = model.gradient_checkpointing_enable
-
-        def gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, **kwargs):
-            kwargs_ = dict(gradient_checkpointing_kwargs or {})
-            kwargs_.pop("use_reentrant", None)  # refused for True in the config; False is what we set
-            # resolved at each call: `Trainer.train` calls this again once the rollout engine holds its copy
-            self.checkpoint_experts_max_tokens = self._resolve_checkpoint_max_tokens("experts")
-            self.checkpoint_projections_max_tokens = self._resolve_checkpoint_max_tokens("projections")
-            selective = selective_checkpointing_kwargs(
-                saves,
-                experts_max_tokens=self.checkpoint_experts_max_tokens,
-                projections_max_tokens=self.checkpoint_projections_max_tokens,
-                **kwargs_,
-            )
-            return enable(gradient_checkpointing_kwargs=selective, **kwargs)
-
-        model.gradient_checkpointing_enable = gradient_checkpointing_enable
-        if self.args.gradient_checkpointing:  # already enabled by TRL for PEFT models: make it selective now
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
-
-    def _resolve_checkpoint_max_tokens(self, kept: str) -> int | None:
-        """`args.checkpoint_{kept}_max_tokens` (`kept`: "experts" or "projections") as the checkpointing policy takes
-        it (None: no bound); its default is where memory allows: the kept outputs take at most half of the GPU
-        memory that the weights on it leave (`experts_max_tokens_for_model`, `projections_max_tokens_for_model`)."""
-        from hf_gptoss_rl.checkpointing import experts_max_tokens_for_model, projections_max_tokens_for_model
-
-        setting = getattr(self.args, f"checkpoint_{kept}_max_tokens")
-        saves = self._checkpoint_saves()
-        if kept not in saves or setting == -1:
-            return None
-        if setting is not None:
-            return setting
-        # what else holds weights on this GPU: TRL's reference model (beta > 0, no PEFT), the embedded engine's copy
-        engine = getattr(getattr(self, "rollout_engine", None), "model", None)
-        resident = [m for m in (getattr(self, "ref_model", None), engine) if isinstance(m, torch.nn.Module)]
-        policy, device = self._policy_model(), self.accelerator.device
-        if kept == "experts":
-            with_projections = "projections" in saves
-            max_tokens = experts_max_tokens_for_model(
-                policy, device, resident=resident, with_projections=with_projections
-            )
-        else:
-            max_tokens = projections_max_tokens_for_model(policy, device, resident=resident)
-        if max_tokens is not None:
-            logger.info(
-                "checkpoint_saves keeps the %s outputs of micro-batches up to %d tokens (half of the GPU memory that "
-                "the weights on it leave); set checkpoint_%s_max_tokens to change it",
-                kept,
-                max_tokens,
-                kept,
-            )
-        return max_tokens
-
-    def _policy_model(self):
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-
-    def _resolve_fused_layers(self, args: AgenticGRPOConfig) -> tuple[bool, bool]:
-        """`(liger_rms_norm, fused_rope)`: `None` means on for a GPT-OSS policy on CUDA with the kernel's library."""
-        import importlib.util
-
-        from hf_gptoss_rl.fused_layers import liger_available
-
-        on_cuda = self.accelerator.device.type == "cuda"
-        gptoss = self._harmony
-        liger, rope = args.liger_rms_norm, args.fused_rope
-        if liger is None:
-            liger = gptoss and on_cuda and liger_available()
-        elif liger and not (on_cuda and liger_available()):
-            raise ValueError(
-                "liger_rms_norm=True needs a CUDA device and liger-kernel (`pip install liger-kernel`): "
-                f"device {self.accelerator.device.type}, liger-kernel {'installed' if liger_available() else 'missing'}. "
-                "Leave it unset to use it only where it runs."
-            )
-        if rope is None:
-            rope = gptoss and on_cuda and importlib.util.find_spec("triton") is not None
-        return bool(liger), bool(rope)
-
-    def _resolve_padding_free(self, args: AgenticGRPOConfig) -> bool:
-        """Whether the log-prob forwards run packed (see `AgenticGRPOConfig.padding_free`)."""
-        reason = None
-        from hf_gptoss_rl.packing import PACKED_MASK_ATTENTION, attention_honours_packing
-
-        attn = getattr(self._policy_model().config, "_attn_implementation", None)
-        if not self._harmony:
-            reason = "only GPT-OSS policies are packed (the per-layer-type masks are built for its layers)"
-        elif args.sequence_parallel_size > 1:
-            reason = "sequence_parallel_size > 1 (the sequence-parallel forward shards padded rows)"
-        elif not attention_honours_packing(attn):
-            reason = (
-                f"attn_implementation={attn!r} is not one that honours sequence boundaries given by position_ids "
-                f"(supported: {sorted(PACKED_MASK_ATTENTION)}, flash-attention implementations and the sink kernel)"
-            )
-        elif attn in PACKED_MASK_ATTENTION and not self._use_chunked_logprobs():
-            # TRL's fused head hands the model's attention_mask to the router aux loss, which cannot take the
-            # prepared per-layer masks these implementations need for a packed row
-            reason = (
-                f"attn_implementation={attn!r} needs prepared block-diagonal masks, which TRL's fused LM head "
-                "(logprobs_implementation 'trl') does not take; use logprobs_implementation='chunked' or a "
-                "flash-attention implementation (the sink kernel)"
-            )
-        if args.padding_free and reason is not None:
-            raise ValueError(f"padding_free=True: {reason}.")
-        return reason is None if args.padding_free is None else bool(args.padding_free)
-
-    def _use_chunked_logprobs(self) -> bool:
-        return self.args.logprobs_implementation in ("auto", "chunked")
-
-    def _setup_sequence_parallel(self):
-        """Ulysses SP over groups of `sequence_parallel_size` consecutive ranks (DDP).
-
-        The ranks of a group pool their micro-batches (`_sp_union`) and each computes 1/P of every sequence of the
-        pooled batch (`hf_gptoss_rl.sequence_parallel`); the loss is scaled so that DDP's average over all ranks
-        gives the gradient of the data-parallel run without SP.
-        """
-        import torch.distributed as dist
-
-        from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel
-
-        size = self.args.sequence_parallel_size
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("sequence_parallel_size > 1 needs several processes (accelerate launch / torchrun)")
-        world = dist.get_world_size()
-        if world % size:
-            raise ValueError(f"world size {world} is not divisible by sequence_parallel_size={size}")
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            raise ValueError("sequence_parallel_size > 1 is supported with DDP (accelerate launch --multi_gpu) only")
-        if not self.args.is_on_policy or self.beta != 0.0:
-            raise ValueError(
-                "sequence_parallel_size > 1 needs the on-policy setting (num_iterations=1, one optimizer step per "
-                "generation) and beta=0: the extra old/reference log-prob passes are not sequence-parallel"
-            )
-        rank = dist.get_rank()
-        for start in range(0, world, size):  # every rank creates every group (torch.distributed's rule)
-            group = dist.new_group(list(range(start, start + size)))
-            if start <= rank < start + size:
-                self._sp_group = group
-        enable_sequence_parallel(self.accelerator.unwrap_model(self.model), self._sp_group)
-
-    def _sp_union(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Concatenate the micro-batches of the SP group (every rank then holds the same pooled batch)."""
-        import torch.distributed as dist
-
-        gathered: list = [None] * self.args.sequence_parallel_size
-        dist.all_gather_object(gathered, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
-        device = self.accelerator.device
-        out: dict[str, Any] = {}
-        left_padded = {"prompt_ids": self._tokenizer.pad_token_id, "prompt_mask": 0}
-        right_padded = {
-            "completion_ids": self._tokenizer.pad_token_id,
-            "completion_mask": 0,
-            "tool_mask": 1,
-            "sampling_per_token_logps": 0.0,
-            "old_per_token_logps": 0.0,
-            "ref_per_token_logps": 0.0,
-        }
-        if "prompt_routed_experts" in inputs:  # routing replay: padding has no record
-            from hf_gptoss_rl.routing import no_route
-
-            left_padded["prompt_routed_experts"] = no_route(inputs["prompt_routed_experts"].dtype)
-            right_padded["completion_routed_experts"] = no_route(inputs["completion_routed_experts"].dtype)
-        for key, value in inputs.items():
-            parts = [g[key] for g in gathered]
-            if key == "num_items_in_batch":
-                out[key] = value  # already global
-            elif key in left_padded or key in right_padded:
-                width = max(p.shape[1] for p in parts)
-                pad_value = left_padded.get(key, right_padded.get(key))
-                padded = []
-                for p in parts:
-                    filler = p.new_full((p.shape[0], width - p.shape[1], *p.shape[2:]), pad_value)
-                    padded.append(torch.cat([filler, p] if key in left_padded else [p, filler], dim=1))
-                out[key] = torch.cat(padded).to(device)
-            elif isinstance(value, torch.Tensor) and value.dim() >= 1:
-                out[key] = torch.cat(parts).to(device)
-            else:
-                raise ValueError(f"cannot pool input {key!r} across the sequence-parallel group")
-        return out
-
-    def _sp_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False, routing=None
-    ):
-        from hf_gptoss_rl.sequence_parallel import gather_outputs, shard_inputs
-
-        seq_len = input_ids.shape[1]
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-logits_to_keep] = -100
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-        if routing is not None:
-            batch["routed_experts"] = routing  # sharded with its tokens
-        shard = shard_inputs(batch, self._sp_group, pad_token_id=self._tokenizer.pad_token_id)
-        if routing is not None:
-            self._replay(shard["routed_experts"])
-        extra = {"output_router_logits": True} if compute_aux_loss else {}
-        with self.accelerator.autocast():
-            out = model(
-                input_ids=shard["input_ids"],
-                attention_mask=shard["attention_mask"],
-                position_ids=shard["position_ids"],
-                shift_labels=shard["shift_labels"],
-                fused_lm_head=True,
-                **extra,
-            )
-        # [B, S_padded] on every rank: position t scores token t+1
-        logps = gather_outputs(out.log_probs, self._sp_group, dim=1)[:, : seq_len - 1]
-        entropy = gather_outputs(out.entropy, self._sp_group, dim=1)[:, : seq_len - 1]
-        return logps[:, -logits_to_keep:], entropy[:, -logits_to_keep:], out.aux_loss
-
-    def _sp_loss_scale(self) -> float:
-        # Losses normalised by a count of the (pooled, P times larger) batch need x P; those normalised by the
-        # global token count (dapo, cispo, vespo) already match the data-parallel run.
-        return 1.0 if self.loss_type in ("dapo", "cispo", "vespo") else float(self.args.sequence_parallel_size)
 
     def _build_rollout_engine(self):
         args = self.args
@@ -701,7 +331,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         shape = None
         if self._harmony:
             try:
-                shape = routing_shape(self._policy_model())
+                shape = routing_shape(policy_model(self))
             except RoutingError:
                 shape = None
         if args.routing_replay and shape is None:
@@ -829,152 +459,36 @@ class AgenticGRPOTrainer(GRPOTrainer):
         rank, step = self.accelerator.process_index, self.state.global_step
         seeds = [rollout_seed(self.args.seed, mode, step, rank, i) for i in range(len(prompt_ids))]
         start = time.perf_counter()
-        trajectories = self._run_rollout_batch(prompt_ids, seeds)
+        trajectories = run_rollout_batch(self, prompt_ids, seeds)
         self._metrics["train" if self.model.training else "eval"]["timing/rollout_s"].append(
             time.perf_counter() - start
         )
-        pad_id = self._tokenizer.pad_token_id
         # what reward functions get as `completions` (`_generate`): TRL's layouts, built from the harmony turns
-        self._pending_completions = self._reward_completions(prompts, trajectories) if self._harmony else None
-        out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
-        for key in ("final_text", "num_turns", "num_tool_calls", "tool_errors", "format_errors", "finish_reason"):
-            out[key] = []
-        for traj in trajectories:
-            traj.check_alignment()
-            ids, mask, logps = list(traj.completion_ids), list(traj.completion_mask), list(traj.rollout_logprobs)
-            if not ids:  # an aborted request can return nothing; TRL needs one token: a pad that is never trained
-                ids, mask, logps = [pad_id], [0], [0.0]
-            out["prompt_ids"].append(list(traj.prompt_ids))
-            out["completion_ids"].append(ids)
-            out["env_mask"].append(mask)
-            out["logprobs"].append(logps)
-            if not self._harmony and traj.finish_reason == "final":  # one plain turn: its text is the answer
-                traj.final_text = self._tokenizer.decode(traj.completion_ids, skip_special_tokens=True)
-            out["final_text"].append(traj.final_text or "")
-            out["num_turns"].append(traj.num_turns)
-            out["num_tool_calls"].append(traj.num_tool_calls)
-            out["tool_errors"].append(sum(1 for c in traj.tool_calls if c.error))
-            out["format_errors"].append(len(traj.errors))
-            out["finish_reason"].append(traj.finish_reason)
-        self._log_rollout_metrics(out)
+        completions = reward_completions(prompts, trajectories) if self._harmony else None
+        fields = rollout_fields(trajectories, self._tokenizer, harmony=self._harmony)
+        log_rollout_metrics(self, fields)
         self._check_served_versions(trajectories)
-        self._pending_routing = self._routing_layout(trajectories, out) if self._routing_shape is not None else None
-        return out
-
-    def _run_rollout_batch(self, prompt_ids: list, seeds: list) -> list:
-        """The agent loop on one batch, which a server's restart or loss never lets through (`trl_ext.rollout.recovery`).
-
-        A batch with turns served on a restarted server's launch weights is sampled again, with the same seeds, once
-        the current weights were pushed to the servers again and verified. A server that a request gave up on (no
-        answer within `sglang_retry_deadline_s`) stops training with `RolloutServerLostError`, naming it and the
-        checkpoint to resume from. Every process takes the same branch (the counts are summed over processes).
-        """
-        from .rollout import run_sync
-        from .rollout.recovery import RESTART_RECOVERIES, RolloutServerLostError, served_on_launch_weights
-
-        engine = self.rollout_engine
-        attempt = 0
-        while True:
-            trajectories = run_sync(self.agent_loop.run_batch(prompt_ids, seeds))
-            lost = engine.take_unreachable() if hasattr(engine, "take_unreachable") else {}
-            restarted = served_on_launch_weights(trajectories, self.synced_weight_version)
-            counts = torch.tensor([len(lost), restarted], dtype=torch.float64, device=self.accelerator.device)
-            if self.accelerator.num_processes > 1:
-                counts = self.accelerator.gather(counts).reshape(-1, 2).sum(0)
-            if counts[0] > 0:
-                from accelerate.utils import gather_object
-
-                from .checkpoints import resume_hint
-
-                gone = dict(gather_object(sorted(lost.items()))) if self.accelerator.num_processes > 1 else lost
-                raise RolloutServerLostError(
-                    "rollout server(s) stopped answering and did not answer again within sglang_retry_deadline_s="
-                    f"{self.args.sglang_retry_deadline_s:g} s: "
-                    + "; ".join(f"{url} ({error})" for url, error in sorted(gone.items()))
-                    + f". Training stops before this batch is used; {resume_hint(self.args.output_dir)} once the "
-                    "server serves again."
-                )
-            if counts[1] == 0 or attempt == RESTART_RECOVERIES:
-                return trajectories  # still on launch weights after the last attempt: the stale check stops it
-            logger.warning(
-                "%d trajectories of this batch had turns served on a server's launch weights (no weight version) while "
-                "the trainer is at version %s: a server restarted. Pushing the weights again and sampling the batch "
-                "again (attempt %d of %d)",
-                int(counts[1]),
-                self.synced_weight_version,
-                attempt + 2,
-                RESTART_RECOVERIES + 1,
-            )
-            self.sync_rollout_weights()
-            attempt += 1
-
-    @staticmethod
-    def _reward_completions(prompts: list, trajectories: list) -> list | None:
-        """The `completions` TRL would hand reward functions for these harmony trajectories.
-
-        Chat prompts: the completion's messages, as TRL's tool loop builds them (`GRPOTrainer._tool_call_loop` with
-        `parse_response`): each assistant turn with its `thinking` (analysis), `tool_calls` and `content` (final
-        answer, partial when cut off), each tool result as a `tool` message (`Trajectory.messages`). Text prompts:
-        None, i.e. TRL's own decoding (`processing_class.batch_decode(completion_ids, skip_special_tokens=True)`),
-        which is never empty when the model sampled a token; the final answer alone is the `final_text` keyword.
-        """
-        from trl.data_utils import is_conversational
-
-        # TRL decides per batch, from the first prompt (`GRPOTrainer._generate`)
-        if not is_conversational({"prompt": prompts[0]}):
-            return None
-        # a trajectory that sampled nothing (an aborted request) gets what TRL parses from an empty completion
-        return [list(traj.messages) or [{"role": "assistant", "content": ""}] for traj in trajectories]
+        routing = routing_layout(self, trajectories, fields) if self._routing_shape is not None else None
+        self._rollout_batch = RolloutBatch(fields, completions=completions, routing=routing)
+        return fields
 
     def _generate(self, prompts: list):
         """TRL's `_generate` (which calls the `rollout_func`), with the agent loop's `completions` in place of TRL's
         decoding: TRL parses the completion ids as one assistant turn (or decodes them), which for a harmony
         trajectory glues the turns, the channel names and the tool output into one text."""
-        self._pending_completions = None
+        self._rollout_batch = None  # set by `_rollout` (the default `rollout_func`), taken by the next hooks
         output = super()._generate(prompts)
-        completions, self._pending_completions = self._pending_completions, None
+        completions = self._rollout_batch.completions if self._rollout_batch is not None else None
         if completions is None:  # text prompts, a user's `rollout_func`, a model without harmony: TRL's decoding
             return output
         # TRL 1.16: (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)
         return (*output[:3], completions, *output[4:])
 
-    def _routing_layout(self, trajectories: list, out: dict[str, list]) -> dict[str, torch.Tensor] | None:
-        """The trajectories' routing records in TRL's layout: `prompt_routed_experts` `[B, P, layers, top_k]` (left
-        padded, as `prompt_ids`) and `completion_routed_experts` `[B, C, layers, top_k]` (right padded); tokens without a
-        record hold `no_route`. None when no trajectory has one (an engine that does not record routing)."""
-        from hf_gptoss_rl.routing import check_routing, no_route, routing_dtype
-
-        records = [t.routed_experts for t in trajectories]
-        if all(r is None for r in records):
-            if self.args.routing_replay:
-                raise ValueError(
-                    "routing_replay=True but the rollout engine returned no routing: build it with "
-                    "record_routing (EmbeddedEngine(record_routing=True), SGLangEngine(record_routing=...))"
-                )
-            return None
-        layers, top_k, experts = self._routing_shape
-        dtype = routing_dtype(experts)
-        prompt_width = max(len(p) for p in out["prompt_ids"])
-        completion_width = max(len(c) for c in out["completion_ids"])
-        prompt = torch.full((len(records), prompt_width, layers, top_k), no_route(dtype), dtype=dtype)
-        completion = torch.full((len(records), completion_width, layers, top_k), no_route(dtype), dtype=dtype)
-        for i, (record, prompt_ids) in enumerate(zip(records, out["prompt_ids"])):
-            if record is None:
-                continue
-            n = len(prompt_ids)
-            check_routing(record, num_layers=layers, top_k=top_k, num_experts=experts, source=f"trajectory {i}")
-            if record.shape[0] > n + len(out["completion_ids"][i]):
-                raise ValueError(f"trajectory {i}: routing for {record.shape[0]} tokens, more than it has")
-            prompt[i, prompt_width - n :] = record[:n].to(dtype)
-            completion[i, : record.shape[0] - n] = record[n:].to(dtype)
-        device = self.accelerator.device
-        return {"prompt_routed_experts": prompt.to(device), "completion_routed_experts": completion.to(device)}
-
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self._pending_routing is not None:  # shuffled and split with the rest of the batch by TRL
-            output.update(self._pending_routing)
-        self._pending_routing = None
+        batch, self._rollout_batch = self._rollout_batch, None
+        if batch is not None and batch.routing is not None:  # shuffled and split with the rest of the batch by TRL
+            output.update(batch.routing)
         return output
 
     def training_step(self, *args, **kwargs):
@@ -984,99 +498,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
             if self.routing_replay is not None:
                 self.routing_replay.clear()
 
-    def _check_served_versions(self, trajectories: list) -> None:
-        """Log the versions that served this batch and fail on trajectories served on another version.
-
-        A trajectory is stale when one of its turns was served (the engine's answer says so) on a version other than
-        `synced_weight_version`, the global step of the trainer's last sync; before the first sync the engine must
-        serve the initial policy, which engines report as version 0 or without a version (SGLang's `"default"`).
-        `rollout/weight_version` is the oldest version served in the batch (an answer without a version counts as 0:
-        the weights its server was launched with), `rollout/stale_trajectories` the number of stale trajectories; both
-        over all processes, which all raise together (`StaleRolloutError`) unless `allow_stale_rollouts`.
-        """
-        expected = self.synced_weight_version
-        stale = [t for t in trajectories if not all(_is_current_version(v, expected) for v in t.weight_versions)]
-        numbers = [n for t in trajectories for n in map(_version_number, t.weight_versions) if n is not None]
-        local = torch.tensor(
-            [len(stale), len(trajectories), min(numbers, default=math.inf)],
-            dtype=torch.float64,
-            device=self.accelerator.device,
-        )
-        gathered = self.accelerator.gather(local).reshape(-1, 3)
-        num_stale, total, oldest = gathered[:, 0].sum().item(), gathered[:, 1].sum().item(), gathered[:, 2].min().item()
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["rollout/stale_trajectories"].append(num_stale)
-        if math.isfinite(oldest):  # every process skips it alike: no engine gave a numeric version
-            metrics["rollout/weight_version"].append(oldest)
-        if num_stale == 0:
-            return
-        from accelerate.utils import gather_object
-
-        wrong = {v for t in stale for v in t.weight_versions if not _is_current_version(v, expected)}
-        served = sorted(set(gather_object(sorted(wrong, key=repr))), key=repr)
-        if expected is None:
-            want = "0, the initial policy (no weight sync yet)"
-            why = "a server still holds weights loaded before this run (another run's sync)"
-        else:
-            want = f"{expected} (the global step of the trainer's last weight sync)"
-            why = "a server restarted or was reloaded since the last sync, or a sync did not reach it"
-        if None in served:
-            why += " (None: an answer without a version, SGLang's 'default', i.e. a server on its launch weights)"
-        message = (
-            f"{num_stale:.0f} of {total:.0f} trajectories of this batch had turns served on weight version(s) "
-            f"{served}, expected {want}: the rollout engine did not serve the policy being trained; {why}."
-        )
-        if not self.args.allow_stale_rollouts:
-            raise StaleRolloutError(
-                f"{message} Set allow_stale_rollouts=True to train on such trajectories anyway (counted in "
-                "rollout/stale_trajectories)."
-            )
-        logger.warning("%s Training on them (allow_stale_rollouts=True).", message)
-
-    def _log_rollout_metrics(self, out: dict[str, list]) -> None:
-        mode = "train" if self.model.training else "eval"
-        device = self.accelerator.device
-        n = len(out["num_turns"])
-        local = torch.tensor(
-            [
-                n,
-                sum(out["num_turns"]),
-                sum(out["num_tool_calls"]),
-                sum(1 for c in out["num_tool_calls"] if c > 0),
-                sum(out["tool_errors"]),
-                sum(1 for t in out["final_text"] if t),
-                sum(1 for r in out["finish_reason"] if r == "length"),
-                sum(1 for r in out["finish_reason"] if r == "abort"),
-                sum(out["format_errors"]),
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-        total = self.accelerator.reduce(local, reduction="sum").tolist()
-        count = max(total[0], 1.0)
-        metrics = self._metrics[mode]
-        metrics["rollout/turns_mean"].append(total[1] / count)
-        metrics["rollout/tool_calls_mean"].append(total[2] / count)
-        metrics["rollout/frac_with_tool_call"].append(total[3] / count)
-        metrics["rollout/tool_errors_per_call"].append(total[4] / max(total[2], 1.0))
-        if self.agent_tools:  # TRL's names for the same two numbers (GRPOTrainer logs them when it has tools)
-            metrics["tools/call_frequency"].append(total[2] / count)
-            metrics["tools/failure_frequency"].append(total[4] / total[2] if total[2] > 0 else 0.0)
-        metrics["rollout/frac_final_answer"].append(total[5] / count)
-        metrics["rollout/frac_truncated"].append(total[6] / count)
-        metrics["rollout/frac_aborted"].append(total[7] / count)
-        metrics["rollout/format_errors_mean"].append(total[8] / count)
-
     # ------------------------------------------------------------------ loss: mismatch metrics and correction
 
     def _compute_loss(self, model, inputs):
         # Shallow copy: the correction replaces `advantages` for this call only (buffered inputs are reused).
-        self._loss_inputs = self._sp_union(inputs) if self._sp_group is not None else dict(inputs)
+        self._loss_inputs = pool_sequence_parallel_inputs(self, inputs) if self._sp_group is not None else dict(inputs)
         try:
             loss = super()._compute_loss(model, self._loss_inputs)
         finally:
             self._loss_inputs = None
-        return loss * self._sp_loss_scale() if self._sp_group is not None else loss
+        return loss * sequence_parallel_loss_scale(self) if self._sp_group is not None else loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
         routing = self._routing_for(input_ids)
@@ -1103,8 +534,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Only the policy forward inside `_compute_loss` is intercepted (not the reference or old-logp passes).
         if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
             if other_logps is not None:
-                self._log_mismatch_by_routing(logps, other_logps, inputs)
-            self._apply_rollout_correction(logps, inputs)
+                log_mismatch_by_routing(self, logps, other_logps, inputs)
+            apply_rollout_correction(self, logps, inputs)
         return logps, entropies, aux_loss
 
     def _routing_mismatch_step(self) -> bool:
@@ -1113,46 +544,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return every > 0 and self.model.training and self.state.global_step % every == 0
 
     def _dispatch_logps(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
-        """One log-prob pass on the path this batch takes: sequence-parallel, packed, padded with routing, TRL's."""
-        # SP: only the loss forward (inside `_compute_loss`, on the group's pooled batch) runs sequence-parallel
-        if self._sp_group is not None and self._loss_inputs is not None:
-            logps, entropies, aux_loss = self._sp_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=kw.get("compute_aux_loss", False),
-                routing=routing,
-            )  # fmt: skip
-        elif self.padding_free and not a and all(kw.get(k) is None for k in kw if k not in _PACKED_KWARGS):
-            logps, entropies, aux_loss = self._packed_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, routing=routing,
-                **{k: kw[k] for k in _PACKED_KWARGS if k in kw},
-            )  # fmt: skip
-        elif routing is not None:
-            logps, entropies, aux_loss = self._replayed_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw
-            )
-        else:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *a, **kw
-            )
-        return logps, entropies, aux_loss
-
-    def _log_mismatch_by_routing(self, logps, other_logps, inputs) -> None:
-        """`routing/k3_kl_{replayed,own}` and `routing/prob_diff_max_{replayed,own}`: the mismatch against the
-        rollout with the engine's routing replayed and with the trainer's own, on the same tokens (one of the two
-        is the loss forward, the other the extra pass of `routing_mismatch_every`)."""
-        replayed = self.args.routing_replay is not False
-        by_name = {"replayed": logps, "own": other_logps} if replayed else {"replayed": other_logps, "own": logps}
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        gather = self.accelerator.gather
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        for name, train_logps in by_name.items():
-            stats = mismatch_metrics(
-                train_logps.detach(), inputs["sampling_per_token_logps"], mask,
-                threshold=self.args.mismatch_token_threshold,
-            )  # fmt: skip
-            metrics[f"routing/k3_kl_{name}"].append(gather(stats["k3_kl"]).mean().item())
-            metrics[f"routing/prob_diff_max_{name}"].append(gather(stats["prob_diff_max"]).max().item())
+        """One log-prob pass on the path this batch takes (`trl_ext.policy_forward`); SP: only the loss forward
+        (inside `_compute_loss`, on the group's pooled batch) runs sequence-parallel."""
+        return policy_logps_and_entropies(
+            self, super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask, logits_to_keep,
+            routing, *a, sequence_parallel=self._sp_group is not None and self._loss_inputs is not None, **kw,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ routing replay
 
@@ -1161,43 +558,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         generation-time passes, this generation's (None: no record, or another batch, e.g. TRL's reference pass)."""
         if self.routing_replay is None:
             return None
-        source = self._loss_inputs if self._loss_inputs is not None else self._pending_routing
+        batch = self._rollout_batch
+        source = self._loss_inputs if self._loss_inputs is not None else (batch.routing if batch is not None else None)
         if not source or "prompt_routed_experts" not in source:
             return None
         routing = torch.cat([source["prompt_routed_experts"], source["completion_routed_experts"]], dim=1)
         return routing if tuple(routing.shape[:2]) == tuple(input_ids.shape) else None
-
-    def _replay(self, routing: torch.Tensor):
-        """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
-        # None (auto) replays whenever the engine recorded routing; False only measures the agreement; the extra
-        # pass of `routing_mismatch_every` runs the other way
-        replay = (self.args.routing_replay is not False) != self._replay_flip
-        self.routing_replay.set_plan(routing, replay=replay, device=self.accelerator.device)
-
-    def _replayed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw):
-        """TRL's padded pass, chunk by chunk, each chunk's forward with its rows' routing."""
-        batch_size = kw.pop("batch_size", None) or input_ids.size(0)
-        if a:
-            raise ValueError("routing replay: unexpected positional arguments to the log-prob pass")
-        chunks = range(0, input_ids.size(0), batch_size)
-        if torch.is_grad_enabled() and len(chunks) > 1:
-            # the backward's checkpoint recompute replays the plan in place when it runs: one forward per backward
-            raise ValueError("routing replay: a differentiated log-prob pass must be one forward (batch_size=None)")
-        outs = []
-        for start in chunks:
-            end = start + batch_size
-            self._replay(routing[start:end])
-            outs.append(
-                super()._get_per_token_logps_and_entropies(
-                    model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kw
-                )
-            )
-        if not torch.is_grad_enabled():
-            self.routing_replay.clear()
-        logps = torch.cat([o[0] for o in outs])
-        entropies = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
-        aux = torch.stack([o[2] for o in outs]).mean() if outs[0][2] is not None else None
-        return logps, entropies, aux
 
     def _log_routing_agreement(self) -> None:
         measured = self.routing_replay.take_agreement()
@@ -1206,233 +572,17 @@ class AgenticGRPOTrainer(GRPOTrainer):
             metrics["routing/agreement"].append(measured[0])
             metrics["routing/agreement_min_layer"].append(measured[1])
 
-    def _packed_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        routing=None,
-    ):
-        """TRL's `_get_per_token_logps_and_entropies` with each chunk of rows packed into one row without padding.
-
-        `hf_gptoss_rl.packing.packed_completion_logprobs`: the real tokens of the rows, `position_ids` restarting
-        per trajectory, results back in TRL's `[B, T]` layout (0 for prompt tokens and pads, as padded).
-        """
-        from hf_gptoss_rl.packing import packed_completion_logprobs, rows_are_contiguous
-
-        batch_size = batch_size or input_ids.size(0)
-        all_logps, all_entropies, all_aux = [], [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            ids = input_ids[start : start + batch_size]
-            mask = attention_mask[start : start + batch_size]
-            if routing is not None and rows_are_contiguous(mask):  # packed as `pack_rows` packs the ids
-                if torch.is_grad_enabled() and input_ids.size(0) > batch_size:
-                    raise ValueError("routing replay: a differentiated log-prob pass must be one forward")
-                self._replay(routing[start : start + batch_size][mask.bool()])
-            elif routing is not None:
-                self._replay(routing[start : start + batch_size])
-            if rows_are_contiguous(mask):
-                logps, entropies, aux = packed_completion_logprobs(
-                    model, ids, mask, logits_to_keep, compute_aux_loss=compute_aux_loss,
-                    autocast=self.accelerator.autocast,
-                )  # fmt: skip
-            else:
-                _warn_once(
-                    "padding_free: an attention mask with a hole inside a trajectory; this chunk runs padded "
-                    "(TRL's path) to keep its positions"
-                )
-                logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy,
-                    compute_aux_loss=compute_aux_loss,
-                )  # fmt: skip
-            all_logps.append(logps)
-            all_entropies.append(entropies)
-            all_aux.append(aux)
-        if routing is not None and not torch.is_grad_enabled():
-            self.routing_replay.clear()
-        logps = torch.cat(all_logps, dim=0)
-        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
-        return logps, entropies, aux_loss
-
-    def _apply_rollout_correction(self, per_token_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
-        mode = "train" if self.model.training else "eval"
-        args = self.args
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        rollout_logps = inputs["sampling_per_token_logps"]
-        # On-policy, the training log-probs of the sampled tokens are this very forward's; off-policy, TRL's old
-        # log-probs (recomputed right after generation) are the trainer's view of the sampling policy.
-        old = inputs.get("old_per_token_logps")
-        train_logps = (per_token_logps if old is None else old).detach()
-
-        stats = mismatch_metrics(train_logps, rollout_logps, mask, threshold=args.mismatch_token_threshold)
-        gather = self.accelerator.gather
-        metrics = self._metrics[mode]
-        metrics["mismatch/prob_diff_max"].append(gather(stats["prob_diff_max"]).max().item())
-        for key in ("prob_diff_mean", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold", "is_weight_std"):
-            metrics[f"mismatch/{key}"].append(gather(stats[key]).mean().item())
-        # TRL's names (its vLLM path logs them with the correction on; here they are always logged)
-        metrics["sampling/sampling_logp_difference/mean"].append(gather(stats["logp_diff_mean"]).mean().item())
-        metrics["sampling/sampling_logp_difference/max"].append(gather(stats["logp_diff_max"]).max().item())
-
-        if not args.vllm_importance_sampling_correction:
-            return
-        is_mode = args.vllm_importance_sampling_mode
-        bounds = {
-            "clip_min": args.vllm_importance_sampling_clip_min,
-            "clip_max": args.vllm_importance_sampling_clip_max,
-        }
-        ratio = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode, **bounds)  # [B, T] or [B, 1]
-        weights = ratio.expand_as(train_logps)
-        self.last_importance_weights = weights
-        if self.loss_type == "vespo":  # TRL's VESPO folds the ratio into its own sequence weights
-            inputs["importance_sampling_ratio"] = ratio
-        else:
-            advantages = inputs["advantages"]
-            if advantages.dim() == 1:
-                advantages = advantages.unsqueeze(1)
-            inputs["advantages"] = advantages * weights  # [B, T], see the module docstring
-
-        # TRL's metrics: over the sequences (sequence modes) or the policy tokens (token modes); 0 when empty
-        sequence_level = is_mode in SEQUENCE_LEVEL_MODES
-        flat = ratio.flatten() if sequence_level else ratio[mask.bool()]
-        nonempty = flat.numel() > 0
-        zero = ratio.new_zeros(())
-        for stat, reduce in (("min", "min"), ("mean", "mean"), ("max", "max")):
-            local = getattr(flat, stat)() if nonempty else zero
-            metrics[f"sampling/importance_sampling_ratio/{stat}"].append(getattr(gather(local), reduce)().item())
-        # beyond TRL: the share of ratios the mode changed (truncated, or masked to 0)
-        if is_mode.endswith("truncate"):
-            raw = importance_sampling_ratio(train_logps, rollout_logps, mask, is_mode.replace("truncate", "mask"),
-                                            clip_min=None, clip_max=None)  # fmt: skip
-            raw = raw.flatten() if sequence_level else raw[mask.bool()]
-            changed = (raw != flat).float().mean() if nonempty else zero
-            metrics["mismatch/frac_is_truncated"].append(gather(changed).mean().item())
-        else:
-            changed = (flat == 0).float().mean() if nonempty else zero
-            metrics["mismatch/frac_is_masked"].append(gather(changed).mean().item())
-
-    # ------------------------------------------------------------------ weight sync
-
-    def _push_weights(self, engine, version: int) -> None:
-        from .weight_sync import push_policy_weights
-
-        remote = self.args.rollout_backend == "sglang"
-        probe = None
-        if remote and "logprobs" in self.args.weight_sync_verify:
-            probe = self._tokenizer.encode(_WEIGHT_SYNC_PROBE_TEXT, add_special_tokens=False)[:48]
-        push_policy_weights(
-            engine,
-            self.model if self.is_fsdp_enabled else self.accelerator.unwrap_model(self.model),
-            version=version,
-            accelerator=self.accelerator,
-            is_fsdp=self.is_fsdp_enabled,
-            lora=remote and self.args.weight_sync_lora,
-            is_main_process=self.accelerator.is_main_process or not remote,  # one process talks to the servers
-            probe_ids=probe,
-        )
-
-    def _servers_hold_other_weights(self) -> bool:
-        """Whether a fresh run's rollout servers serve weights other than their launch ones or version 0: another
-        run's, or this run's own from before a kill that came before its first checkpoint. Decided on the main
-        process, for all."""
-        engine, held = self.rollout_engine, {}
-        if hasattr(engine, "served_versions") and self.accelerator.is_main_process:
-            held = {u: v for u, v in engine.served_versions().items() if not _is_current_version(v, None)}
-            if held:
-                logger.warning(
-                    "rollout servers serve weight versions %s, not the initial policy: pushing it to them (version 0)",
-                    held,
-                )
-        if self.accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            decision = [bool(held)]
-            broadcast_object_list(decision, from_process=0)
-            return decision[0]
-        return bool(held)
+    # ------------------------------------------------------------------ weight sync (`trl_ext.rollout_sync`)
 
     def sync_rollout_weights(self) -> None:
-        """Send the current policy to the rollout engine, versioned by the global step.
+        """Send the current policy to the rollout engine, versioned by the global step (`rollout_sync`)."""
+        sync_rollout_weights(self)
 
-        With SGLang the main process syncs; its outcome is broadcast so that every process raises when it failed
-        (instead of the other ranks waiting at a barrier until the collective timeout).
-        """
-        error = None
-        start = time.perf_counter()
-        try:
-            self._push_weights(self.rollout_engine, version=self.state.global_step)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
-            error = exc
-        self._metrics["train"]["timing/weight_sync_s"].append(time.perf_counter() - start)
-        verify_s = getattr(getattr(self.rollout_engine, "weight_sync", None), "last_verify_s", None)
-        if error is None and verify_s is not None:  # SGLang: the sync's checks (served version, checksums)
-            self._metrics["train"]["timing/weight_sync_verify_s"].append(verify_s)
-        if self.args.rollout_backend == "sglang" and self.accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
+    def _push_weights(self, engine, version: int) -> None:
+        push_weights(self, engine, version)
 
-            outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-            broadcast_object_list(outcome, from_process=0)
-            if error is None and outcome[0] is not None:
-                from .weight_sync import WeightSyncError
-
-                raise WeightSyncError(f"rollout weight sync failed on the main process: {outcome[0]}")
-        if error is not None:
-            from .weight_sync import ServerLostError
-
-            if isinstance(error, ServerLostError):
-                from .checkpoints import resume_hint
-                from .rollout.recovery import RolloutServerLostError
-
-                raise RolloutServerLostError(
-                    f"{error}. Training stops here; {resume_hint(self.args.output_dir)} once the server serves again."
-                ) from error
-            raise error
-
-
-# A fixed, ordinary sentence: the "logprobs" sync check scores it on every server and in the trainer.
-_WEIGHT_SYNC_PROBE_TEXT = (
-    "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers that changed "
-    "physics: on the photoelectric effect, Brownian motion, special relativity and mass-energy equivalence."
-)
-
-
-# `_get_per_token_logps_and_entropies` keyword arguments the packed path takes (the others are multimodal inputs)
-_PACKED_KWARGS = frozenset({"batch_size", "compute_entropy", "compute_aux_loss"})
-
-
-def _is_current_version(served, expected) -> bool:
-    """Whether a turn served on version `served` was sampled by the trainer's weights, version `expected` (the
-    global step of the last sync; None before the first: the initial policy, reported as 0 or without a version)."""
-    if expected is None:
-        return served is None or str(served) == "0"
-    return served is not None and str(served) == str(expected)
-
-
-def _version_number(version) -> float | None:
-    """A served version as a number for `rollout/weight_version`: None (the server's launch weights) is 0, a
-    version that is not a number (a label) is left out."""
-    if version is None:
-        return 0.0
-    try:
-        return float(version)
-    except (TypeError, ValueError):
-        return None
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
+    def _check_served_versions(self, trajectories: list) -> None:
+        check_served_versions(self, trajectories)
 
 
 def _lora_module_names(policy) -> set[str]:
@@ -1446,62 +596,6 @@ def _lora_module_names(policy) -> set[str]:
         for name, module in policy.named_modules()
         if isinstance(module, LoraLayer) and active in module.lora_A
     }
-
-
-def _model_type(model, args) -> str | None:
-    """`config.model_type` of a model instance, or of a model id/path (read from its config, as TRL will load it)."""
-    if not isinstance(model, str):
-        return getattr(model.config, "model_type", None)
-    from transformers import AutoConfig
-
-    init_kwargs = args.model_init_kwargs or {}
-    config = AutoConfig.from_pretrained(
-        model,
-        revision=init_kwargs.get("revision"),
-        trust_remote_code=init_kwargs.get("trust_remote_code", args.trust_remote_code),
-    )
-    return config.model_type
-
-
-def _check_prompt_column(dataset, name: str) -> None:
-    """TRL reads `example["prompt"]` at the first step; fail at construction instead, naming the column."""
-    if dataset is None:
-        return
-    if isinstance(dataset, dict):  # DatasetDict, or TRL's {name: dataset} eval sets
-        for key, value in dataset.items():
-            _check_prompt_column(value, f"{name}[{key!r}]")
-        return
-    columns = getattr(dataset, "column_names", None)
-    if columns is None:  # an IterableDataset whose features are unknown until read
-        return
-    if "prompt" not in columns:
-        raise ValueError(
-            f"{name} has no 'prompt' column (its columns: {list(columns)}). GRPO samples completions for the "
-            "prompts in a 'prompt' column: text, or a list of chat messages. Rename yours, e.g. "
-            "`dataset.rename_column('question', 'prompt')`, or map it."
-        )
-
-
-# `report_to` backends with an extra of their own: (modules that may provide it, the extra)
-_LOGGING_BACKENDS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wandb": (("wandb",), "wandb"),
-                     "trackio": (("trackio",), "trackio")}  # fmt: skip
-
-
-def _check_report_to(report_to) -> None:
-    """Fail at construction, naming what to install, for a `report_to` backend that is not installed (transformers
-    would too, but without the project's extra)."""
-    import importlib.util
-
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    for name in names:
-        if name not in _LOGGING_BACKENDS:
-            continue
-        modules, extra = _LOGGING_BACKENDS[name]
-        if not any(importlib.util.find_spec(m) is not None for m in modules):
-            raise ImportError(
-                f"report_to={name!r} needs the {modules[0]} package: pip install 'hf_gptoss_rl[{extra}]' (or pip "
-                f"install {modules[0]}), or pass report_to='none'"
-            )
 
 
 def _agent_rollout(prompts: list, trainer: AgenticGRPOTrainer) -> dict[str, list]:
