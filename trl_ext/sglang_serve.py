@@ -106,6 +106,9 @@ def prepare_model(args) -> str:
 
     from .weight_sync import checkpoint_dtypes, convert_checkpoint
 
+    dtype = getattr(torch, args.dtype, None) if args.dtype else None
+    if args.dtype and not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"sglang_serve: --dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
     try:
         stored = checkpoint_dtypes(args.model)
     except FileNotFoundError as exc:
@@ -120,9 +123,7 @@ def prepare_model(args) -> str:
                 flush=True,
             )
         return args.model
-    wanted = str(getattr(torch, args.dtype, args.dtype)).removeprefix("torch.")
-    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
-        raise SystemExit(f"sglang_serve: --dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+    wanted = str(dtype).removeprefix("torch.")
     if set(stored) <= {wanted}:
         return args.model
     held = ", ".join(f"{n} tensors in {d}" for d, n in sorted(stored.items()))
@@ -132,7 +133,7 @@ def prepare_model(args) -> str:
             f"(it builds the layers in config.json's dtype). Pass --convert-to DIR to serve a copy stored in {wanted}."
         )
     print(f"writing a copy of {args.model} in {wanted} to {args.convert_to} (it stores {held})", flush=True)
-    return str(convert_checkpoint(args.model, args.convert_to, getattr(torch, wanted)))
+    return str(convert_checkpoint(args.model, args.convert_to, dtype))
 
 
 def server_command(args, extra: list[str]) -> list[str]:
