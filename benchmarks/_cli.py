@@ -101,9 +101,10 @@ def without_local_paths(report, named: dict | None = None):
 
 
 def git_commit() -> str | None:
-    """The short commit of the checkout the benchmarks run from (None outside a git checkout)."""
+    """The short commit of the checkout the benchmarks run from; outside a git checkout (a copy of the sources), the
+    ``GIT_COMMIT`` environment variable, as CI systems set it, else None."""
     if not (REPO / ".git").exists():
-        return None
+        return os.environ.get("GIT_COMMIT") or None
     try:
         proc = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
