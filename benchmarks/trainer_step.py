@@ -519,8 +519,8 @@ def plot(path: Path, results: list[dict]) -> None:
 
 def render(out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    stem = report["meta"]["stem"]
-    (out / f"{stem}.json").write_text(json.dumps(without_local_paths(report), indent=1) + "\n")
+    stem, report = report["meta"]["stem"], without_local_paths(report)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     write_report(out, report)
     plot(out / f"{stem}.png", report["results"])
 
