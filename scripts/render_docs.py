@@ -249,6 +249,47 @@ def ragged_rows(data: Data) -> list[str]:
     ]
 
 
+def _trainer_step_pair(data: Data, name: str) -> tuple[dict, dict, dict]:
+    """(meta, the default stack's row, the stock row it is compared with) of `trainer_step[_ragged].json`."""
+    where = f"docs/benchmarks/{name}.json"
+    report = data(name)
+    rows = {r["variant"]: r for r in _need(report, "results", where) if r.get("summary")}
+    peer = next((rows[v] for v in ("stock_fa4", "stock_flex") if v in rows), None)
+    if "project_default" not in rows or peer is None:
+        raise KeyError(f"{where}: needs project_default and stock_fa4 (or stock_flex) measured")
+    return report["meta"], rows["project_default"], peer
+
+
+def _step_cell(row: dict) -> str:
+    s = row["summary"]
+    mfu = f", MFU {100 * s['mfu']:.0f}%" if "mfu" in s else ""
+    peak = f", {s['peak_gib']:.1f} GiB" if s.get("peak_gib") is not None else ""
+    return f"{s['seconds']:.2f} s, {s['tokens_per_s']:,.0f} tokens/s{peak}{mfu}"
+
+
+def trainer_step_rows(data: Data) -> list[str]:
+    """The trainer's own optimizer step, the default stack against the same trainer as stock TRL runs it."""
+    rows = []
+    for name in ("trainer_step", "trainer_step_ragged"):
+        meta, ours, peer = _trainer_step_pair(data, name)
+        what = (
+            f"{meta['trajectories']} trajectories (log-normal lengths, median {meta['ragged_median']:,}, up to "
+            f"{meta['seq_len']:,}), micro-batches of {meta['micro_batch']}"
+            if meta["ragged"]
+            else f"{meta['trajectories']} trajectories of {meta['seq_len']:,} tokens"
+        )
+        stock = "FA4" if peer["variant"] == "stock_fa4" else "flex_attention"
+        shape = "gpt-oss-20b shape" if meta["model"] == "20b" else f"a {meta['model']} GPT-OSS"
+        rows.append(
+            f"| `AgenticGRPOTrainer` optimizer step (rollouts not timed), {shape}, LoRA, {what} "
+            f"([trainer step](docs/benchmarks/{name}.md)) | default configuration: {_step_cell(ours)} "
+            f"| the same trainer as stock TRL runs it ({stock} + `grouped_mm` + TRL's fused LM head"
+            f"{', padded' if meta['ragged'] else ''}): {_step_cell(peer)}: "
+            f"**{ratio(ours['summary']['seconds'], peer['summary']['seconds'])}** |"
+        )
+    return rows
+
+
 def moe_rows(data: Data) -> list[str]:
     where = "docs/benchmarks/moe.json"
     at32 = _need(_need(data("moe"), "results", where), "32768", where + " results")
