@@ -432,7 +432,7 @@ def write_report(out: Path, report: dict) -> None:
             f"(lengths log-normal, median {meta['ragged_median']:,}, sigma {meta['ragged_sigma']}, clipped to "
             f"[256, {meta['seq_len']:,}])"
             if meta["ragged"]
-            else f"of {meta['seq_len']:,} tokens each (a {meta['prompt_tokens']}-token prompt and its completion)"
+            else f"of {meta['seq_len']:,} tokens each (a {meta.get('prompt_tokens', '?')}-token prompt and its completion)"
         )
         + f"; {meta['warmup']} warm-up step(s), then the median of {meta['repeats']}.",
         "Timed: from the step's start to the end of the optimizer update (log-prob passes, every micro-batch's "

