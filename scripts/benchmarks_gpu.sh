@@ -20,6 +20,7 @@ PYTHON=${PYTHON:-python3}
 # The versions the reports were measured with (FlashAttention-4 needs the CuTe DSL's CUDA 13 libraries with a
 # CUDA 13 PyTorch; use nvidia-cutlass-dsl-libs-cu12 with a CUDA 12 build).
 PEER_WHEELS=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+  nvidia-cutlass-dsl-libs-core==4.8.1
   nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi>=0.1.11,<0.2" torch-c-dlpack-ext quack-kernels==0.6.5
   liger-kernel==0.8.5)
 RUNTIME_WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 openai-harmony==0.0.8
