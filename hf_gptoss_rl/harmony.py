@@ -51,6 +51,8 @@ __all__ = [
     "ENDOFTEXT",
     "STARTOFTEXT",
     "STOP_TOKEN_IDS",
+    "REASONING_EFFORTS",
+    "DEFAULT_REASONING_EFFORT",
     "VOCAB_SIZE",
     "ToolCall",
     "ParsedMessage",
@@ -298,7 +300,10 @@ def decode_tokens(token_ids: Sequence[int]) -> str:
 # Rendering
 # ----------------------------------------------------------------------------------------------------------------------
 
-_EFFORTS = ("low", "medium", "high")
+REASONING_EFFORTS = ("low", "medium", "high")
+"""The ``Reasoning:`` levels of GPT-OSS's system message."""
+
+DEFAULT_REASONING_EFFORT = "medium"
 
 
 def _tool_spec(tool: Any) -> dict:
@@ -360,7 +365,7 @@ def render_prompt(
     messages: list[dict],
     *,
     tools: list[dict] | None = None,
-    reasoning_effort: str = "medium",
+    reasoning_effort: str = DEFAULT_REASONING_EFFORT,
     developer_instructions: str | None = None,
     conversation_start_date: str | None = None,
 ) -> list[int]:
@@ -388,8 +393,8 @@ def render_prompt(
         ToolDescription,
     )
 
-    if reasoning_effort not in _EFFORTS:
-        raise ValueError(f"reasoning_effort must be one of {_EFFORTS}, got {reasoning_effort!r}")
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {reasoning_effort!r}")
     if not messages:
         raise ValueError("render_prompt needs at least one message")
     messages = list(messages)

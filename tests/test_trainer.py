@@ -9,6 +9,7 @@ run the real embedded engine and the SGLang-protocol HTTP server.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 
@@ -841,7 +842,7 @@ def test_padding_free_loss_and_gradients_equal_padded(tmp_path, tokenizer, attn,
         tmp_path, tokenizer, model=model, attn_implementation=attn, per_device_train_batch_size=6,
         num_generations=2, vllm_importance_sampling_correction=False,
     )  # fmt: skip
-    assert trainer.padding_free  # the default where the attention implementation honours packed positions
+    assert trainer.resolved.padding_free  # the default where the attention implementation honours packed positions
     assert trainer.aux_loss_enabled
     trainer.current_gradient_accumulation_steps = 1
     g = torch.Generator().manual_seed(0)
@@ -861,7 +862,7 @@ def test_padding_free_loss_and_gradients_equal_padded(tmp_path, tokenizer, attn,
     policy.train()
     results = {}
     for packed in (False, True):
-        trainer.padding_free = packed
+        trainer.resolved = dataclasses.replace(trainer.resolved, padding_free=packed)
         policy.zero_grad(set_to_none=True)
         loss = trainer._compute_loss(policy, dict(inputs))
         loss.backward()
@@ -905,7 +906,11 @@ def test_cpu_defaults_fall_back(tmp_path, tokenizer):
     assert config.checkpoint_experts_max_tokens is None and config.checkpoint_projections_max_tokens is None
     assert config.liger_rms_norm is None and config.fused_rope is None and config.padding_free is None
     trainer, _ = scripted_trainer(tmp_path, tokenizer, max_steps=1)
-    assert (trainer.liger_rms_norm, trainer.fused_rope, trainer.padding_free) == (False, False, True)
+    resolved = trainer.resolved
+    assert (resolved.liger_rms_norm, resolved.fused_rope, resolved.padding_free) == (False, False, True)
+    assert resolved.chunked_logprobs and resolved.routing_shape == (2, 2, 4)  # "auto" log-probs; the tiny MoE
+    with pytest.raises(dataclasses.FrozenInstanceError):  # resolved once: the trainer's forwards all see the same
+        resolved.padding_free = False
     trainer.train()
     assert math.isfinite(_logged(trainer, "loss")[0])
     with pytest.raises(ValueError, match="liger_rms_norm=True needs a CUDA device"):

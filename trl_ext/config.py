@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .weight_sync.settings import DEFAULT_SGLANG_VERIFY, SYNC_MODES, VERIFY_MODES
+from hf_gptoss_rl.harmony import DEFAULT_REASONING_EFFORT, REASONING_EFFORTS
+
+from .rollout import settings as rollout_defaults
+from .weight_sync.settings import DEFAULT_SGLANG_VERIFY, PAUSE_MODES, SYNC_MODES, VERIFY_MODES, WeightSyncConfig
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
-WEIGHT_SYNC_PAUSE_MODES = ("retract", "abort", "in_place", "none")
-REASONING_EFFORTS = ("low", "medium", "high")
+WEIGHT_SYNC_PAUSE_MODES = tuple("none" if mode is None else mode for mode in PAUSE_MODES)  # "none" on the CLI
 LOGPROBS_IMPLEMENTATIONS = ("auto", "chunked", "trl")
 
 
@@ -229,8 +231,10 @@ class AgenticGRPOConfig(GRPOConfig):
     sglang_urls: list[str] | None = field(
         default=None, metadata={"help": "Base URLs of the SGLang servers (rollout_backend='sglang')."}
     )
+    # The defaults of the fields that configure a component are that component's own (`WeightSyncConfig`,
+    # `trl_ext.rollout.settings`); `trl_ext.trainer_args` builds the components from these fields.
     weight_sync_mode: str = field(
-        default="disk", metadata={"help": "SGLang weight sync: 'disk', 'distributed' or 'tensor'."}
+        default=WeightSyncConfig.mode, metadata={"help": "SGLang weight sync: 'disk', 'distributed' or 'tensor'."}
     )
     weight_sync_dir: str | None = field(
         default=None, metadata={"help": "Folder for 'disk' weight sync (default <output_dir>/rollout_weights)."}
@@ -243,48 +247,67 @@ class AgenticGRPOConfig(GRPOConfig):
         metadata={"help": "Checks after each sync: version, checksum, logprobs (SGLang default: version,checksum)."},
     )
     weight_sync_checkpoint: str | None = field(
-        default=None, metadata={"help": "Local copy of the served checkpoint: the tensor names the servers load."}
+        default=WeightSyncConfig.checkpoint_path,
+        metadata={"help": "Local copy of the served checkpoint: the tensor names the servers load."},
     )
     weight_sync_probe_atol: float = field(
-        default=0.05, metadata={"help": "'logprobs' check: absolute part of the mean |log-prob difference| allowed."}
+        default=WeightSyncConfig.probe_atol,
+        metadata={"help": "'logprobs' check: absolute part of the mean |log-prob difference| allowed."},
     )
     weight_sync_probe_rtol: float = field(
-        default=0.01,
+        default=WeightSyncConfig.probe_rtol,
         metadata={"help": "'logprobs' check: relative part (times the mean |trainer log-prob| of the probe)."},
     )
     weight_sync_probe_margin: float = field(
-        default=3.0, metadata={"help": "'logprobs' check: tolerance = margin x the difference at the first sync."}
+        default=WeightSyncConfig.probe_margin,
+        metadata={"help": "'logprobs' check: tolerance = margin x the difference at the first sync."},
     )
     weight_sync_pause_mode: str = field(
-        default="retract", metadata={"help": "Pause mode around syncs: retract, abort, in_place or none."}
+        default=WeightSyncConfig.pause_mode or "none",
+        metadata={"help": "Pause mode around syncs: retract, abort, in_place or none."},
     )
     weight_sync_master_address: str = field(
-        default="127.0.0.1", metadata={"help": "'distributed' sync: trainer address the servers connect to."}
+        default=WeightSyncConfig.dist_master_address,
+        metadata={"help": "'distributed' sync: trainer address the servers connect to."},
     )
     weight_sync_master_port: int | None = field(
-        default=None, metadata={"help": "'distributed' sync: rendezvous port (a free one by default)."}
+        default=WeightSyncConfig.dist_master_port,
+        metadata={"help": "'distributed' sync: rendezvous port (a free one by default)."},
     )
-    weight_sync_bucket_mb: int = field(default=1024, metadata={"help": "Most MB per broadcast / tensor call."})
+    weight_sync_bucket_mb: int = field(
+        default=WeightSyncConfig.bucket_bytes >> 20, metadata={"help": "Most MB per broadcast / tensor call."}
+    )
     sglang_api_key: str | None = field(
         default=None, metadata={"help": "Bearer token of the SGLang servers (default: $SGLANG_API_KEY)."}
     )
-    sglang_timeout_s: float = field(default=600.0, metadata={"help": "Overall deadline of one SGLang request."})
+    sglang_timeout_s: float = field(
+        default=rollout_defaults.SGLANG_TIMEOUT_S, metadata={"help": "Overall deadline of one SGLang request."}
+    )
     sglang_retry_deadline_s: float = field(
-        default=120.0, metadata={"help": "How long failed SGLang requests are retried (spans a restart)."}
+        default=rollout_defaults.SGLANG_RETRY_DEADLINE_S,
+        metadata={"help": "How long failed SGLang requests are retried (spans a restart)."},
     )
     sglang_ready_timeout_s: float = field(
-        default=600.0, metadata={"help": "Start-up wait for every SGLang server to answer /health."}
+        default=rollout_defaults.SGLANG_READY_TIMEOUT_S,
+        metadata={"help": "Start-up wait for every SGLang server to answer /health."},
     )
     sglang_log_every_s: float = field(
-        default=30.0, metadata={"help": "Period of log lines while waiting for SGLang servers / requests."}
+        default=rollout_defaults.SGLANG_LOG_EVERY_S,
+        metadata={"help": "Period of log lines while waiting for SGLang servers / requests."},
     )
     max_turns: int | None = field(
         default=None,
         metadata={"help": "Most assistant turns per trajectory (default: max_tool_calling_iterations + 1, else 8)."},
     )
-    tool_timeout_s: float = field(default=30.0, metadata={"help": "Wall-clock limit of one tool call (seconds)."})
-    max_tool_output_chars: int = field(default=4096, metadata={"help": "Tool output truncation length."})
-    rollout_concurrency: int = field(default=64, metadata={"help": "Concurrent trajectories per process."})
+    tool_timeout_s: float = field(
+        default=rollout_defaults.TOOL_TIMEOUT_S, metadata={"help": "Wall-clock limit of one tool call (seconds)."}
+    )
+    max_tool_output_chars: int = field(
+        default=rollout_defaults.MAX_TOOL_OUTPUT_CHARS, metadata={"help": "Tool output truncation length."}
+    )
+    rollout_concurrency: int = field(
+        default=rollout_defaults.MAX_CONCURRENCY, metadata={"help": "Concurrent trajectories per process."}
+    )
     allow_stale_rollouts: bool = field(
         default=False,
         metadata={
@@ -292,7 +315,9 @@ class AgenticGRPOConfig(GRPOConfig):
             "rollout/stale_trajectories) instead of stopping with an error."
         },
     )
-    reasoning_effort: str = field(default="medium", metadata={"help": "Harmony reasoning effort: low|medium|high."})
+    reasoning_effort: str = field(
+        default=DEFAULT_REASONING_EFFORT, metadata={"help": "Harmony reasoning effort: low|medium|high."}
+    )
     developer_instructions: str | None = field(default=None, metadata={"help": "Harmony developer instructions."})
     mismatch_token_threshold: float = field(
         default=0.1, metadata={"help": "|p_rollout - p_train| threshold of mismatch/frac_tokens_over_threshold."}
@@ -475,7 +500,7 @@ class AgenticGRPOConfig(GRPOConfig):
         if iterations is not None and iterations < 0:
             raise ValueError(f"max_tool_calling_iterations must be >= 0, got {iterations}.")
         if self.max_turns is None:
-            self.max_turns = 8 if iterations is None else iterations + 1
+            self.max_turns = rollout_defaults.MAX_TURNS if iterations is None else iterations + 1
         elif iterations is not None and self.max_turns != iterations + 1:
             raise ValueError(
                 f"max_turns={self.max_turns} and max_tool_calling_iterations={iterations} disagree: N tool-calling "

@@ -1,14 +1,15 @@
 """Policy preparation: what `AgenticGRPOTrainer` does to the policy model around TRL's `GRPOTrainer.__init__`.
 
-Before it: the attention / experts implementations (`apply_model_implementations`). After it (`prepare_policy`,
-the policy loaded and on its device): the fused layers (Liger RMSNorm, fused RoPE), the LoRA casts and fused LoRA
-update, selective gradient checkpointing (`checkpoint_saves`), and the chunked log-prob head; plus the decision
-whether the log-prob forwards run packed (`padding_free`).
+Before it: the attention / experts implementations (`apply_model_implementations`). After it, the policy loaded and
+on its device: the config's automatic settings resolved (`resolve_auto_settings`: fused layers, packed forwards,
+chunked log-probs, the routing record), then `prepare_policy`: the fused layers (Liger RMSNorm, fused RoPE), the
+LoRA casts and fused LoRA update, selective gradient checkpointing (`checkpoint_saves`) and the chunked log-prob head.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import is_peft_model
@@ -18,20 +19,54 @@ from .config import AgenticGRPOConfig
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """The config's automatic settings (`None` / `"auto"`) as this trainer runs them (`resolve_auto_settings`)."""
+
+    liger_rms_norm: bool
+    fused_rope: bool
+    padding_free: bool
+    """Whether the log-prob forwards run packed."""
+    chunked_logprobs: bool
+    """`logprobs_implementation` "auto" or "chunked": the project's chunked head replaces TRL's fused one."""
+    routing_shape: tuple[int, int, int] | None
+    """(MoE layers, top_k, experts) when the rollouts can record GPT-OSS routing, else None."""
+
+
+def resolve_auto_settings(trainer, args: AgenticGRPOConfig) -> ResolvedSettings:
+    """Resolve every automatic setting that depends on the policy, its device or the installed kernels, once, after
+    TRL's `GRPOTrainer.__init__` (the policy loaded and on its device). An explicit `True` that cannot hold is an
+    error naming why (`liger_rms_norm`, `padding_free`, `routing_replay`).
+
+    Resolved elsewhere, each for a reason: `max_turns` and `weight_sync_verify` in `AgenticGRPOConfig.__post_init__`
+    (from other fields alone, and visible on the saved arguments); `weight_sync_dir` and `sglang_api_key` where the
+    components are built (`trl_ext.trainer_args`); the `checkpoint_*_max_tokens` bounds at each
+    `gradient_checkpointing_enable` (`resolve_checkpoint_max_tokens`: the free GPU memory changes once the embedded
+    engine holds its copy); whether routing is replayed, from what the engine returns (the SGLang servers are asked
+    when the engine is built, and each batch says whether it carries routing).
+    """
+    liger_rms_norm, fused_rope = _resolve_fused_layers(trainer, args)
+    return ResolvedSettings(
+        liger_rms_norm=liger_rms_norm,
+        fused_rope=fused_rope,
+        padding_free=_resolve_padding_free(trainer, args),
+        chunked_logprobs=use_chunked_logprobs(args),
+        routing_shape=_resolve_routing_shape(trainer, args),
+    )
+
+
 def prepare_policy(trainer, args: AgenticGRPOConfig) -> None:
-    """Prepare `trainer.model` after TRL's `GRPOTrainer.__init__`; sets `trainer.liger_rms_norm`,
-    `trainer.fused_rope` and `trainer.padding_free`."""
-    trainer.liger_rms_norm, trainer.fused_rope = resolve_fused_layers(trainer, args)
+    """Prepare `trainer.model` after TRL's `GRPOTrainer.__init__`, as `trainer.resolved` says."""
+    resolved: ResolvedSettings = trainer.resolved
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    if trainer.liger_rms_norm:
+    if resolved.liger_rms_norm:
         from hf_gptoss_rl.fused_layers import apply_liger_gptoss_rms_norm
 
         apply_liger_gptoss_rms_norm(unwrapped)
-    if trainer.fused_rope:
+    if resolved.fused_rope:
         from hf_gptoss_rl.fused_layers import apply_fused_gptoss_rope
 
         apply_fused_gptoss_rope(unwrapped)
-    trainer.padding_free = resolve_padding_free(trainer, args)
     if is_peft_model(unwrapped):
         from hf_gptoss_rl.lora import fuse_lora_update, skip_autocast_undone_lora_casts
 
@@ -42,7 +77,7 @@ def prepare_policy(trainer, args: AgenticGRPOConfig) -> None:
             fuse_lora_update(unwrapped)
     if args.checkpoint_saves and selective_checkpointing_matches(trainer):
         install_selective_checkpointing(trainer)
-    if use_chunked_logprobs(args):
+    if resolved.chunked_logprobs:
         from hf_gptoss_rl.logprobs import add_chunked_logprob_head
 
         # Replaces TRL's fused head with the same call contract (`fused_lm_head=True`); see the config field.
@@ -172,7 +207,7 @@ def policy_model(trainer):
     return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
 
-def resolve_fused_layers(trainer, args: AgenticGRPOConfig) -> tuple[bool, bool]:
+def _resolve_fused_layers(trainer, args: AgenticGRPOConfig) -> tuple[bool, bool]:
     """`(liger_rms_norm, fused_rope)`: `None` means on for a GPT-OSS policy on CUDA with the kernel's library."""
     import importlib.util
 
@@ -194,7 +229,7 @@ def resolve_fused_layers(trainer, args: AgenticGRPOConfig) -> tuple[bool, bool]:
     return bool(liger), bool(rope)
 
 
-def resolve_padding_free(trainer, args: AgenticGRPOConfig) -> bool:
+def _resolve_padding_free(trainer, args: AgenticGRPOConfig) -> bool:
     """Whether the log-prob forwards run packed (see `AgenticGRPOConfig.padding_free`)."""
     reason = None
     from hf_gptoss_rl.packing import PACKED_MASK_ATTENTION, attention_honours_packing
@@ -209,7 +244,7 @@ def resolve_padding_free(trainer, args: AgenticGRPOConfig) -> bool:
             f"attn_implementation={attn!r} is not one that honours sequence boundaries given by position_ids "
             f"(supported: {sorted(PACKED_MASK_ATTENTION)}, flash-attention implementations and the sink kernel)"
         )
-    elif attn in PACKED_MASK_ATTENTION and not use_chunked_logprobs(trainer.args):
+    elif attn in PACKED_MASK_ATTENTION and not use_chunked_logprobs(args):
         # TRL's fused head hands the model's attention_mask to the router aux loss, which cannot take the
         # prepared per-layer masks these implementations need for a packed row
         reason = (
@@ -222,5 +257,21 @@ def resolve_padding_free(trainer, args: AgenticGRPOConfig) -> bool:
     return reason is None if args.padding_free is None else bool(args.padding_free)
 
 
+def _resolve_routing_shape(trainer, args: AgenticGRPOConfig) -> tuple[int, int, int] | None:
+    """(MoE layers, top_k, experts) when the rollouts can record GPT-OSS routing, else None."""
+    from hf_gptoss_rl.routing import RoutingError, routing_shape
+
+    shape = None
+    if trainer._harmony:
+        try:
+            shape = routing_shape(policy_model(trainer))
+        except RoutingError:
+            shape = None
+    if args.routing_replay and shape is None:
+        raise ValueError("routing_replay=True replays GPT-OSS MoE routing; this policy has no MoE routers")
+    return shape
+
+
 def use_chunked_logprobs(args) -> bool:
+    """`logprobs_implementation` "auto" is "chunked"."""
     return args.logprobs_implementation in ("auto", "chunked")

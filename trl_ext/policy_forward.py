@@ -36,7 +36,7 @@ def policy_logps_and_entropies(
             trainer, model, input_ids, attention_mask, logits_to_keep,
             compute_aux_loss=kw.get("compute_aux_loss", False), routing=routing,
         )  # fmt: skip
-    packed = trainer.padding_free and not a and all(kw.get(k) is None for k in kw if k not in PACKED_KWARGS)
+    packed = trainer.resolved.padding_free and not a and all(kw.get(k) is None for k in kw if k not in PACKED_KWARGS)
     if not packed and routing is None:
         return trl_forward(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
     if a:

@@ -138,7 +138,7 @@ def routing_layout(trainer, trajectories: list, out: dict[str, list]) -> dict[st
                 "record_routing (EmbeddedEngine(record_routing=True), SGLangEngine(record_routing=...))"
             )
         return None
-    layers, top_k, experts = trainer._routing_shape
+    layers, top_k, experts = trainer.resolved.routing_shape
     dtype = routing_dtype(experts)
     prompt_width = max(len(p) for p in out["prompt_ids"])
     completion_width = max(len(c) for c in out["completion_ids"])

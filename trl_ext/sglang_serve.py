@@ -182,7 +182,7 @@ def wait_until_ready(
     at the deadline."""
     from .rollout import SGLangEngine
 
-    engine = SGLangEngine(url, api_key=api_key, ready_timeout_s=max(timeout_s, 1.0), log_every_s=30.0)
+    engine = SGLangEngine(url, api_key=api_key, ready_timeout_s=max(timeout_s, 1.0))
     box: dict = {}
 
     def wait() -> None:

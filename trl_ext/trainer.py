@@ -22,8 +22,8 @@ What changes against TRL 1.16 (and why), each through the smallest hook:
 - Log-probs: `hf_gptoss_rl.logprobs` replaces TRL's fused head where TRL has no Triton (same call contract), and
   sequence parallelism (`sequence_parallel_size`) pools the micro-batches of an SP group for the loss forward.
 
-This class holds the hooks; each concern lives in a module of its own: `trainer_args` (argument checks),
-`policy` (policy preparation), `policy_forward` (the log-prob forward), `rollout_batch` (one generation's
+This class holds the hooks; each concern lives in a module of its own: `trainer_args` (argument checks, the rollout
+components built from the flat fields), `policy` (the automatic settings resolved, policy preparation), `policy_forward` (the log-prob forward), `rollout_batch` (one generation's
 rollouts, carried from `_rollout` through `_generate` to the loss), `rollout_correction` (mismatch metrics and IS
 correction), `rollout_sync` (weight sync and served versions).
 """
@@ -43,7 +43,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from .config import AgenticGRPOConfig
-from .policy import apply_model_implementations, policy_model, prepare_policy
+from .policy import apply_model_implementations, policy_model, prepare_policy, resolve_auto_settings
 from .policy_forward import (
     policy_logps_and_entropies,
     pool_sequence_parallel_inputs,
@@ -66,7 +66,16 @@ from .rollout_sync import (
     push_weights,
     sync_rollout_weights,
 )
-from .trainer_args import agentic_args, check_prompt_column, check_report_to, harmony_kwargs, model_type
+from .trainer_args import (
+    agent_loop_kwargs,
+    agentic_args,
+    check_prompt_column,
+    check_report_to,
+    harmony_kwargs,
+    model_type,
+    sglang_engine_kwargs,
+    weight_sync_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +204,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "FSDP on GPUs/accelerators only, not with use_cpu / --cpu. Launch on GPUs, or drop the FSDP config "
                 "(DDP: `torchrun` or `accelerate launch --cpu`)."
             )
-        prepare_policy(self, args)  # after super().__init__: the policy is loaded and on its device
+        # after super().__init__: the policy is loaded and on its device
+        self.resolved = resolve_auto_settings(self, args)
+        prepare_policy(self, args)
 
         from .rollout import AgentLoop
         from .rollout.types import sampling_params_from_config
@@ -204,13 +215,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.agent_tools = [t if isinstance(t, Tool) else FunctionTool(t) for t in (tools or [])]
         # harmony: <|return|> / <|call|>; other models: TRL's end-of-completion ids (tokenizer and generation config)
         sampling = sampling_params_from_config(args, stop_token_ids=None if self._harmony else self.eos_token_ids)
-        self._routing_shape = self._resolve_routing_shape(args)
         self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
         # after the engine's copy of the policy: the hooks serve the trainer's routers only
         self.routing_replay = None
         self._replay_flip = False  # True during the extra pass of `routing_mismatch_every`
         self._rollout_batch: RolloutBatch | None = None  # the generation in flight, from `_rollout` to the loss
-        if self._routing_shape is not None:
+        if self.resolved.routing_shape is not None:
             from hf_gptoss_rl.routing import RoutingReplay
 
             self.routing_replay = RoutingReplay(policy_model(self))
@@ -223,11 +233,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self.rollout_engine,
             self.agent_tools,
             sampling=sampling,
-            max_turns=args.max_turns,
-            max_completion_tokens=args.max_completion_length,
-            max_tool_output_chars=args.max_tool_output_chars,
-            tool_timeout_s=args.tool_timeout_s,
-            max_concurrency=args.rollout_concurrency,
+            **agent_loop_kwargs(args),
             turn_format="harmony" if self._harmony else "plain",
             progress=not args.disable_tqdm and self.accelerator.is_local_main_process,
         )
@@ -263,10 +269,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 self.accelerator.unwrap_model(self.model),
                 pad_token_id=self._tokenizer.pad_token_id,
                 seed=args.seed + self.accelerator.process_index,
-                record_routing=self._routing_shape is not None,
+                record_routing=self.resolved.routing_shape is not None,
             )
         from .rollout import SGLangEngine
-        from .weight_sync import WeightSyncConfig
 
         policy = self.accelerator.unwrap_model(self.model)
         if args.weight_sync_lora and not is_peft_model(policy):
@@ -276,30 +281,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "weight_sync_verify 'logprobs' scores the probe with the unwrapped policy on the main process, which "
                 "FSDP shards; use 'version' and 'checksum' with FSDP"
             )
-        sync = WeightSyncConfig(
-            mode=args.weight_sync_mode,
-            verify=tuple(args.weight_sync_verify),
-            checkpoint_path=args.weight_sync_checkpoint,
-            pause_mode=None if args.weight_sync_pause_mode == "none" else args.weight_sync_pause_mode,
-            weight_dir=args.weight_sync_dir or os.path.join(args.output_dir, "rollout_weights"),
-            model_config=policy.get_base_model().config if is_peft_model(policy) else policy.config,
-            bucket_bytes=args.weight_sync_bucket_mb << 20,
-            dist_master_address=args.weight_sync_master_address,
-            dist_master_port=args.weight_sync_master_port,
-            probe_atol=args.weight_sync_probe_atol,
-            probe_rtol=args.weight_sync_probe_rtol,
-            probe_margin=args.weight_sync_probe_margin,
-        )
+        routing_shape = self.resolved.routing_shape
         engine = SGLangEngine(
-            args.sglang_urls,
-            weight_sync=sync,
-            max_concurrency=args.rollout_concurrency,
-            timeout_s=args.sglang_timeout_s,
-            retry_deadline_s=args.sglang_retry_deadline_s,
-            ready_timeout_s=args.sglang_ready_timeout_s,
-            log_every_s=args.sglang_log_every_s,
-            api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None,
-            record_routing=self._routing_shape if args.routing_replay else None,
+            **sglang_engine_kwargs(args),
+            weight_sync=weight_sync_config(args, policy_model(self).config),
+            record_routing=routing_shape if args.routing_replay else None,
         )
         # Fail here, with each unreachable URL and its last error, rather than abort every trajectory of step 1.
         engine.check_servers()
@@ -312,31 +298,17 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 rank=max([peft_config.r, *(peft_config.rank_pattern or {}).values()]),
                 target_modules=_lora_module_names(policy),
             )
-        if self._routing_shape is not None and not args.routing_replay:
+        if routing_shape is not None and not args.routing_replay:
             from hf_gptoss_rl.routing import RoutingError
 
             from .rollout.sglang import check_routing_servers
 
             try:  # servers that can return routing do: `routing/agreement` is logged, replay off
                 check_routing_servers(engine.run(engine.weight_sync.server_states()))
-                engine.record_routing = self._routing_shape
+                engine.record_routing = routing_shape
             except RoutingError:
                 pass
         return engine
-
-    def _resolve_routing_shape(self, args) -> tuple[int, int, int] | None:
-        """(MoE layers, top_k, experts) when the rollouts can record GPT-OSS routing, else None."""
-        from hf_gptoss_rl.routing import RoutingError, routing_shape
-
-        shape = None
-        if self._harmony:
-            try:
-                shape = routing_shape(policy_model(self))
-            except RoutingError:
-                shape = None
-        if args.routing_replay and shape is None:
-            raise ValueError("routing_replay=True replays GPT-OSS MoE routing; this policy has no MoE routers")
-        return shape
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -468,7 +440,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         fields = rollout_fields(trajectories, self._tokenizer, harmony=self._harmony)
         log_rollout_metrics(self, fields)
         self._check_served_versions(trajectories)
-        routing = routing_layout(self, trajectories, fields) if self._routing_shape is not None else None
+        routing = routing_layout(self, trajectories, fields) if self.resolved.routing_shape is not None else None
         self._rollout_batch = RolloutBatch(fields, completions=completions, routing=routing)
         return fields
 

@@ -1,16 +1,22 @@
-"""What `AgenticGRPOTrainer` checks and derives from its arguments before TRL's `GRPOTrainer.__init__`: the config
+"""What `AgenticGRPOTrainer` checks and derives from its arguments: before TRL's `GRPOTrainer.__init__`, the config
 (a plain `GRPOConfig` upgraded), harmony's rendering arguments, the model type, the datasets' prompt column and the
-logging backends, each refused with a message that names the problem."""
+logging backends, each refused with a message that names the problem; after it, the rollout components built from
+the flat fields (`weight_sync_config`, `sglang_engine_kwargs`, `agent_loop_kwargs`: the one place each field reaches
+its component)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from trl import GRPOConfig
 from trl.trainer.utils import get_config_model_id
 
-from .config import REASONING_EFFORTS, AgenticGRPOConfig
+from hf_gptoss_rl.harmony import DEFAULT_REASONING_EFFORT, REASONING_EFFORTS
+
+from .config import AgenticGRPOConfig
+from .weight_sync.settings import WeightSyncConfig
 
 
 def agentic_args(model, args) -> AgenticGRPOConfig:
@@ -58,7 +64,7 @@ def harmony_kwargs(args: AgenticGRPOConfig) -> dict[str, Any]:
         )
     for key, value in template_kwargs.items():
         configured = kwargs.get(key)
-        default = {"reasoning_effort": "medium"}.get(key)
+        default = {"reasoning_effort": DEFAULT_REASONING_EFFORT}.get(key)
         if configured not in (None, default, value):
             raise ValueError(
                 f"chat_template_kwargs[{key!r}]={value!r} disagrees with {key}={configured!r}; set only one."
@@ -67,6 +73,51 @@ def harmony_kwargs(args: AgenticGRPOConfig) -> dict[str, Any]:
     if kwargs["reasoning_effort"] not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {kwargs['reasoning_effort']!r}.")
     return kwargs
+
+
+def weight_sync_config(args: AgenticGRPOConfig, model_config) -> WeightSyncConfig:
+    """The `WeightSyncConfig` of the `weight_sync_*` fields (`weight_sync_lora` picks what the trainer pushes, not
+    how it travels); `model_config` is written next to the weights of a disk sync."""
+    return WeightSyncConfig(
+        mode=args.weight_sync_mode,
+        verify=tuple(args.weight_sync_verify),
+        checkpoint_path=args.weight_sync_checkpoint,
+        pause_mode=None if args.weight_sync_pause_mode == "none" else args.weight_sync_pause_mode,
+        weight_dir=args.weight_sync_dir or os.path.join(args.output_dir, "rollout_weights"),
+        model_config=model_config,
+        bucket_bytes=args.weight_sync_bucket_mb << 20,
+        dist_master_address=args.weight_sync_master_address,
+        dist_master_port=args.weight_sync_master_port,
+        probe_atol=args.weight_sync_probe_atol,
+        probe_rtol=args.weight_sync_probe_rtol,
+        probe_margin=args.weight_sync_probe_margin,
+    )
+
+
+def sglang_engine_kwargs(args: AgenticGRPOConfig) -> dict[str, Any]:
+    """`SGLangEngine` keywords of `sglang_urls`, the `sglang_*` fields and `rollout_concurrency`; the API key falls
+    back to `$SGLANG_API_KEY`."""
+    return {
+        "base_urls": args.sglang_urls,
+        "max_concurrency": args.rollout_concurrency,
+        "timeout_s": args.sglang_timeout_s,
+        "retry_deadline_s": args.sglang_retry_deadline_s,
+        "ready_timeout_s": args.sglang_ready_timeout_s,
+        "log_every_s": args.sglang_log_every_s,
+        "api_key": args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None,
+    }
+
+
+def agent_loop_kwargs(args: AgenticGRPOConfig) -> dict[str, Any]:
+    """`AgentLoop` limits of the config: turns, TRL's `max_completion_length` (the whole trajectory's token
+    budget), tool output and time, concurrency."""
+    return {
+        "max_turns": args.max_turns,
+        "max_completion_tokens": args.max_completion_length,
+        "max_tool_output_chars": args.max_tool_output_chars,
+        "tool_timeout_s": args.tool_timeout_s,
+        "max_concurrency": args.rollout_concurrency,
+    }
 
 
 def model_type(model, args) -> str | None:

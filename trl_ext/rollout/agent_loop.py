@@ -51,6 +51,7 @@ from hf_gptoss_rl.routing import RoutingError
 from .._async import run_sync
 from ..tools import Tool, ToolError
 from .engine import RolloutEngine
+from .settings import MAX_CONCURRENCY, MAX_TOOL_OUTPUT_CHARS, MAX_TURNS, TOOL_TIMEOUT_S
 from .types import GenerationOutput, SamplingParams, ToolCallRecord, Trajectory, rollout_seed
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,11 @@ class AgentLoop:
         tools: list[Tool] | None = None,
         *,
         sampling: SamplingParams,
-        max_turns: int = 8,
+        max_turns: int = MAX_TURNS,
         max_completion_tokens: int = 2048,
-        max_tool_output_chars: int = 4096,
-        tool_timeout_s: float = 30.0,
-        max_concurrency: int = 64,
+        max_tool_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
+        tool_timeout_s: float = TOOL_TIMEOUT_S,
+        max_concurrency: int = MAX_CONCURRENCY,
         turn_format: str = "harmony",
         progress: bool = False,
     ) -> None:

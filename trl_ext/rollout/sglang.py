@@ -48,6 +48,13 @@ from ..weight_sync import LoRAAdapter, WeightSyncConfig
 from ..weight_sync.offline import SGLangOfflineWeightSync
 from ..weight_sync.sglang import SGLangHTTPWeightSync
 from .engine import RolloutEngine, validate_input_ids
+from .settings import (
+    MAX_CONCURRENCY,
+    SGLANG_LOG_EVERY_S,
+    SGLANG_READY_TIMEOUT_S,
+    SGLANG_RETRY_DEADLINE_S,
+    SGLANG_TIMEOUT_S,
+)
 from .types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -275,15 +282,15 @@ class SGLangEngine(RolloutEngine):
         base_urls: str | list[str],
         *,
         weight_sync: WeightSyncConfig | None = None,
-        max_concurrency: int = 64,
-        timeout_s: float = 600.0,
+        max_concurrency: int = MAX_CONCURRENCY,
+        timeout_s: float = SGLANG_TIMEOUT_S,
         connect_timeout_s: float = 10.0,
-        retry_deadline_s: float = 120.0,
+        retry_deadline_s: float = SGLANG_RETRY_DEADLINE_S,
         max_retries: int | None = None,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
-        ready_timeout_s: float = 600.0,
-        log_every_s: float = 30.0,
+        ready_timeout_s: float = SGLANG_READY_TIMEOUT_S,
+        log_every_s: float = SGLANG_LOG_EVERY_S,
         api_key: str | None = None,
         record_routing: tuple[int, int, int] | None = None,
     ) -> None:

@@ -1,7 +1,7 @@
 """Weight-sync settings: the modes, the checks, and `WeightSyncConfig`, the one place they are set.
 
 Importing this module imports neither torch nor an engine: `AgenticGRPOConfig` validates its fields against the
-tuples below.
+tuples below, and its `weight_sync_*` fields take their defaults from `WeightSyncConfig`.
 """
 
 from __future__ import annotations
