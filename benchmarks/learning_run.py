@@ -1,37 +1,15 @@
 # Copyright 2026 The hf_gptoss_rl authors. Apache-2.0.
 """Learning run of agentic GRPO on GSM8K: the trainer's attention with and without the sinks, over several seeds.
 
-`docs/results.md` (section 2) describes the run and how to read its report. In short: one small GPT-OSS (the real
-201,088-id harmony vocabulary, random init with per-head sink logits ~ N(1, 1.5²) as in `mismatch_study.py`)
-
-1. is warmed up once (`trl_ext.cold_start.cold_start` on scripted `code_interpreter` trajectories of up to
-   `--cold-start-problems` training problems, exact-sink eager attention, fp32); every arm and seed starts there;
-2. rolls out on `--rollout-backend`: `embedded` (`trl_ext.rollout.EmbeddedEngine`, eager attention with exact
-   sinks) or `sglang` (a server launched here on the warm-up's weights, synced by disk after every optimizer step
-   and verified by version and checksum; `--disable-cuda-graph` opts out of CUDA graphs and is recorded);
-3. passes the checks before the arms, each of which fails the script: the **sink control** (weights with sinks
-   shifted by `--control-sink-shift` are pushed; the engine's log-probs of its own samples must be
-   `--control-margin` times closer to the trainer with sinks than without) and the **policy window**
-   (`--policy-check`: sampled accuracy on the practised slice in `--accuracy-window`, tool-call rate in
-   `--tool-rate-window`);
-4. trains each arm of `--arms` for every seed of `--seeds` on identical prompts; only the trainer's attention differs:
-   `sink_kernel` (the project's kernel with the sink gradient; `--kernel-route direct`: its sources through
-   `AttentionInterface` as `sink_kernel_span`, every row's valid tokens packed into one varlen call per layer),
-   `frozen_sinks` (the same kernel, sinks frozen) and `sink_dropping` (eager attention without the sink column).
-   Per optimizer step it logs reward and its in-group spread, tool use, gradient norm, clip fraction, the
-   mismatch against the engine's log-probs, the served version and the times; every `--eval-every` steps the
-   sampled accuracy on `--eval-slice` practised problems;
-5. scores greedy accuracy on the practised problems and on `--eval-file` (held out) before RL and after each run.
-
-`--precision bf16` keeps fp32 master weights under bf16 autocast with a bf16 engine (SGLang `--dtype bfloat16`).
-
-Writes `learning_run.{md,png,json}` (`learning_run_sglang.*` with `--rollout-backend sglang`) into `--out` after
-every run, so that a script stopped part-way leaves a report of the runs that finished (marked partial). Exits
-non-zero when a check fails, a run finished no optimizer step, logged a non-finite loss, or never had reward variance
-inside a group (`--require-reward-signal`). Splitting the grid: `--save-warm-start DIR` saves the warm-up once,
-`--warm-start DIR` starts a process's runs from it (its SHA-256 is in the report), `--merge A.json B.json ...`
-renders one report from theirs, refusing parts whose settings or warm start differ
-(`scripts/learning_run_sglang.sh` runs the whole grid that way).
+`docs/results.md` (section 2) describes the run, its checks and how to read the report. One small GPT-OSS (random
+init, per-head sink logits ~ N(1, 1.5²)) is warmed up once (`trl_ext.cold_start` on scripted `code_interpreter`
+trajectories); every arm (`--arms`: `sink_kernel`, `frozen_sinks`, `sink_dropping`, which differ only in the
+trainer's attention) then runs for every seed of `--seeds` from those weights, with rollouts on `--rollout-backend`
+(`embedded`, or an SGLang server launched here and synced after every optimizer step). Before the arms, the sink
+control (the engine must follow the trainer with sinks, not without) and the policy window (`--policy-check`) must
+pass. Writes `learning_run.{md,png,json}` (`learning_run_sglang.*` with SGLang) into `--out` after every run (a
+stopped script leaves a partial report) and exits non-zero when a check or a run fails. `--save-warm-start`,
+`--warm-start` and `--merge` split the grid over processes (`scripts/learning_run_sglang.sh`).
 
     python benchmarks/learning_run.py --out results                              # GPU, embedded engine
     python benchmarks/learning_run.py --rollout-backend sglang \\
@@ -144,8 +122,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", default=None, choices=["fp32", "bf16"],
                    help="fp32 end to end, or fp32 master weights under bf16 autocast with a bf16 engine (default: fp32 "
                    "with the embedded engine, bf16 with SGLang)")  # fmt: skip
-    p.add_argument("--kernel-route", default="direct", choices=["auto", "hub", "direct"],
-                   help="how the project's kernel is selected: kernels hub id, or its sources (direct)")  # fmt: skip
     p.add_argument("--cold-start-steps", type=int, default=800)
     p.add_argument("--cold-start-batch", type=int, default=16, help="trajectories per warm-up step")
     p.add_argument("--cold-start-target-nll", type=float, default=0.015,
@@ -219,23 +195,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.precision is None:
         args.precision = "bf16" if args.rollout_backend == "sglang" else "fp32"
     return args
-
-
-# %% The project's kernel without `kernels`: its sources on the batch's valid tokens, packed ----------------------
-def project_kernel_attention(route: str) -> tuple[str, str]:
-    """The attn_implementation name that runs the project's kernel here, and how it was obtained."""
-    from hf_gptoss_rl.attention_variants import register_span_kernel_attention, setup_project_attention
-
-    reason = "--kernel-route direct"
-    if route != "direct":
-        try:
-            return setup_project_attention("hub")
-        except Exception as e:  # `kernels` missing / unusable
-            if route == "hub":
-                raise
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-    how = f"kernel sources via AttentionInterface, valid tokens packed into one varlen call ({reason})"
-    return register_span_kernel_attention(), how
 
 
 # %% Rollout engines ----------------------------------------------------------------------------------------------------
@@ -360,6 +319,7 @@ def sink_control(rollouts: Rollouts, warm_model, prompts: list[list[int]], args)
 
     from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
     from trl_ext.rollout import SamplingParams, run_sync
+    from trl_ext.weight_sync.verify import reference_logprobs
 
     control = copy.deepcopy(warm_model).float()
     with torch.no_grad():
@@ -368,21 +328,18 @@ def sink_control(rollouts: Rollouts, warm_model, prompts: list[list[int]], args)
                 param.add_(args.control_sink_shift)
     engine = rollouts.engine_with(control, seed=0)
     outputs = run_sync(engine.generate_batch(prompts, SamplingParams(max_new_tokens=32, temperature=1.0)))
+    if not any(o.output_ids for o in outputs):
+        raise RuntimeError("sink control: the engine returned no tokens for any prompt")
     distances = {}
     for label, attention in (("with_sinks", "eager"), ("without_sinks", register_sink_dropping_attention())):
         control.set_attn_implementation(attention)
-        diffs = []
-        with torch.no_grad():
-            for ids, out in zip(prompts, outputs):
-                if not out.output_ids:
-                    continue
-                full = torch.tensor([ids + list(out.output_ids)], device=next(control.parameters()).device)
-                logits = control(input_ids=full).logits[0, len(ids) - 1 : -1].float()
-                trainer = logits.log_softmax(-1).gather(-1, full[0, len(ids) :, None])[:, 0].cpu()
-                diffs.append((trainer - torch.tensor(out.logprobs, dtype=torch.float32)).abs())
-        if not diffs:
-            raise RuntimeError("sink control: the engine returned no tokens for any prompt")
-        distances[label] = torch.cat(diffs).mean().item()
+        diffs = [  # the trainer's log-probs of the sampled tokens against the engine's
+            torch.tensor(reference_logprobs(control, ids + list(out.output_ids))[len(ids) - 1 :])
+            - torch.tensor(out.logprobs)
+            for ids, out in zip(prompts, outputs)
+            if out.output_ids
+        ]
+        distances[label] = torch.cat(diffs).abs().mean().item()
     if rollouts.engine is not None:  # the server goes back to the warm weights (verified)
         rollouts.push(warm_model, version=0)
     else:  # the embedded copy of the control weights is dropped; each run gets a fresh copy of the warm weights
@@ -1123,44 +1080,22 @@ def main(argv=None) -> dict:
     model.config.use_cache = True
     warm_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    result = {
-        "command": command_line("learning_run", argv),
-        "environment": environment(),
-        "setup": {
-            "model_size": args.model_size,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "precision": args.precision,
-            "rollout_backend": args.rollout_backend,
-            "arms": args.arms,
-            "seeds": args.seeds,
-            "init_seed": args.init_seed,
-            "cold_start_steps": args.cold_start_steps,
-            "cold_start_target_nll": args.cold_start_target_nll,
-            "cold_start_batch": args.cold_start_batch,
-            "cold_start_problems": len(practised),
-            "cold_start_seconds": cold_seconds,
-            "rl_problems": args.rl_problems,
-            "train_file_rows": full_train_rows,
-            "num_generations": args.num_generations,
-            "batch_size": args.batch_size,
-            "num_iterations": args.num_iterations,
-            "learning_rate": args.learning_rate,
-            "warmup_steps": args.warmup_steps,
-            "max_completion_length": args.max_completion_length,
-            "max_turns": args.max_turns,
-            "train_rows": len(train_dataset),
-            "eval_rows": len(eval_rows),
-            "eval_every": args.eval_every,
-            "eval_slice": len(rows["slice"]),
-            "steps_requested": args.steps,
-            "max_seconds": args.max_seconds,
-            "sink_init": [args.sink_mean, args.sink_std],
-            "warm_start": {"sha256": state_digest(warm_state), "loaded": bool(args.warm_start)},
-            "note": args.note,
-        },  # fmt: skip
-        "arms": {},
-        "check_failures": [],
-    }
+    setup = {
+        "model_size": args.model_size, "parameters": sum(p.numel() for p in model.parameters()),
+        "precision": args.precision, "rollout_backend": args.rollout_backend, "arms": args.arms, "seeds": args.seeds,
+        "init_seed": args.init_seed, "cold_start_steps": args.cold_start_steps,
+        "cold_start_target_nll": args.cold_start_target_nll, "cold_start_batch": args.cold_start_batch,
+        "cold_start_problems": len(practised), "cold_start_seconds": cold_seconds, "rl_problems": args.rl_problems,
+        "train_file_rows": full_train_rows, "num_generations": args.num_generations, "batch_size": args.batch_size,
+        "num_iterations": args.num_iterations, "learning_rate": args.learning_rate, "warmup_steps": args.warmup_steps,
+        "max_completion_length": args.max_completion_length, "max_turns": args.max_turns,
+        "train_rows": len(train_dataset), "eval_rows": len(eval_rows), "eval_every": args.eval_every,
+        "eval_slice": len(rows["slice"]), "steps_requested": args.steps, "max_seconds": args.max_seconds,
+        "sink_init": [args.sink_mean, args.sink_std],
+        "warm_start": {"sha256": state_digest(warm_state), "loaded": bool(args.warm_start)}, "note": args.note,
+    }  # fmt: skip
+    result = {"command": command_line("learning_run", argv), "environment": environment(), "setup": setup, "arms": {},
+              "check_failures": []}  # fmt: skip
     mark_missing_runs(result, args.arms, args.seeds)
     rollouts = Rollouts(args, device, Path(tempfile.mkdtemp(prefix="learning_run_rollouts_")))
     rollouts.pad_token_id = tokenizer.pad_token_id
@@ -1172,8 +1107,13 @@ def main(argv=None) -> dict:
         del model
         if not result["check_failures"]:
             kernel_attention = None
-            if kernel_arms:
-                kernel_attention, result["setup"]["kernel_route"] = project_kernel_attention(args.kernel_route)
+            if kernel_arms:  # the kernel's sources on every row's valid tokens, packed (fp32 stays fp32)
+                from hf_gptoss_rl.attention_variants import register_span_kernel_attention
+
+                kernel_attention = register_span_kernel_attention()
+                result["setup"]["kernel_route"] = (
+                    "kernel sources via AttentionInterface, valid tokens packed into one varlen call"
+                )
             ctx = {
                 "args": args, "device": device, "rollouts": rollouts, "tool": tool, "tokenizer": tokenizer,
                 "model_config": model_config, "warm_state": warm_state, "kernel_attention": kernel_attention,

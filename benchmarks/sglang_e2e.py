@@ -1,32 +1,22 @@
 """The whole product against a real SGLang server: rollouts, training with weight sync, rollout/training mismatch.
 
-Four phases, each with a deadline; a phase that fails is recorded (its error and the tail of the server's log) and
-the next one runs, and the report is rewritten after every phase, so a run that is killed still leaves what it
-measured. `docs/results.md` (section 4) describes the setup and how to read the report.
+`docs/results.md` (section 4) describes the setup and how to read the report. Four phases, each with a deadline;
+a phase that fails is recorded (its error and the tail of the server's log), the next one runs, and the report is
+rewritten after every phase:
 
-1. ``generate``: ``/generate`` with log-probs through `trl_ext.rollout.SGLangEngine` (tokens/s, finite log-probs,
-   radix-cache hits on a repeated batch), then multi-turn harmony rollouts of `trl_ext.rollout.AgentLoop` with the
-   sandboxed `code_interpreter` tool (turns, tool calls, finish reasons).
-2. ``trainer``: `trl_ext.AgenticGRPOTrainer` with ``rollout_backend="sglang"`` on a few GSM8K rows, for weight sync
-   ``disk``, ``tensor`` (CUDA IPC) and LoRA (the server relaunched with ``--enable-lora``), with
-   ``weight_sync_verify=["version", "checksum", "logprobs"]``; every sync (one before training, then one per step)
-   is timed apart from the steps, with the log-prob probe's mean/max |Δ logprob|.
-3. ``mismatch``: completions sampled by the server at temperature 1, scored by the trainer's log-prob path
-   (`benchmarks.mismatch_study`) with eager attention (sinks), eager without sinks, flex_attention and the
-   project's kernel, once per server configuration of `MISMATCH_CONFIGS`.
-4. ``sync_timing``: the median sync time per mode from phase 2, bytes moved, and the extrapolation to gpt-oss-20b.
+1. ``generate``: ``/generate`` with log-probs through `trl_ext.rollout.SGLangEngine`, a repeated batch (radix
+   cache), then multi-turn rollouts of `trl_ext.rollout.AgentLoop` with the sandboxed `code_interpreter` tool;
+2. ``trainer``: `trl_ext.AgenticGRPOTrainer` with ``rollout_backend="sglang"`` for weight sync ``disk``,
+   ``tensor`` and LoRA, every sync verified (version, checksum, log-prob probe) and timed apart from the steps;
+3. ``mismatch``: server samples scored by the trainer's log-prob path with four training attentions, once per
+   server configuration of `MISMATCH_CONFIGS`;
+4. ``sync_timing``: the median sync time per mode and its extrapolation to gpt-oss-20b by bytes.
 
-The model has gpt-oss-20b's layer shapes (``--layers`` of its 24) and random weights and sinks drawn as in
-`benchmarks.mismatch_study`, saved in bf16 (SGLang reads it with ``--skip-tokenizer-init``: no tokenizer files).
-A random policy never writes a tool call: ``--cold-start-steps N`` first fine-tunes it as the CPU demo does
-(`trl_ext.cold_start.cold_start` on ``code_interpreter`` demonstrations of ``--cold-start-problems`` GSM8K problems;
-the model and its optimizer are freed before the server starts), and the agent loop then runs on the practised
-problems. The cold start counts against ``--budget-s``.
-
-SGLang pins its own dependencies: install it in an environment of its own and point ``--server-cmd`` at it. The
-script launches one server per server configuration (`trl_ext.sglang_serve.ServerManager`) with `E2E_LAUNCH_FLAGS`,
-``--mem-fraction-static``, ``--server-args`` and the phase's own flags; CUDA graphs stay on unless
-``--disable-cuda-graph`` (recorded in ``meta.disable_cuda_graph``)::
+The model has gpt-oss-20b's layer shapes (``--layers`` of its 24), random weights as in `benchmarks.mismatch_study`,
+saved in bf16; ``--cold-start-steps N`` first fine-tunes it on ``code_interpreter`` demonstrations
+(`trl_ext.cold_start`, the CPU demo's settings) so that it calls the tool. SGLang runs from an environment of its
+own (``--server-cmd``), one server per configuration (`trl_ext.sglang_serve.ServerManager`) with `E2E_LAUNCH_FLAGS`,
+``--server-args`` and the phase's flags; CUDA graphs stay on unless ``--disable-cuda-graph`` (recorded)::
 
     python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang/bin/python -m sglang.launch_server" \\
         --cold-start-steps 40 --budget-s 900
