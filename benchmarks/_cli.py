@@ -217,11 +217,12 @@ def add_server_args(parser, *, server_cmd: str = "python3 -m sglang.launch_serve
 
 
 def server_manager(args, model_dir, logs_dir, launch_flags: list[str], log=print):
-    """The `trl_ext.sglang_serve.ServerManager` of a script's `add_server_args` flags (and ``--url`` where it has one)."""
+    """The `trl_ext.sglang_serve.ServerManager` of a script's `add_server_args` flags (and its ``--url`` and
+    ``--server-start-lock`` where it has them)."""
     from trl_ext.sglang_serve import ServerManager
 
     return ServerManager(
         args.server_cmd, model_dir, logs_dir, server_args=args.server_args, launch_flags=launch_flags,
         url=getattr(args, "url", None), port=args.port, mem_fraction_static=args.mem_fraction_static,
-        disable_cuda_graph=args.disable_cuda_graph, log=log,
+        disable_cuda_graph=args.disable_cuda_graph, log=log, start_lock=getattr(args, "server_start_lock", None),
     )  # fmt: skip

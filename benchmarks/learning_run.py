@@ -26,7 +26,6 @@ Full GSM8K (7,473 train / 1,319 test rows, MIT; `openai/gsm8k` on the Hub, confi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -227,8 +226,7 @@ class Rollouts:
         write_served_model(warm_model, model_dir, self.dtype)  # SGLang builds its layers in config.json's dtype
         dtype = str(self.dtype).removeprefix("torch.")
         self.server = server_manager(self.args, model_dir, self.work_dir / "logs", ["--dtype", dtype])
-        with start_lock(self.args.server_start_lock):
-            url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
+        url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
         launch = self.server.launches[-1]
         self.info.update(
             server_command=launch["command"], server_ready_s=launch.get("ready_s"), sglang_version=self.server.version,
@@ -277,23 +275,6 @@ class Rollouts:
             run_sync(self.engine.close())
         if self.server is not None:
             self.server.stop()
-
-
-@contextlib.contextmanager
-def start_lock(path: str | None):
-    """An exclusive lock on the file ``path`` (created if missing) for the duration of a ``with``; nothing without
-    a path."""
-    import fcntl
-
-    if not path:
-        yield
-        return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # %% Accuracy -----------------------------------------------------------------------------------------------------------

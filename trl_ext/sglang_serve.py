@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import shlex
 import signal
@@ -286,16 +287,19 @@ class ServerManager:
     Every launch is ``server_cmd --model-path MODEL_DIR --port P --host 127.0.0.1 --skip-tokenizer-init``, then
     ``launch_flags``, ``--mem-fraction-static``, ``server_args`` (``--disable-cuda-graph`` added once when asked)
     and the configuration's own ``flags``; `launches` records each (command, log, seconds to ready). Set `dirty`
-    when a trainer synced other weights into the server."""
+    when a trainer synced other weights into the server. ``start_lock`` names a file locked while a server starts:
+    processes that share a GPU then start theirs one at a time (SGLang sizes its KV cache from the memory free
+    during its own start)."""
 
     def __init__(
         self, server_cmd: str, model_dir, logs_dir, *, server_args: str = "", launch_flags=(), url: str | None = None,
         port: int | None = None, mem_fraction_static: float = 0.4, disable_cuda_graph: bool = False, log=print,
+        start_lock: str | os.PathLike | None = None,
     ) -> None:  # fmt: skip
         self.server_cmd, self.server_args, self.launch_flags = server_cmd, server_args, list(launch_flags)
         self.model_dir, self.logs_dir = Path(model_dir), Path(logs_dir)
         self.port, self.mem_fraction_static, self.disable_cuda_graph = port, mem_fraction_static, disable_cuda_graph
-        self.url, self.external, self.log = url, url is not None, log
+        self.url, self.external, self.log, self.start_lock = url, url is not None, log, start_lock
         self.process: ServerProcess | None = None
         self.flags: list[str] | None = None
         self.launches: list[dict] = []
@@ -337,8 +341,11 @@ class ServerManager:
         self.launches.append(record)
         self.log(f"launching server ({name}): {record['command']}")
         start = time.monotonic()
-        self.process.start()
-        self.version = self.process.wait_ready(timeout_s)
+        with open(self.start_lock, "a") if self.start_lock else contextlib.nullcontext() as lock:
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            self.process.start()
+            self.version = self.process.wait_ready(timeout_s)
         record.update(ready=True, ready_s=round(time.monotonic() - start, 1))
         self.log(f"server ready in {record['ready_s']} s")
         return self.url
