@@ -481,7 +481,6 @@ def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
         disable_tqdm=True, rollout_backend="sglang", sglang_urls=[url], sglang_ready_timeout_s=args.ready_timeout_s,
         sglang_timeout_s=120.0, sglang_retry_deadline_s=20.0, weight_sync_mode=args.lora_sync_mode if lora else mode,
         weight_sync_lora=lora, weight_sync_verify=["version", "checksum", "logprobs"],
-        weight_sync_probe_atol=args.probe_atol, weight_sync_probe_rtol=args.probe_rtol,
         weight_sync_dir=str(ctx.work_dir / f"weights_{mode}"),
     )  # fmt: skip
     peft_config = None
@@ -1024,8 +1023,6 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lora-sync-mode", choices=("tensor", "disk"), default="tensor",
                    help="how the LoRA adapter travels: tensor (CUDA IPC, same machine) or disk (a shared directory)")  # fmt: skip
-    p.add_argument("--probe-atol", type=float, default=0.05, help="weight_sync_probe_atol (the trainer's default)")
-    p.add_argument("--probe-rtol", type=float, default=0.01, help="weight_sync_probe_rtol (the trainer's default)")
     for name, default in (("threshold", 0.1), ("sink-mean", 1.0), ("sink-std", 1.5), ("logit-std", 3.0)):
         p.add_argument(f"--{name}", type=float, default=default)
     p.add_argument("--cold-start-steps", type=int, default=0, help="SFT steps (trl_ext.cold_start) on code_interpreter "
