@@ -14,14 +14,22 @@ peer's, so below 1 means this project takes less (`RATIO_RULE` says so in the re
 Local paths: a report names no folder of the machine that wrote it (`without_local_paths`), so its commands read the
 same for every reader.
 
-Header and cells: `environment()` (versions, device, source commit) heads every report; `fmt` writes a table cell.
+Header and cells: `environment()` (versions, device, source commit) heads every report, `machine()` a CPU run's; the
+command of a run is recorded as `command_line` writes it; `fmt` writes a table cell, `md_table` a table, `figure` a
+plot.
+
+SGLang: `add_server_args` gives the scripts that launch servers the same flags, and `server_manager` their servers
+(`trl_ext.sglang_serve.ServerManager`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import os
 import platform
 import re
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -142,3 +150,80 @@ def fmt(value, spec: str = ".3g") -> str:
     if isinstance(value, str):
         return value
     return format(value, spec)
+
+
+def md_table(header: list[str], rows=()) -> list[str]:
+    """The lines of a markdown table: ``header``, its rule, then one line per row of cells."""
+    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(map(str, r))} |" for r in rows)]
+
+
+@contextlib.contextmanager
+def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dpi: int = 110):
+    """``(fig, axes)`` of a new matplotlib figure (Agg backend), laid out and saved to ``path`` at the end of the
+    ``with`` block, and closed in any case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=figsize)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """``python benchmarks/<script>.py ARGS`` as this run was started (``argv``: the arguments, None: `sys.argv`)."""
+    import sys
+
+    return f"python benchmarks/{script}.py {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+
+
+def machine() -> dict:
+    """What a CPU run's time depends on: the CPU, the cores this process may use, the versions."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    versions = {}
+    for name in ("torch", "transformers", "trl", "accelerate"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu = models[0] if models else platform.processor() or platform.machine()
+    return {"cpu": cpu, "cores": cores, "python": platform.python_version(), **versions}
+
+
+def add_server_args(parser, *, server_cmd: str = "python3 -m sglang.launch_server", mem_fraction_static: float = 0.4,
+                    ready_timeout_s: float = 180.0) -> None:  # fmt: skip
+    """The flags of the SGLang servers a script launches (read by `server_manager`)."""
+    group = parser.add_argument_group("SGLang server")
+    group.add_argument("--server-cmd", default=server_cmd, help="how to start SGLang (its own environment)")
+    group.add_argument(
+        "--server-args", default="", help='extra flags for every server, e.g. "--chunked-prefill-size 8192"'
+    )
+    group.add_argument("--disable-cuda-graph", action="store_true", help="launch with SGLang's --disable-cuda-graph "
+                       "(faster starts, slower decoding; recorded); default: CUDA graphs on, as served")  # fmt: skip
+    group.add_argument(
+        "--mem-fraction-static", type=float, default=mem_fraction_static, help="SGLang's GPU memory share"
+    )
+    group.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    group.add_argument("--ready-timeout-s", type=float, default=ready_timeout_s, help="deadline of one server start")
+
+
+def server_manager(args, model_dir, logs_dir, launch_flags: list[str], log=print):
+    """The `trl_ext.sglang_serve.ServerManager` of a script's `add_server_args` flags (and its ``--url`` and
+    ``--server-start-lock`` where it has them)."""
+    from trl_ext.sglang_serve import ServerManager
+
+    return ServerManager(
+        args.server_cmd, model_dir, logs_dir, server_args=args.server_args, launch_flags=launch_flags,
+        url=getattr(args, "url", None), port=args.port, mem_fraction_static=args.mem_fraction_static,
+        disable_cuda_graph=args.disable_cuda_graph, log=log, start_lock=getattr(args, "server_start_lock", None),
+    )  # fmt: skip

@@ -1,53 +1,15 @@
 # Copyright 2026 The hf_gptoss_rl authors. Apache-2.0.
 """Learning run of agentic GRPO on GSM8K: the trainer's attention with and without the sinks, over several seeds.
 
-One small GPT-OSS (a few layers, a few experts, the real 201,088-id harmony vocabulary, random init with per-head
-sink logits ~ N(1, 1.5²) as in `mismatch_study.py`, so that dropping them matters as it would in a trained model):
-
-1. Warm-up ("cold start"): `trl_ext.cold_start.cold_start` (TRL's `SFTTrainer`) on scripted `code_interpreter`
-   trajectories for up to `--cold-start-problems` distinct training problems (the program recomputes the answer from
-   the solution's GSM8K calculator annotations, the tool's real output is shown, the model answers in `\\boxed{}`),
-   with exact-sink eager attention, fp32. Done once: every arm and seed starts from these weights.
-2. Rollout engine (`--rollout-backend`):
-   - `embedded`: `trl_ext.rollout.EmbeddedEngine` on a copy of the policy, eager attention with exact sinks;
-   - `sglang`: a real SGLang server launched by this script (`--server-cmd`, in SGLang's own environment) on the
-     warm-up's weights, with SGLang's own attention backend for GPT-OSS on this GPU, CUDA graphs and the radix
-     cache on (`--disable-cuda-graph` opts out and is recorded). The trainer syncs after every optimizer step
-     (`weight_sync_mode="disk"`), verified as the default verification does (`"version"` and `"checksum"`).
-3. Checks before any arm runs (each fails the script, exit status 1):
-   - **sink control**: weights whose sinks are shifted by `--control-sink-shift` are pushed to the engine; its
-     log-probs of its own samples must follow the trainer *with* sinks and not the trainer without them (mean
-     |Δ log p| without sinks > `--control-margin` x with sinks). A server that ignored the sinks, or the sync,
-     fails here. The warm-up's weights are pushed back afterwards (both pushes verified);
-   - **policy window** (`--policy-check`): sampled (temperature 1) accuracy on the practised slice within
-     `--accuracy-window` and a tool-call rate within `--tool-rate-window`, so that GRPO gets a reward signal.
-4. Arms (`--arms`), each for every seed of `--seeds`, on identical prompts (the trainer's seed sets their order)
-   and, with the embedded engine, identical sampling seeds; only the trainer's attention differs:
-   - `sink_kernel`: the project's kernel, sinks and their gradient (`--kernel-route direct`: its sources through
-     `AttentionInterface` as `sink_kernel_span`, every row's valid tokens packed into one varlen call per layer);
-   - `frozen_sinks`: the same kernel with the sinks frozen (`requires_grad=False`): sinks in the forward, no sink
-     gradient, which is what a forward-only sink kernel gives a trainer;
-   - `sink_dropping`: GPT-OSS eager attention without the sink column (`eager_without_sinks`).
-   Per optimizer step, from the trainer's log history: reward and its in-group spread, tool-call rate, pre-clip
-   gradient norm, clip fraction, the mismatch against the engine's own log-probs (k3, mean and max |Δp|, the
-   importance weights' spread), the served weight version, rollout / step / sync time; every `--eval-every` steps
-   the sampled accuracy on a held-out slice of the practised problems (`--eval-slice` rows, temperature 1).
-5. Greedy accuracy on the practised problems and on `--eval-file` (held out), before RL and after each run.
-
-Precision (`--precision`): `fp32` trains and rolls out in fp32; `bf16` keeps fp32 master weights and trains under
-bf16 autocast (`bf16=True`, as `accelerate` does), while the engine serves bf16 (SGLang `--dtype bfloat16`).
-
-Writes `learning_run.{md,png,json}` (`learning_run_sglang.*` with `--rollout-backend sglang`) into `--out`
-(default `docs/benchmarks/`, only while no such report is there: name the folder to replace one), again after every
-run, so that a script stopped part-way leaves a report of the runs that finished (marked partial, naming the runs
-of `--arms` x `--seeds` that are missing). Exits non-zero when a check fails, a run finished no optimizer step,
-logged a non-finite loss, or never had reward variance inside a group (`--require-reward-signal`).
-
-Splitting the grid (several processes, one GPU or several, or several sittings): `--save-warm-start DIR` runs the
-warm-up once and saves it; every `--warm-start DIR` process then starts its runs from those exact weights (the
-file's SHA-256 is in each report), e.g. one process per arm with one SGLang server each
-(`scripts/learning_run_sglang.sh`); `--merge A.json B.json ...` renders one report from their reports, refusing
-parts whose settings or warm start differ.
+`docs/results.md` (section 2) describes the run, its checks and how to read the report. One small GPT-OSS (random
+init, per-head sink logits ~ N(1, 1.5²)) is warmed up once (`trl_ext.cold_start` on scripted `code_interpreter`
+trajectories); every arm (`--arms`: `sink_kernel`, `frozen_sinks`, `sink_dropping`, which differ only in the
+trainer's attention) then runs for every seed of `--seeds` from those weights, with rollouts on `--rollout-backend`
+(`embedded`, or an SGLang server launched here and synced after every optimizer step). Before the arms, the sink
+control (the engine must follow the trainer with sinks, not without) and the policy window (`--policy-check`) must
+pass. Writes `learning_run.{md,png,json}` (`learning_run_sglang.*` with SGLang) into `--out` after every run (a
+stopped script leaves a partial report) and exits non-zero when a check or a run fails. `--save-warm-start`,
+`--warm-start` and `--merge` split the grid over processes (`scripts/learning_run_sglang.sh`).
 
     python benchmarks/learning_run.py --out results                              # GPU, embedded engine
     python benchmarks/learning_run.py --rollout-backend sglang \\
@@ -68,14 +30,24 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
+from benchmarks._cli import (
+    OUT_HELP,
+    add_server_args,
+    command_line,
+    exit_if_failed,
+    figure,
+    fmt,
+    md_table,
+    output_dir,
+    server_manager,
+    without_local_paths,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # the reward columns compare the mean of the first and of the last REWARD_WINDOW logged steps: with fewer than twice
@@ -91,30 +63,12 @@ ARMS = {
 BACKENDS = ("embedded", "sglang")
 MODEL_SIZES = {
     # the smallest GPT-OSS that learns the tool format on a CPU in seconds
-    "tiny": {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "sliding_window": 8,
-    },
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
     # ~110 M parameters (most of them the two 201,088-row embeddings), meant for one GPU
-    "small": {
-        "num_hidden_layers": 4,
-        "hidden_size": 256,
-        "intermediate_size": 256,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "sliding_window": 128,
-    },
-}
+    "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=128),
+}  # fmt: skip
 SAMPLED_ACCURACY = "learning_run/sampled_accuracy"  # logged by `SampledAccuracy` into the trainer's metrics
 # (log-history key, JSON/plot name) of the per-step series
 STEP_METRICS = (
@@ -155,12 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train-file", default=str(REPO / "data" / "gsm8k_train_mini.jsonl"), help="GSM8K-style .jsonl")
     p.add_argument("--eval-file", default=str(REPO / "data" / "gsm8k_test_mini.jsonl"), help="held-out .jsonl")
-    p.add_argument(
-        "--eval-limit",
-        type=int,
-        default=64,
-        help="held-out problems scored greedily before/after (and as many practised training problems)",
-    )
+    p.add_argument("--eval-limit", type=int, default=64,
+                   help="held-out problems scored greedily before/after (and as many practised training problems)")  # fmt: skip
     p.add_argument("--steps", type=int, default=200, help="GRPO optimizer steps per run")
     p.add_argument("--model-size", default="small", choices=sorted(MODEL_SIZES))
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
@@ -168,109 +118,56 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {tuple(ARMS)}")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds; every arm runs each")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random init and the warm-up")
-    p.add_argument(
-        "--precision",
-        default=None,
-        choices=["fp32", "bf16"],
-        help="fp32 end to end, or fp32 master weights under bf16 autocast with a bf16 engine (default: fp32 with "
-        "the embedded engine, bf16 with SGLang)",
-    )
-    p.add_argument(
-        "--kernel-route",
-        default="direct",
-        choices=["auto", "hub", "direct"],
-        help="how the project's kernel is selected: kernels hub id, or its sources (direct)",
-    )
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16"],
+                   help="fp32 end to end, or fp32 master weights under bf16 autocast with a bf16 engine (default: fp32 "
+                   "with the embedded engine, bf16 with SGLang)")  # fmt: skip
     p.add_argument("--cold-start-steps", type=int, default=800)
     p.add_argument("--cold-start-batch", type=int, default=16, help="trajectories per warm-up step")
-    p.add_argument(
-        "--cold-start-target-nll",
-        type=float,
-        default=0.015,
-        help="stop the warm-up once its mean nll/token (last 10 steps) is below this; 0 = run every step. At "
-        "0.015 a sampled (temperature 1) trajectory of a practised problem is right roughly a third of the time, "
-        "which leaves RL a reward to raise",
-    )
-    p.add_argument(
-        "--cold-start-problems",
-        type=int,
-        default=128,
-        help="distinct GSM8K problems in the warm-up (and, with --rl-problems practised, in RL)",
-    )
+    p.add_argument("--cold-start-target-nll", type=float, default=0.015,
+                   help="stop the warm-up once its mean nll/token (last 10 steps) is below this; 0 = run every step. At "
+                   "0.015 a sampled (temperature 1) trajectory of a practised problem is right roughly a third of the "
+                   "time, which leaves RL a reward to raise")  # fmt: skip
+    p.add_argument("--cold-start-problems", type=int, default=128,
+                   help="distinct GSM8K problems in the warm-up (and, with --rl-problems practised, in RL)")  # fmt: skip
     p.add_argument("--cold-start-lr", type=float, default=3e-3)
-    p.add_argument(
-        "--rl-problems",
-        default="practised",
-        choices=["practised", "all"],
-        help="RL prompts: the GSM8K problems the warm-up practised (a random-init model can reach a nonzero "
-        "reward on them within minutes), or every row of --train-file",
-    )
+    p.add_argument("--rl-problems", default="practised", choices=["practised", "all"],
+                   help="RL prompts: the GSM8K problems the warm-up practised (a random-init model can reach a nonzero "
+                   "reward on them within minutes), or every row of --train-file")  # fmt: skip
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--warmup-steps", type=int, default=10, help="linear learning-rate warm-up of RL (0 = none)")
     p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument(
-        "--batch-size", type=int, default=64, help="completions per optimizer step (8 prompts x 8 generations)"
-    )
+    p.add_argument("--batch-size", type=int, default=64, help="completions per step (8 prompts x 8 generations)")
     p.add_argument("--num-iterations", type=int, default=2, help="GRPO μ: optimizer passes per generation batch")
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--eval-every", type=int, default=5, help="sampled accuracy on the slice every N steps (0 = off)")
     p.add_argument("--eval-slice", type=int, default=32, help="practised problems in the sampled-accuracy slice")
-    p.add_argument(
-        "--sink-mean",
-        type=float,
-        default=1.0,
-        help="initial sink logits ~ N(mean, std²) per head, as in mismatch_study.py (transformers' init leaves "
-        "them near 0, which hides what dropping them costs)",
-    )
+    p.add_argument("--sink-mean", type=float, default=1.0,
+                   help="initial sink logits ~ N(mean, std²) per head, as in mismatch_study.py (transformers' init "
+                   "leaves them near 0, which hides what dropping them costs)")  # fmt: skip
     p.add_argument("--sink-std", type=float, default=1.5)
     p.add_argument("--control-sink-shift", type=float, default=6.0, help="sink control: added to every sink logit")
-    p.add_argument(
-        "--control-margin",
-        type=float,
-        default=3.0,
-        help="sink control: the engine must be this many times closer to the trainer with sinks than without",
-    )
+    p.add_argument("--control-margin", type=float, default=3.0,
+                   help="sink control: the engine must be this many times closer to the trainer with sinks than without")  # fmt: skip
     p.add_argument("--control-prompts", type=int, default=8, help="sink control: prompts sampled (32 tokens each)")
-    p.add_argument(
-        "--policy-check",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="refuse to run the arms unless the warm policy's sampled accuracy and tool-call rate are in their windows",
-    )
+    p.add_argument("--policy-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="refuse to run the arms unless the warm policy's sampled accuracy and tool-call rate are in "
+                   "their windows")  # fmt: skip
     p.add_argument("--accuracy-window", type=_window, default=(0.2, 0.8), help="LO,HI sampled accuracy at step 0")
     p.add_argument("--tool-rate-window", type=_window, default=(0.2, 0.9), help="LO,HI tool-call rate at step 0")
-    p.add_argument(
-        "--require-reward-signal",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="fail a run in which no group ever had reward variance (every advantage zero: nothing to learn)",
-    )
-    # rollout engine
+    p.add_argument("--require-reward-signal", action=argparse.BooleanOptionalAction, default=True,
+                   help="fail a run in which no group ever had reward variance (every advantage zero: nothing to learn)")  # fmt: skip
     p.add_argument("--rollout-backend", default="embedded", choices=BACKENDS)
-    p.add_argument(
-        "--server-cmd",
-        default="/opt/sglang/bin/python -m sglang.launch_server",
-        help="how to start SGLang (its own environment); flags are appended",
-    )
-    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. '--attention-backend fa3'")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="pass SGLang's --disable-cuda-graph (recorded)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.5, help="SGLang's share of GPU memory")
-    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
-    p.add_argument("--ready-timeout-s", type=float, default=600.0, help="deadline for the server to become healthy")
-    p.add_argument(
-        "--server-start-lock",
-        default=None,
-        help="a file locked while this script's server starts: processes that share a GPU start their servers one "
-        "at a time (SGLang sizes its KV cache from the memory free during its own start)",
-    )
+    add_server_args(p, server_cmd="/opt/sglang/bin/python -m sglang.launch_server", mem_fraction_static=0.5,
+                    ready_timeout_s=600.0)  # fmt: skip
+    p.add_argument("--server-start-lock", default=None,
+                   help="a file locked while this script's server starts: processes that share a GPU start their "
+                   "servers one at a time (SGLang sizes its KV cache from the memory free during its own start)")  # fmt: skip
     p.add_argument("--note", default="", help="a sentence for the report's setup (e.g. how the runs shared a GPU)")
     # splitting the grid
     p.add_argument("--save-warm-start", default=None, help="run the warm-up, save it into DIR and exit")
     p.add_argument("--warm-start", default=None, help="start every run from the warm-up saved in DIR")
-    p.add_argument(
-        "--merge", nargs="+", default=None, help="render one report into --out from these reports (JSON), and exit"
-    )
+    p.add_argument("--merge", nargs="+", default=None, help="render one report into --out from these reports, and exit")
     p.add_argument("--out", default=None, help=OUT_HELP)
     p.add_argument("--from-json", help="only rewrite the report's .md/.png in --out from a saved .json")
     args = p.parse_args(argv)
@@ -296,28 +193,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be LO,HI with 0 <= LO <= HI <= 1, got {lo},{hi}")
     if args.precision is None:
         args.precision = "bf16" if args.rollout_backend == "sglang" else "fp32"
-    args.url = None  # the server is always launched here, from the warm-up's weights
     return args
-
-
-# %% The project's kernel without `kernels`: its sources on the batch's valid tokens, packed ----------------------
-def project_kernel_attention(route: str) -> tuple[str, str]:
-    """The attn_implementation name that runs the project's kernel here, and how it was obtained."""
-    from hf_gptoss_rl.attention_variants import register_span_kernel_attention, setup_project_attention
-
-    if route != "direct":
-        try:
-            return setup_project_attention("hub")
-        except Exception as e:  # `kernels` missing / unusable
-            if route == "hub":
-                raise
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-    else:
-        reason = "--kernel-route direct"
-    return (
-        register_span_kernel_attention(),
-        f"kernel sources via AttentionInterface, valid tokens packed into one varlen call ({reason})",
-    )
 
 
 # %% Rollout engines ----------------------------------------------------------------------------------------------------
@@ -330,26 +206,18 @@ class Rollouts:
     """
 
     def __init__(self, args, device, work_dir: Path) -> None:
-        self.args = args
-        self.device = device
-        self.work_dir = work_dir
-        self.server = None
-        self.engine = None  # the SGLang engine (shared by every run)
-        self.url: str | None = None
-        self.pad_token_id: int | None = None
-        self.info: dict = {"backend": args.rollout_backend}
-
-    @property
-    def dtype(self):
         import torch
 
-        return torch.bfloat16 if self.args.precision == "bf16" else torch.float32
+        self.args, self.device, self.work_dir = args, device, work_dir
+        self.dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        self.server = self.engine = None  # the SGLang server and its engine (shared by every run)
+        self.pad_token_id: int | None = None
+        self.info: dict = {"backend": args.rollout_backend}
 
     def start(self, warm_model) -> None:
         if self.args.rollout_backend != "sglang":
             self.info["engine"] = f"EmbeddedEngine, eager attention with exact sinks, {str(self.dtype)[6:]}"
             return
-        from benchmarks.sglang_e2e import ServerManager
         from trl_ext.rollout import SGLangEngine
         from trl_ext.weight_sync import WeightSyncConfig, write_served_model
         from trl_ext.weight_sync.settings import DEFAULT_SGLANG_VERIFY
@@ -357,28 +225,19 @@ class Rollouts:
         model_dir = self.work_dir / "served_model"
         write_served_model(warm_model, model_dir, self.dtype)  # SGLang builds its layers in config.json's dtype
         dtype = str(self.dtype).removeprefix("torch.")
-        self.server = ServerManager(self.args, model_dir, self.work_dir / "logs", launch_flags=["--dtype", dtype])
-        with start_lock(self.args.server_start_lock):
-            self.url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
+        self.server = server_manager(self.args, model_dir, self.work_dir / "logs", ["--dtype", dtype])
+        url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
         launch = self.server.launches[-1]
         self.info.update(
-            {
-                "server_command": launch["command"],
-                "server_ready_s": launch.get("ready_s"),
-                "sglang_version": self.server.version,
-                "disable_cuda_graph": bool(self.args.disable_cuda_graph),
-                "served_dtype": dtype,
-                "weight_sync": {"mode": "disk", "verify": list(DEFAULT_SGLANG_VERIFY)},
-            }
-        )
+            server_command=launch["command"], server_ready_s=launch.get("ready_s"), sglang_version=self.server.version,
+            disable_cuda_graph=bool(self.args.disable_cuda_graph), served_dtype=dtype,
+            weight_sync={"mode": "disk", "verify": list(DEFAULT_SGLANG_VERIFY)},
+        )  # fmt: skip
         sync = WeightSyncConfig(
-            mode="disk",
-            verify=DEFAULT_SGLANG_VERIFY,
-            checkpoint_path=str(model_dir),
-            weight_dir=str(self.work_dir / "rollout_weights"),
-            model_config=warm_model.config,
-        )
-        self.engine = SGLangEngine(self.url, weight_sync=sync, ready_timeout_s=self.args.ready_timeout_s)
+            mode="disk", verify=DEFAULT_SGLANG_VERIFY, checkpoint_path=str(model_dir),
+            weight_dir=str(self.work_dir / "rollout_weights"), model_config=warm_model.config,
+        )  # fmt: skip
+        self.engine = SGLangEngine(url, weight_sync=sync, ready_timeout_s=self.args.ready_timeout_s)
         self.engine.check_servers()
 
     def engine_with(self, model, seed: int):
@@ -405,12 +264,9 @@ class Rollouts:
         if self.engine is None:
             return {"rollout_backend": "embedded"}
         return {
-            "rollout_backend": "sglang",
-            "sglang_urls": [self.url],
-            "weight_sync_mode": "disk",
-            "weight_sync_dir": str(run_dir / "rollout_weights"),
-            "weight_sync_checkpoint": str(self.server.model_dir),
-        }
+            "rollout_backend": "sglang", "sglang_urls": [self.server.url], "weight_sync_mode": "disk",
+            "weight_sync_dir": str(run_dir / "rollout_weights"), "weight_sync_checkpoint": str(self.server.model_dir),
+        }  # fmt: skip
 
     def stop(self) -> None:
         if self.engine is not None:
@@ -421,52 +277,15 @@ class Rollouts:
             self.server.stop()
 
 
-def start_lock(path: str | None):
-    """An exclusive lock on the file ``path`` (created if missing) for the duration of a ``with``; nothing without
-    a path."""
-    import contextlib
-    import fcntl
-
-    if not path:
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def locked():
-        with open(path, "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    return locked()
-
-
 # %% Accuracy -----------------------------------------------------------------------------------------------------------
 def agent_accuracy(engine, tool, rows: list[dict], args, *, temperature: float = 0.0) -> dict:
-    """Agent rollouts (code tool) of ``rows`` on ``engine``: math-verify accuracy and tool-call rate (greedy by
-    default; ``temperature=1`` samples, as training does)."""
-    from hf_gptoss_rl.harmony import render_prompt
-    from trl_ext.rewards import math_reward
-    from trl_ext.rollout import AgentLoop, SamplingParams
+    """Agent rollouts (code tool) of ``rows`` on ``engine`` (`trl_ext.recipes.evaluate_tool_use`): math-verify
+    accuracy and tool-call rate (greedy by default; ``temperature=1`` samples, as training does)."""
+    from trl_ext.recipes import evaluate_tool_use
 
-    loop = AgentLoop(
-        engine,
-        [tool],
-        sampling=SamplingParams(max_new_tokens=args.max_completion_length, temperature=temperature),
-        max_turns=args.max_turns,
-        max_completion_tokens=args.max_completion_length,
-    )
-    prompts = [render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low") for r in rows]
-    trajectories = loop.run_batch_sync(prompts)
-    correct = [math_reward(t.final_text, r["answer"]) for t, r in zip(trajectories, rows)]
-    return {
-        "accuracy": sum(correct) / len(rows),
-        "correct": int(sum(correct)),
-        "n": len(rows),
-        "tool_call_rate": sum(t.num_tool_calls > 0 for t in trajectories) / len(rows),
-        "temperature": temperature,
-    }
+    score = evaluate_tool_use(engine, [tool], rows, max_completion_length=args.max_completion_length,
+                              max_turns=args.max_turns, temperature=temperature)  # fmt: skip
+    return {**score, "temperature": temperature}
 
 
 # %% Checks before the arms ---------------------------------------------------------------------------------------------
@@ -481,6 +300,7 @@ def sink_control(rollouts: Rollouts, warm_model, prompts: list[list[int]], args)
 
     from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
     from trl_ext.rollout import SamplingParams, run_sync
+    from trl_ext.weight_sync.verify import reference_logprobs
 
     control = copy.deepcopy(warm_model).float()
     with torch.no_grad():
@@ -488,44 +308,29 @@ def sink_control(rollouts: Rollouts, warm_model, prompts: list[list[int]], args)
             if name.endswith("sinks"):
                 param.add_(args.control_sink_shift)
     engine = rollouts.engine_with(control, seed=0)
-    sampling = SamplingParams(max_new_tokens=32, temperature=1.0)
-
-    async def sample():
-        import asyncio
-
-        return await asyncio.gather(*(engine.generate(ids, sampling) for ids in prompts))
-
-    outputs = run_sync(sample())
+    outputs = run_sync(engine.generate_batch(prompts, SamplingParams(max_new_tokens=32, temperature=1.0)))
+    if not any(o.output_ids for o in outputs):
+        raise RuntimeError("sink control: the engine returned no tokens for any prompt")
     distances = {}
     for label, attention in (("with_sinks", "eager"), ("without_sinks", register_sink_dropping_attention())):
         control.set_attn_implementation(attention)
-        diffs = []
-        with torch.no_grad():
-            for ids, out in zip(prompts, outputs):
-                if not out.output_ids:
-                    continue
-                full = torch.tensor([ids + list(out.output_ids)], device=next(control.parameters()).device)
-                logits = control(input_ids=full).logits[0, len(ids) - 1 : -1].float()
-                trainer = logits.log_softmax(-1).gather(-1, full[0, len(ids) :, None])[:, 0].cpu()
-                diffs.append((trainer - torch.tensor(out.logprobs, dtype=torch.float32)).abs())
-        if not diffs:
-            raise RuntimeError("sink control: the engine returned no tokens for any prompt")
-        distances[label] = torch.cat(diffs).mean().item()
-    tokens = sum(len(o.output_ids) for o in outputs)
+        diffs = [  # the trainer's log-probs of the sampled tokens against the engine's
+            torch.tensor(reference_logprobs(control, ids + list(out.output_ids))[len(ids) - 1 :])
+            - torch.tensor(out.logprobs)
+            for ids, out in zip(prompts, outputs)
+            if out.output_ids
+        ]
+        distances[label] = torch.cat(diffs).abs().mean().item()
     if rollouts.engine is not None:  # the server goes back to the warm weights (verified)
         rollouts.push(warm_model, version=0)
     else:  # the embedded copy of the control weights is dropped; each run gets a fresh copy of the warm weights
         engine.shutdown()
-    passed = distances["without_sinks"] > args.control_margin * distances["with_sinks"]
     return {
-        "sink_shift": args.control_sink_shift,
-        "margin": args.control_margin,
-        "prompts": len(prompts),
-        "tokens": tokens,
-        "mean_abs_logp_diff_with_sinks": distances["with_sinks"],
+        "sink_shift": args.control_sink_shift, "margin": args.control_margin, "prompts": len(prompts),
+        "tokens": sum(len(o.output_ids) for o in outputs), "mean_abs_logp_diff_with_sinks": distances["with_sinks"],
         "mean_abs_logp_diff_without_sinks": distances["without_sinks"],
-        "passed": passed,
-    }
+        "passed": distances["without_sinks"] > args.control_margin * distances["with_sinks"],
+    }  # fmt: skip
 
 
 def policy_window(score: dict, args) -> list[str]:
@@ -622,9 +427,8 @@ def merge_reports(parts: list[dict], args) -> dict:
         raise SystemExit("--merge needs at least one report")
     first = parts[0]["setup"]
     for i, part in enumerate(parts[1:], 2):
-        setup = part["setup"]
         for key in MERGE_SAME + ("warm_start",):
-            a, b = first.get(key), setup.get(key)
+            a, b = first.get(key), part["setup"].get(key)
             if key == "warm_start":
                 a, b = (a or {}).get("sha256"), (b or {}).get("sha256")
             if a != b:
@@ -646,22 +450,14 @@ def merge_reports(parts: list[dict], args) -> dict:
         "arms": {name: arms[name] for name in order},
         "check_failures": [f for part in parts for f in part.get("check_failures", [])],
         "parts": [
-            {
-                "part": i,
-                "command": part["command"],
-                "environment": part["environment"],
-                "rollouts": part["setup"].get("rollouts"),
-                "sink_control": part.get("sink_control"),
-                "before": part.get("before"),
-                "runs": [f"{a} {s}" for a, arm in part["arms"].items() for s in arm["runs"]],
-            }
+            {"part": i, "command": part["command"], "environment": part["environment"],
+             "rollouts": part["setup"].get("rollouts"), "sink_control": part.get("sink_control"),
+             "before": part.get("before"), "runs": [f"{a} {s}" for a, arm in part["arms"].items() for s in arm["runs"]]}
             for i, part in enumerate(parts, 1)
         ],
-    }
+    }  # fmt: skip
     # the first part's checks head the report; every part's are listed with it
-    for key in ("sink_control", "before"):
-        if parts[0].get(key) is not None:
-            merged[key] = parts[0][key]
+    merged.update({key: parts[0][key] for key in ("sink_control", "before") if parts[0].get(key) is not None})
     mark_missing_runs(merged, args.arms, args.seeds)
     return merged
 
@@ -708,8 +504,7 @@ def compile_warm_up(model, device) -> float:
     attention_mask[0, :11] = 0  # a padded row: the kernel route's varlen packing runs as in training
     was_training = model.training
     model.train()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logits.float().logsumexp(-1).mean().backward()
+    model(input_ids=input_ids, attention_mask=attention_mask).logits.float().logsumexp(-1).mean().backward()
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     if device.type == "cuda":
@@ -750,48 +545,26 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"learning_run_{arm}_{seed}_"))  # nothing is saved (save_strategy="no")
     config = AgenticGRPOConfig(
-        output_dir=str(run_dir),
-        max_steps=args.steps,
-        learning_rate=args.learning_rate,
+        output_dir=str(run_dir), max_steps=args.steps, learning_rate=args.learning_rate,
         # constant: --max-seconds may stop the run before a decaying schedule would end; optional linear warm-up
-        lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "constant",
-        warmup_steps=args.warmup_steps,
-        per_device_train_batch_size=args.batch_size,
-        num_generations=args.num_generations,
-        num_iterations=args.num_iterations,
-        max_completion_length=args.max_completion_length,
-        temperature=1.0,
-        beta=0.0,
-        loss_type="dapo",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=seed,
+        lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "constant", warmup_steps=args.warmup_steps,
+        per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
+        num_iterations=args.num_iterations, max_completion_length=args.max_completion_length, temperature=1.0,
+        beta=0.0, loss_type="dapo", logging_steps=1, save_strategy="no", report_to="none", seed=seed,
         use_cpu=device.type == "cpu",
         bf16=args.precision == "bf16",  # fp32 master weights under bf16 autocast, or fp32 throughout
-        reward_weights=[1.0, 0.0],
-        max_turns=args.max_turns,
-        reasoning_effort="low",
-        disable_tqdm=True,
+        reward_weights=[1.0, 0.0], max_turns=args.max_turns, reasoning_effort="low", disable_tqdm=True,
         **rollouts.trainer_fields(run_dir),
-    )
+    )  # fmt: skip
     warm_up_seconds = compile_warm_up(model, device)
     print(f"[{arm} seed {seed}] training-attention warm-up (compiles): {warm_up_seconds:.1f} s", flush=True)
     trainer = AgenticGRPOTrainer(
-        model=model,
-        reward_funcs=[retool_reward_func, boxed_format_reward_func],
-        args=config,
-        train_dataset=ctx["train_dataset"],
-        processing_class=ctx["tokenizer"],
-        tools=[tool],
-        rollout_engine=engine,
+        model=model, reward_funcs=[retool_reward_func, boxed_format_reward_func], args=config,
+        train_dataset=ctx["train_dataset"], processing_class=ctx["tokenizer"], tools=[tool], rollout_engine=engine,
         callbacks=[time_limit_callback(args.max_seconds)],
-    )
-    trainer.add_callback(
-        sampled_accuracy_callback(
-            trainer, lambda: agent_accuracy(engine, tool, slice_rows, args, temperature=1.0), args.eval_every
-        )
-    )
+    )  # fmt: skip
+    measure = lambda: agent_accuracy(engine, tool, slice_rows, args, temperature=1.0)  # noqa: E731
+    trainer.add_callback(sampled_accuracy_callback(trainer, measure, args.eval_every))
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -806,24 +579,17 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
     moved = sum(
         (p.detach().float().cpu() - w).norm().item() ** 2 for p, w in zip(model.parameters(), weights_before)
     ) ** 0.5 / max(sum(w.norm().item() ** 2 for w in weights_before) ** 0.5, 1e-30)
-    steps = []
-    for entry in trainer.state.log_history:
-        if "step" in entry and "loss" in entry:
-            steps.append({"step": entry["step"], **{out: entry.get(key) for key, out in STEP_METRICS}})
+    steps = [
+        {"step": entry["step"], **{out: entry.get(key) for key, out in STEP_METRICS}}
+        for entry in trainer.state.log_history
+        if "step" in entry and "loss" in entry
+    ]
     return {
-        "seed": seed,
-        "attention": attention,
-        "steps_done": trainer.state.global_step,
-        "stopped_by_time_limit": trainer.state.global_step < args.steps,
-        "train_seconds": train_seconds,
-        "warm_up_seconds": warm_up_seconds,
-        "sampled_accuracy_start": start_accuracy,
-        "held_out_after": after,
-        "practised_after": practised_after,
-        "sink_change_max": sink_change,
-        "weight_change_rel": moved,
-        "steps": steps,
-    }
+        "seed": seed, "attention": attention, "steps_done": trainer.state.global_step,
+        "stopped_by_time_limit": trainer.state.global_step < args.steps, "train_seconds": train_seconds,
+        "warm_up_seconds": warm_up_seconds, "sampled_accuracy_start": start_accuracy, "held_out_after": after,
+        "practised_after": practised_after, "sink_change_max": sink_change, "weight_change_rel": moved, "steps": steps,
+    }  # fmt: skip
 
 
 # %% Report -------------------------------------------------------------------------------------------------------------
@@ -837,13 +603,12 @@ def upgrade_result(result: dict) -> dict:
     if "arms" in result:
         return result
     seed = result.setdefault("setup", {}).get("seed", 0)
-    arms = {}
-    for name, run in result.pop("variants").items():
-        arms[name] = {"description": ARMS.get(name, name), "runs": {str(seed): {"seed": seed, **run}}}
-    result["arms"] = arms
-    result["setup"].setdefault("seeds", [seed])
-    result["setup"].setdefault("precision", "fp32")
-    result["setup"].setdefault("rollout_backend", "embedded")
+    result["arms"] = {
+        name: {"description": ARMS.get(name, name), "runs": {str(seed): {"seed": seed, **run}}}
+        for name, run in result.pop("variants").items()
+    }
+    for key, value in (("seeds", [seed]), ("precision", "fp32"), ("rollout_backend", "embedded")):
+        result["setup"].setdefault(key, value)
     return result
 
 
@@ -854,6 +619,11 @@ def _finite(values) -> list[float]:
 def _mean(values) -> float | None:
     values = _finite(values)
     return sum(values) / len(values) if values else None
+
+
+def _median(values) -> float | None:
+    values = _finite(values)
+    return statistics.median(values) if values else None
 
 
 def _series(run: dict, key: str) -> list[tuple[int, float]]:
@@ -868,12 +638,9 @@ def run_summary(run: dict) -> dict:
     enough = len(rewards) >= 2 * REWARD_WINDOW
     sampled = [v for _, v in _series(run, "sampled_accuracy")]
     start = (run.get("sampled_accuracy_start") or {}).get("accuracy")
-    rollout = _finite(s.get("rollout_s") for s in run["steps"])
-    step = _finite(s.get("step_s") for s in run["steps"])
-    sync = _finite(s.get("weight_sync_s") for s in run["steps"])
-    verify = _finite(s.get("weight_sync_verify_s") for s in run["steps"])
     grad = _finite(s.get("grad_norm") for s in run["steps"])
     signal = [v for _, v in _series(run, "reward_std")]
+    per_step = lambda key: [s.get(key) for s in run["steps"]]  # noqa: E731
     return {
         "reward_steps": len(rewards),
         "reward_first": _mean(rewards[:REWARD_WINDOW]) if enough else None,
@@ -884,16 +651,16 @@ def run_summary(run: dict) -> dict:
         "held_out_after": (run.get("held_out_after") or {}).get("accuracy"),
         "tool_call_rate_last": _mean([v for _, v in _series(run, "tool_call_rate")][-10:]),
         "grad_norm_peak": max(grad) if grad else None,
-        "grad_norm_median": statistics.median(grad) if grad else None,
-        "k3_mean": _mean(s.get("mismatch_k3_kl") for s in run["steps"]),
-        "prob_diff_mean": _mean(s.get("mismatch_prob_diff_mean") for s in run["steps"]),
-        "prob_diff_max_mean": _mean(s.get("mismatch_prob_diff_max") for s in run["steps"]),
-        "is_weight_std_mean": _mean(s.get("is_weight_std") for s in run["steps"]),
+        "grad_norm_median": _median(grad),
+        "k3_mean": _mean(per_step("mismatch_k3_kl")),
+        "prob_diff_mean": _mean(per_step("mismatch_prob_diff_mean")),
+        "prob_diff_max_mean": _mean(per_step("mismatch_prob_diff_max")),
+        "is_weight_std_mean": _mean(per_step("is_weight_std")),
         "frac_steps_with_reward_variance": sum(v > 0 for v in signal) / len(signal) if signal else None,
-        "rollout_s_median": statistics.median(rollout) if rollout else None,
-        "step_s_median": statistics.median(step) if step else None,
-        "weight_sync_s_median": statistics.median(sync) if sync else None,
-        "weight_sync_verify_s_median": statistics.median(verify) if verify else None,
+        **{
+            f"{key}_median": _median(per_step(key))
+            for key in ("rollout_s", "step_s", "weight_sync_s", "weight_sync_verify_s")
+        },
     }
 
 
@@ -904,12 +671,9 @@ def arm_summary(arm: dict) -> dict:
     for key in per_run[0] if per_run else ():
         values = _finite(r[key] for r in per_run)
         out[key] = {
-            "mean": _mean(values),
-            "std": statistics.stdev(values) if len(values) > 1 else None,
-            "min": min(values) if values else None,
-            "max": max(values) if values else None,
-            "n": len(values),
-        }
+            "mean": _mean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
+            "min": min(values) if values else None, "max": max(values) if values else None, "n": len(values),
+        }  # fmt: skip
     return out
 
 
@@ -940,8 +704,6 @@ def _reward_cell(summary: dict, runs: list[dict]) -> str:
 
 
 def _pm(stat: dict | None, spec: str = ".3g") -> str:
-    from benchmarks._cli import fmt
-
     if not stat or stat["mean"] is None:
         return "–"
     text = fmt(stat["mean"], spec)
@@ -949,62 +711,68 @@ def _pm(stat: dict | None, spec: str = ".3g") -> str:
 
 
 ARM_COLOURS = {"sink_kernel": "tab:green", "frozen_sinks": "tab:orange", "sink_dropping": "tab:red"}
+PANELS = (  # (series, title, log scale)
+    ("reward", "reward (mean of the last 5 logged steps)", False),
+    ("sampled_accuracy", "sampled accuracy, practised slice", False),
+    ("tool_call_rate", "tool-call rate", False),
+    ("grad_norm", "pre-clip gradient norm", True),
+    ("mismatch_k3_kl", "mismatch k3 KL", True),
+    ("mismatch_prob_diff_max", "mismatch max |Δp|", False),
+)
+
+
+def _curve(run: dict, key: str) -> list[tuple[int, float]]:
+    pts = _series(run, key)
+    if key == "sampled_accuracy" and run.get("sampled_accuracy_start"):
+        pts = [(0, run["sampled_accuracy_start"]["accuracy"])] + pts
+    if key == "reward":  # few prompts per step: smooth, or the curve shows which problems were drawn
+        ys = [y for _, y in pts]
+        pts = [(x, sum(ys[max(0, i - 4) : i + 1]) / len(ys[max(0, i - 4) : i + 1])) for i, (x, _) in enumerate(pts)]
+    return pts
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("reward", "reward (mean of the last 5 logged steps)", False),
-        ("sampled_accuracy", "sampled accuracy, practised slice", False),
-        ("tool_call_rate", "tool-call rate", False),
-        ("grad_norm", "pre-clip gradient norm", True),
-        ("mismatch_k3_kl", "mismatch k3 KL", True),
-        ("mismatch_prob_diff_max", "mismatch max |Δp|", False),
-    ]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
-    for ax, (key, title, log_scale) in zip(axes.flat, panels):
-        for name, arm in result["arms"].items():
-            colour = ARM_COLOURS.get(name)
-            curves = []
-            for run in arm["runs"].values():
-                pts = _series(run, key)
-                if key == "sampled_accuracy" and run.get("sampled_accuracy_start"):
-                    pts = [(0, run["sampled_accuracy_start"]["accuracy"])] + pts
-                if key == "reward":  # few prompts per step: smooth, or the curve shows which problems were drawn
-                    ys = [y for _, y in pts]
-                    pts = [
-                        (x, sum(ys[max(0, i - 4) : i + 1]) / len(ys[max(0, i - 4) : i + 1]))
-                        for i, (x, _) in enumerate(pts)
-                    ]
-                if pts:
+    with figure(path, 2, 3, figsize=(15, 7.5)) as (fig, axes):
+        for ax, (key, title, log_scale) in zip(axes.flat, PANELS):
+            for name, arm in result["arms"].items():
+                colour, curves = ARM_COLOURS.get(name), []
+                for pts in filter(None, (_curve(run, key) for run in arm["runs"].values())):
                     ax.plot(*zip(*pts), color=colour, alpha=0.3, linewidth=1)
                     curves.append(dict(pts))
-            steps = sorted({x for c in curves for x in c})
-            mean = [(x, _mean(c.get(x) for c in curves)) for x in steps]
-            if mean:
-                ax.plot(*zip(*mean), color=colour, linewidth=2.2, label=f"{name} (mean of {len(curves)} seeds)")
-        ax.set_title(title)
-        ax.set_xlabel("optimizer step")
-        if log_scale:
-            ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    s = result["setup"]
-    fig.suptitle(
-        f"Agentic GRPO on GSM8K, {s['model_size']} GPT-OSS, rollouts: {s['rollout_backend']} "
-        f"({result['environment'].get('device')}); thin lines: seeds"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+                mean = [(x, _mean(c.get(x) for c in curves)) for x in sorted({x for c in curves for x in c})]
+                if mean:
+                    ax.plot(*zip(*mean), color=colour, linewidth=2.2, label=f"{name} (mean of {len(curves)} seeds)")
+            ax.set_title(title)
+            ax.set_xlabel("optimizer step")
+            if log_scale:
+                ax.set_yscale("log")
+            ax.legend(fontsize=8)
+        s = result["setup"]
+        fig.suptitle(
+            f"Agentic GRPO on GSM8K, {s['model_size']} GPT-OSS, rollouts: {s['rollout_backend']} "
+            f"({result['environment'].get('device')}); thin lines: seeds"
+        )
+
+
+def _checks_text(c: dict | None, b: dict | None) -> str:
+    """One process's checks before the arms, as a merged report lists them."""
+    text = ""
+    if c:
+        text += (
+            f"sink control {fmt(c['mean_abs_logp_diff_with_sinks'])} with sinks vs "
+            f"{fmt(c['mean_abs_logp_diff_without_sinks'])} without ({c['tokens']} tokens, shift "
+            f"{c['sink_shift']:+g}): {'passed' if c['passed'] else 'FAILED'}"
+        )
+    if b:
+        text += (
+            f"; warm policy sampled accuracy {fmt(b['sampled_slice']['accuracy'], '.2f')}, tool-call rate "
+            f"{fmt(b['sampled_slice']['tool_call_rate'], '.2f')}, greedy {b['practised']['correct']}/"
+            f"{b['practised']['n']} practised, {b['held_out']['correct']}/{b['held_out']['n']} held out"
+        )
+    return text
 
 
 def write_report(result: dict, out: Path) -> None:
-    from benchmarks._cli import fmt
-
     result = without_local_paths(upgrade_result(result))  # a report names no local folder
     json_name, md_name, png_name = report_names(result["setup"].get("rollout_backend", "embedded"))
     out.mkdir(parents=True, exist_ok=True)
@@ -1023,24 +791,21 @@ def write_report(result: dict, out: Path) -> None:
         )
     else:
         engine = rollout.get("engine", "EmbeddedEngine, eager attention with exact sinks")
-    precision = {
-        "fp32": "fp32 weights and compute",
-        "bf16": "fp32 master weights, bf16 autocast",
-    }.get(s.get("precision", "fp32"))
+    precision = {"fp32": "fp32 weights and compute", "bf16": "fp32 master weights, bf16 autocast"}.get(
+        s.get("precision", "fp32")
+    )
     lines = [
         f"Command: `{result['command']}`",
         "",
-        (
-            f"Model: `{s['model_size']}` GPT-OSS, {s['parameters'] / 1e6:.1f} M parameters, real harmony vocabulary; "
-            f"initial sinks ~ N({s['sink_init'][0]}, {s['sink_init'][1]}²); cold start ≤{s['cold_start_steps']} steps "
-            f"(until nll/token < {s.get('cold_start_target_nll') or 0}) x {s.get('cold_start_batch', 4)} trajectories "
-            f"over {s.get('cold_start_problems', '?')} problems ({s['cold_start_seconds']:.0f} s). RL on "
-            f"{s.get('rl_problems', 'all')} problems: {s['num_generations']} generations x "
-            f"{s['batch_size'] // s['num_generations']} prompts per step, μ={s['num_iterations']}, lr "
-            f"{s['learning_rate']}, ≤{s['max_completion_length']} completion tokens, ≤{s['max_turns']} turns; trainer "
-            f"precision: {precision}. Seeds {', '.join(map(str, s['seeds']))} (prompt order"
-            f"{' and sampling' if s.get('rollout_backend', 'embedded') == 'embedded' else ''}). Rollouts: {engine}."
-        ),
+        f"Model: `{s['model_size']}` GPT-OSS, {s['parameters'] / 1e6:.1f} M parameters, real harmony vocabulary; "
+        f"initial sinks ~ N({s['sink_init'][0]}, {s['sink_init'][1]}²); cold start ≤{s['cold_start_steps']} steps "
+        f"(until nll/token < {s.get('cold_start_target_nll') or 0}) x {s.get('cold_start_batch', 4)} trajectories "
+        f"over {s.get('cold_start_problems', '?')} problems ({s['cold_start_seconds']:.0f} s). RL on "
+        f"{s.get('rl_problems', 'all')} problems: {s['num_generations']} generations x "
+        f"{s['batch_size'] // s['num_generations']} prompts per step, μ={s['num_iterations']}, lr "
+        f"{s['learning_rate']}, ≤{s['max_completion_length']} completion tokens, ≤{s['max_turns']} turns; trainer "
+        f"precision: {precision}. Seeds {', '.join(map(str, s['seeds']))} (prompt order"
+        f"{' and sampling' if s.get('rollout_backend', 'embedded') == 'embedded' else ''}). Rollouts: {engine}.",
         "",
     ]
     if s.get("note"):
@@ -1059,47 +824,32 @@ def write_report(result: dict, out: Path) -> None:
             f"({', '.join(result['missing_runs'])}).",
             "",
         ]
-    control = result.get("sink_control")
+    control, before = result.get("sink_control"), result.get("before")
     if control and result.get("parts"):
         lines += ["Checks before the arms, per process (each against its own server):", ""]
-        for part in result["parts"]:
-            c, b = part.get("sink_control"), part.get("before")
-            text = f"- part {part['part']} (runs {', '.join(part['runs']) or 'none'}): "
-            if c:
-                text += (
-                    f"sink control {fmt(c['mean_abs_logp_diff_with_sinks'])} with sinks vs "
-                    f"{fmt(c['mean_abs_logp_diff_without_sinks'])} without ({c['tokens']} tokens, shift "
-                    f"{c['sink_shift']:+g}): {'passed' if c['passed'] else 'FAILED'}"
-                )
-            if b:
-                text += (
-                    f"; warm policy sampled accuracy {fmt(b['sampled_slice']['accuracy'], '.2f')}, tool-call rate "
-                    f"{fmt(b['sampled_slice']['tool_call_rate'], '.2f')}, greedy {b['practised']['correct']}/"
-                    f"{b['practised']['n']} practised, {b['held_out']['correct']}/{b['held_out']['n']} held out"
-                )
-            lines.append(text)
-        lines.append("")
+        lines += [
+            f"- part {part['part']} (runs {', '.join(part['runs']) or 'none'}): "
+            + _checks_text(part.get("sink_control"), part.get("before"))
+            for part in result["parts"]
+        ] + [""]
         control = None
-    before = result.get("before") if not result.get("parts") else None
+    if result.get("parts"):
+        before = None
     if control:
         lines += [
-            (
-                f"Sink control (before the arms): sinks shifted by {control['sink_shift']:+g}, {control['tokens']} "
-                f"sampled tokens; engine vs trainer with sinks {fmt(control['mean_abs_logp_diff_with_sinks'])}, "
-                f"without sinks {fmt(control['mean_abs_logp_diff_without_sinks'])} mean |Δ log p| (margin "
-                f"{control['margin']:g}x): **{'passed' if control['passed'] else 'FAILED'}**."
-            ),
+            f"Sink control (before the arms): sinks shifted by {control['sink_shift']:+g}, {control['tokens']} "
+            f"sampled tokens; engine vs trainer with sinks {fmt(control['mean_abs_logp_diff_with_sinks'])}, "
+            f"without sinks {fmt(control['mean_abs_logp_diff_without_sinks'])} mean |Δ log p| (margin "
+            f"{control['margin']:g}x): **{'passed' if control['passed'] else 'FAILED'}**.",
             "",
         ]
     if before:
         lines += [
-            (
-                f"Warm policy: sampled accuracy {fmt(before['sampled_slice']['accuracy'], '.2f')} and tool-call rate "
-                f"{fmt(before['sampled_slice']['tool_call_rate'], '.2f')} on the practised slice "
-                f"({before['sampled_slice']['n']} problems, temperature 1); greedy "
-                f"{before['practised']['correct']}/{before['practised']['n']} practised, "
-                f"{before['held_out']['correct']}/{before['held_out']['n']} held out."
-            ),
+            f"Warm policy: sampled accuracy {fmt(before['sampled_slice']['accuracy'], '.2f')} and tool-call rate "
+            f"{fmt(before['sampled_slice']['tool_call_rate'], '.2f')} on the practised slice "
+            f"({before['sampled_slice']['n']} problems, temperature 1); greedy "
+            f"{before['practised']['correct']}/{before['practised']['n']} practised, "
+            f"{before['held_out']['correct']}/{before['held_out']['n']} held out.",
             "",
         ]
     lines += [
@@ -1108,52 +858,47 @@ def write_report(result: dict, out: Path) -> None:
         "Sampled accuracy: temperature 1, practised slice, at step 0 and at the last measurement. Greedy "
         "accuracy after RL: practised and held-out problems.",
         "",
-        "| arm | trainer attention | seeds | steps | reward first → last 10 | sampled acc. start → last | greedy "
-        "practised / held-out after | tool-call rate (last 10) | peak grad norm | k3 KL | mean / max |Δp| | "
-        "IS weight std | steps with reward variance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name, arm in result["arms"].items():
-        m = summaries[name]
-        runs = list(arm["runs"].values())
-        steps = sorted({r["steps_done"] for r in runs})
-        lines.append(
-            f"| {name} | {arm['description']} (`{runs[0]['attention'] if runs else '–'}`) | {len(runs)} | "
-            f"{'/'.join(map(str, steps))} | {_reward_cell(m, runs)} | "
-            f"{_pm(m.get('sampled_accuracy_start'), '.2f')} → {_pm(m.get('sampled_accuracy_last'), '.2f')} | "
-            f"{_pm(m.get('practised_after'), '.2f')} / {_pm(m.get('held_out_after'), '.2f')} | "
-            f"{_pm(m.get('tool_call_rate_last'), '.2f')} | {_pm(m.get('grad_norm_peak'))} | {_pm(m.get('k3_mean'))} | "
-            f"{_pm(m.get('prob_diff_mean'))} / {_pm(m.get('prob_diff_max_mean'))} | {_pm(m.get('is_weight_std_mean'))} | "
-            f"{_pm(m.get('frac_steps_with_reward_variance'), '.2f')} |"
-        )
+        m, runs = summaries[name], list(arm["runs"].values())
+        rows.append([
+            name, f"{arm['description']} (`{runs[0]['attention'] if runs else '–'}`)", len(runs),
+            "/".join(map(str, sorted({r["steps_done"] for r in runs}))), _reward_cell(m, runs),
+            f"{_pm(m.get('sampled_accuracy_start'), '.2f')} → {_pm(m.get('sampled_accuracy_last'), '.2f')}",
+            f"{_pm(m.get('practised_after'), '.2f')} / {_pm(m.get('held_out_after'), '.2f')}",
+            _pm(m.get("tool_call_rate_last"), ".2f"), _pm(m.get("grad_norm_peak")), _pm(m.get("k3_mean")),
+            f"{_pm(m.get('prob_diff_mean'))} / {_pm(m.get('prob_diff_max_mean'))}", _pm(m.get("is_weight_std_mean")),
+            _pm(m.get("frac_steps_with_reward_variance"), ".2f"),
+        ])  # fmt: skip
+    lines += md_table(
+        ["arm", "trainer attention", "seeds", "steps", "reward first → last 10", "sampled acc. start → last",
+         "greedy practised / held-out after", "tool-call rate (last 10)", "peak grad norm", "k3 KL", "mean / max |Δp|",
+         "IS weight std", "steps with reward variance"], rows,
+    )  # fmt: skip
     verdicts = {key: separation(summaries, key) for key in ("reward_last", "sampled_accuracy_last", "k3_mean")}
     if any(verdicts.values()):
         lines += ["", "Against `sink_kernel`, by the range of each arm's seeds (disjoint = separated):", ""]
         labels = {"reward_last": "reward (last 10)", "sampled_accuracy_last": "sampled accuracy", "k3_mean": "k3 KL"}
-        for key, verdict in verdicts.items():
-            if verdict:
-                lines.append(f"- {labels[key]}: " + ", ".join(f"{arm} {v}" for arm, v in verdict.items()))
+        lines += [
+            f"- {labels[key]}: " + ", ".join(f"{arm} {v}" for arm, v in verdict.items())
+            for key, verdict in verdicts.items()
+            if verdict
+        ]
     lines += [
         "",
         "Time per optimizer step, median over steps then mean over seeds (s): rollout (generation steps only), whole "
         "step before the sync (rollout, log-probs, forward, backward, update), weight sync (export, load, checks), "
         "and of the sync its verification (served version and `/weights_checker` checksums).",
         "",
-        "| arm | rollout | step | weight sync | of which verification |",
-        "|---|---|---|---|---|",
     ]
-    for name in result["arms"]:
-        m = summaries[name]
-        lines.append(
-            f"| {name} | {_pm(m.get('rollout_s_median'))} | {_pm(m.get('step_s_median'))} | "
-            f"{_pm(m.get('weight_sync_s_median'))} | {_pm(m.get('weight_sync_verify_s_median'))} |"
-        )
-    lines += [
-        "",
-        f"![learning run]({png_name})",
-        "",
-        "Environment: " + ", ".join(f"{k} {v}" for k, v in result["environment"].items() if v is not None),
-    ]
+    times = ("rollout_s_median", "step_s_median", "weight_sync_s_median", "weight_sync_verify_s_median")
+    lines += md_table(
+        ["arm", "rollout", "step", "weight sync", "of which verification"],
+        [[name, *(_pm(summaries[name].get(key)) for key in times)] for name in result["arms"]],
+    )
+    lines += ["", f"![learning run]({png_name})", "",
+              "Environment: " + ", ".join(f"{k} {v}" for k, v in result["environment"].items() if v is not None)]  # fmt: skip
     (out / md_name).write_text("\n".join(lines) + "\n")
 
 
@@ -1189,53 +934,15 @@ def run_failures(result: dict, *, require_reward_signal: bool = True) -> list[st
     return failures
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    names = report_names(args.rollout_backend)
-    if not args.save_warm_start:  # that writes no report
-        args.out = output_dir(args.out, *names)
-    if args.from_json:
-        result = upgrade_result(json.loads(Path(args.from_json).read_text()))
-        write_report(result, args.out)
-        return result
-    if args.merge:
-        result = merge_reports([json.loads(Path(path).read_text()) for path in args.merge], args)
-        write_report(result, args.out)
-        exit_if_failed(
-            "benchmarks/learning_run.py",
-            run_failures(result, require_reward_signal=args.require_reward_signal),
-            args.out,
-        )
-        return result
-    wants_cpu = args.device == "cpu"
-    if wants_cpu:  # the kernel's Triton code runs on CPU tensors only if this is set before triton.jit runs
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+def warm_up(args, device, tokenizer, train_dataset, tool):
+    """The random model with its sinks drawn from ``--sink-mean``/``--sink-std``, then the cold start (or the one
+    ``--warm-start`` saved). Returns ``(model, practised rows, seconds)``."""
     import torch
-
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
-    kernel_arms = {"sink_kernel", "frozen_sinks"} & set(args.arms)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and kernel_arms:
-        raise RuntimeError("the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)")
-    if device.type == "cpu" and args.precision == "bf16" and args.rollout_backend == "embedded":
-        raise SystemExit("--precision bf16 with the embedded engine needs a GPU (bf16 rollouts on CPU crawl)")
     from transformers import GptOssForCausalLM
     from trl import SFTConfig
 
-    from benchmarks._cli import environment
-    from hf_gptoss_rl.harmony import load_gptoss_tokenizer, render_prompt
     from hf_gptoss_rl.model_builders import tiny_gptoss_config
     from trl_ext.cold_start import StopAtLoss, cold_start
-    from trl_ext.recipes import load_math_dataset
-    from trl_ext.tools import CodeInterpreterTool
-
-    tokenizer = load_gptoss_tokenizer()
-    train_dataset = load_math_dataset(args.train_file)
-    eval_rows = list(load_math_dataset(args.eval_file, limit=args.eval_limit))
-    tool = CodeInterpreterTool()
 
     torch.manual_seed(args.init_seed)
     model_config = tiny_gptoss_config(**MODEL_SIZES[args.model_size])
@@ -1246,139 +953,153 @@ def main(argv=None) -> dict:
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
                 param.copy_(torch.randn(param.shape, generator=generator) * args.sink_std + args.sink_mean)
-    start = time.perf_counter()
-    sft_args = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="learning_run_cold_start_"),  # nothing is saved
-        max_steps=max(1, args.cold_start_steps),  # (with --cold-start-steps 0 the warm-up is skipped below)
-        per_device_train_batch_size=args.cold_start_batch,
-        learning_rate=args.cold_start_lr,
-        # short warm-up, then cosine decay: a constant high rate plateaus before the trajectories are learnt
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, args.cold_start_steps // 20),
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=args.init_seed,
-        use_cpu=device.type == "cpu",
-        bf16=False,
-        gradient_checkpointing=False,
-        max_length=None,
-        router_aux_loss_coef=0.0,
-        disable_tqdm=True,
-    )
-    stop = [StopAtLoss(args.cold_start_target_nll)] if args.cold_start_target_nll else None
-    practised = []
-    warm_key = warm_start_key(args)
     if args.warm_start:
-        practised, cold_seconds = load_warm_start(model, Path(args.warm_start), warm_key)
-    else:
-        if args.cold_start_steps > 0:
-            practised = cold_start(
-                model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems, callbacks=stop
-            )
-        cold_seconds = time.perf_counter() - start
+        return model, *load_warm_start(model, Path(args.warm_start), warm_start_key(args))
+    start = time.perf_counter()
+    practised = []
+    if args.cold_start_steps > 0:
+        sft_args = SFTConfig(
+            output_dir=tempfile.mkdtemp(prefix="learning_run_cold_start_"),  # nothing is saved
+            max_steps=args.cold_start_steps, per_device_train_batch_size=args.cold_start_batch,
+            learning_rate=args.cold_start_lr,
+            # short warm-up, then cosine decay: a constant high rate plateaus before the trajectories are learnt
+            lr_scheduler_type="cosine", warmup_steps=max(1, args.cold_start_steps // 20), logging_steps=1,
+            save_strategy="no", report_to="none", seed=args.init_seed, use_cpu=device.type == "cpu", bf16=False,
+            gradient_checkpointing=False, max_length=None, router_aux_loss_coef=0.0, disable_tqdm=True,
+        )  # fmt: skip
+        stop = [StopAtLoss(args.cold_start_target_nll)] if args.cold_start_target_nll else None
+        practised = cold_start(model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems,
+                               callbacks=stop)  # fmt: skip
+    return model, practised, time.perf_counter() - start
+
+
+def checks_before_the_arms(result: dict, rollouts: Rollouts, model, tool, rows: dict, args) -> None:
+    """The sink control, then (if it passed) the warm policy's accuracy and its window; failures go into
+    ``result["check_failures"]``."""
+    from hf_gptoss_rl.harmony import render_prompt
+
+    prompts = [
+        render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low")
+        for r in rows["slice"][: args.control_prompts]
+    ]
+    control = result["sink_control"] = sink_control(rollouts, model, prompts, args)
+    print(f"sink control: {control}", flush=True)
+    if not control["passed"]:
+        result["check_failures"].append(
+            f"sink control failed: the engine's log-probs are {control['mean_abs_logp_diff_with_sinks']:.3g} "
+            f"from the trainer with sinks and {control['mean_abs_logp_diff_without_sinks']:.3g} from the trainer "
+            f"without them (needs a {args.control_margin:g}x gap): the engine ignores the sinks or the sync"
+        )
+        return
+    engine = rollouts.engine_with(model, args.init_seed)
+    result["before"] = {
+        "sampled_slice": agent_accuracy(engine, tool, rows["slice"], args, temperature=1.0),
+        "practised": agent_accuracy(engine, tool, rows["practised"], args),
+        "held_out": agent_accuracy(engine, tool, rows["eval"], args),
+    }
+    if rollouts.engine is None:
+        engine.shutdown()
+    print(f"warm policy: {result['before']}", flush=True)
+    problems = policy_window(result["before"]["sampled_slice"], args)
+    if problems and args.policy_check:
+        result["check_failures"].append(
+            "the warm policy gives GRPO no reward signal to compare arms on: " + "; ".join(problems)
+            + " (train the warm-up longer or shorter, or pass --no-policy-check)"
+        )  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if not args.save_warm_start:  # that writes no report
+        args.out = output_dir(args.out, *report_names(args.rollout_backend))
+    if args.from_json:
+        result = upgrade_result(json.loads(Path(args.from_json).read_text()))
+        write_report(result, args.out)
+        return result
+    if args.merge:
+        result = merge_reports([json.loads(Path(path).read_text()) for path in args.merge], args)
+        write_report(result, args.out)
+        failures = run_failures(result, require_reward_signal=args.require_reward_signal)
+        exit_if_failed("benchmarks/learning_run.py", failures, args.out)
+        return result
+    if args.device == "cpu":  # the kernel's Triton code runs on CPU tensors only if this is set before triton.jit runs
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    kernel_arms = {"sink_kernel", "frozen_sinks"} & set(args.arms)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" and kernel_arms:
+        raise RuntimeError("the kernel on CPU needs TRITON_INTERPRET=1 (pass --device cpu, or export it)")
+    if device.type == "cpu" and args.precision == "bf16" and args.rollout_backend == "embedded":
+        raise SystemExit("--precision bf16 with the embedded engine needs a GPU (bf16 rollouts on CPU crawl)")
+    from benchmarks._cli import environment
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from trl_ext.recipes import load_math_dataset
+    from trl_ext.tools import CodeInterpreterTool
+
+    tokenizer = load_gptoss_tokenizer()
+    train_dataset = load_math_dataset(args.train_file)
+    eval_rows = list(load_math_dataset(args.eval_file, limit=args.eval_limit))
+    tool = CodeInterpreterTool()
+    model, practised, cold_seconds = warm_up(args, device, tokenizer, train_dataset, tool)
     if args.save_warm_start:
-        digest = save_warm_start(model, Path(args.save_warm_start), warm_key, practised, cold_seconds)
+        digest = save_warm_start(model, Path(args.save_warm_start), warm_start_key(args), practised, cold_seconds)
         print(f"warm start saved in {args.save_warm_start} (sha256 {digest[:16]}, {cold_seconds:.0f} s)", flush=True)
         return {"warm_start": {"sha256": digest, "cold_start_seconds": cold_seconds, "practised": len(practised)}}
     full_train_rows = len(train_dataset)
     # "practised": training problems the warm-up saw, scored like the held-out set (memorisation vs generalisation);
     # without a warm-up, the first training problems
     practised_ids = list(practised or range(full_train_rows))
-    practised_rows = [train_dataset[i] for i in practised_ids[: args.eval_limit]]
-    slice_rows = [train_dataset[i] for i in practised_ids[: args.eval_slice]]
+    rows = {
+        "practised": [train_dataset[i] for i in practised_ids[: args.eval_limit]],
+        "slice": [train_dataset[i] for i in practised_ids[: args.eval_slice]],
+        "eval": eval_rows,
+    }
     if args.rl_problems == "practised" and practised:
         train_dataset = train_dataset.select(practised)
     model.config.use_cache = True
     warm_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    parameters = sum(p.numel() for p in model.parameters())
-    warm_digest = state_digest(warm_state)
 
-    result = {
-        "command": "python benchmarks/learning_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "environment": environment(),
-        "setup": {
-            "model_size": args.model_size,
-            "parameters": parameters,
-            "precision": args.precision,
-            "rollout_backend": args.rollout_backend,
-            "arms": args.arms,
-            "seeds": args.seeds,
-            "init_seed": args.init_seed,
-            "cold_start_steps": args.cold_start_steps,
-            "cold_start_target_nll": args.cold_start_target_nll,
-            "cold_start_batch": args.cold_start_batch,
-            "cold_start_problems": len(practised),
-            "cold_start_seconds": cold_seconds,
-            "rl_problems": args.rl_problems,
-            "train_file_rows": full_train_rows,
-            "num_generations": args.num_generations,
-            "batch_size": args.batch_size,
-            "num_iterations": args.num_iterations,
-            "learning_rate": args.learning_rate,
-            "warmup_steps": args.warmup_steps,
-            "max_completion_length": args.max_completion_length,
-            "max_turns": args.max_turns,
-            "train_rows": len(train_dataset),
-            "eval_rows": len(eval_rows),
-            "eval_every": args.eval_every,
-            "eval_slice": len(slice_rows),
-            "steps_requested": args.steps,
-            "max_seconds": args.max_seconds,
-            "sink_init": [args.sink_mean, args.sink_std],
-            "warm_start": {"sha256": warm_digest, "loaded": bool(args.warm_start)},
-            "note": args.note,
-        },
-        "arms": {},
-        "check_failures": [],
-    }
+    setup = {
+        "model_size": args.model_size, "parameters": sum(p.numel() for p in model.parameters()),
+        "precision": args.precision, "rollout_backend": args.rollout_backend, "arms": args.arms, "seeds": args.seeds,
+        "init_seed": args.init_seed, "cold_start_steps": args.cold_start_steps,
+        "cold_start_target_nll": args.cold_start_target_nll, "cold_start_batch": args.cold_start_batch,
+        "cold_start_problems": len(practised), "cold_start_seconds": cold_seconds, "rl_problems": args.rl_problems,
+        "train_file_rows": full_train_rows, "num_generations": args.num_generations, "batch_size": args.batch_size,
+        "num_iterations": args.num_iterations, "learning_rate": args.learning_rate, "warmup_steps": args.warmup_steps,
+        "max_completion_length": args.max_completion_length, "max_turns": args.max_turns,
+        "train_rows": len(train_dataset), "eval_rows": len(eval_rows), "eval_every": args.eval_every,
+        "eval_slice": len(rows["slice"]), "steps_requested": args.steps, "max_seconds": args.max_seconds,
+        "sink_init": [args.sink_mean, args.sink_std],
+        "warm_start": {"sha256": state_digest(warm_state), "loaded": bool(args.warm_start)}, "note": args.note,
+    }  # fmt: skip
+    result = {"command": command_line("learning_run", argv), "environment": environment(), "setup": setup, "arms": {},
+              "check_failures": []}  # fmt: skip
     mark_missing_runs(result, args.arms, args.seeds)
     rollouts = Rollouts(args, device, Path(tempfile.mkdtemp(prefix="learning_run_rollouts_")))
     rollouts.pad_token_id = tokenizer.pad_token_id
     try:
         rollouts.start(model)
         result["setup"]["rollouts"] = rollouts.info
-        prompts = [
-            render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low")
-            for r in slice_rows[: args.control_prompts]
-        ]
-        control = sink_control(rollouts, model, prompts, args)
-        result["sink_control"] = control
-        print(f"sink control: {control}", flush=True)
-        if not control["passed"]:
-            result["check_failures"].append(
-                f"sink control failed: the engine's log-probs are {control['mean_abs_logp_diff_with_sinks']:.3g} "
-                f"from the trainer with sinks and {control['mean_abs_logp_diff_without_sinks']:.3g} from the trainer "
-                f"without them (needs a {args.control_margin:g}x gap): the engine ignores the sinks or the sync"
-            )
-        else:
-            engine = rollouts.engine_with(model, args.init_seed)
-            result["before"] = {
-                "sampled_slice": agent_accuracy(engine, tool, slice_rows, args, temperature=1.0),
-                "practised": agent_accuracy(engine, tool, practised_rows, args),
-                "held_out": agent_accuracy(engine, tool, eval_rows, args),
-            }
-            if rollouts.engine is None:
-                engine.shutdown()
-            print(f"warm policy: {result['before']}", flush=True)
-            problems = policy_window(result["before"]["sampled_slice"], args)
-            if problems and args.policy_check:
-                result["check_failures"].append(
-                    "the warm policy gives GRPO no reward signal to compare arms on: "
-                    + "; ".join(problems)
-                    + " (train the warm-up longer or shorter, or pass --no-policy-check)"
-                )
+        checks_before_the_arms(result, rollouts, model, tool, rows, args)
+        model_config = model.config
         del model
         if not result["check_failures"]:
             kernel_attention = None
-            if kernel_arms:
-                kernel_attention, how = project_kernel_attention(args.kernel_route)
-                result["setup"]["kernel_route"] = how
+            if kernel_arms:  # the kernel's sources on every row's valid tokens, packed (fp32 stays fp32)
+                from hf_gptoss_rl.attention_variants import register_span_kernel_attention
+
+                kernel_attention = register_span_kernel_attention()
+                result["setup"]["kernel_route"] = (
+                    "kernel sources via AttentionInterface, valid tokens packed into one varlen call"
+                )
             ctx = {
                 "args": args, "device": device, "rollouts": rollouts, "tool": tool, "tokenizer": tokenizer,
                 "model_config": model_config, "warm_state": warm_state, "kernel_attention": kernel_attention,
-                "train_dataset": train_dataset, "eval_rows": eval_rows, "practised_rows": practised_rows,
-                "slice_rows": slice_rows,
+                "train_dataset": train_dataset, "eval_rows": eval_rows, "practised_rows": rows["practised"],
+                "slice_rows": rows["slice"],
             }  # fmt: skip
             for seed in args.seeds:  # seed-major: an interrupted run still has every arm for the first seeds
                 for arm in args.arms:
@@ -1396,8 +1117,9 @@ def main(argv=None) -> dict:
             f"{name:14s} reward last 10 {_pm(summary['reward_last'])}  sampled acc. {_pm(summary['sampled_accuracy_last'])}"
             f"  k3 {_pm(summary['k3_mean'])}  peak grad norm {_pm(summary['grad_norm_peak'])}"
         )
-    failures = run_failures(result, require_reward_signal=args.require_reward_signal)
-    exit_if_failed("benchmarks/learning_run.py", failures, args.out)
+    exit_if_failed(
+        "benchmarks/learning_run.py", run_failures(result, require_reward_signal=args.require_reward_signal), args.out
+    )
     return result
 
 

@@ -18,10 +18,8 @@ if __package__ in (None, ""):
     import _bootstrap  # noqa: F401  (python benchmarks/quickstart.py: the repository root on sys.path)
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import resource
 import shlex
@@ -31,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._cli import OUT_HELP, REPO, exit_if_failed, output_dir, without_local_paths
+from benchmarks._cli import OUT_HELP, REPO, exit_if_failed, machine, output_dir, without_local_paths
 
 NAMES = ("quickstart.json", "quickstart.md")
 EXAMPLE = "examples/grpo_retool.py"
@@ -53,33 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--from-json", type=Path, default=None, help="no run: render this quickstart.json again")
     p.add_argument("example_args", nargs="*", help="arguments for the example (after --)")
     return p.parse_args(argv)
-
-
-def machine() -> dict:
-    """What the run's time depends on: the CPU, how many cores this process may use, the load, the versions."""
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in _read("/proc/cpuinfo").splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or platform.machine(),
-    )
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    versions = {}
-    for name in ("torch", "transformers", "trl", "accelerate"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return {"cpu": model, "cores": cores, "python": platform.python_version(), **versions}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def parse_output(stdout: str) -> dict:

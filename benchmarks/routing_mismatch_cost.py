@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
+from benchmarks._cli import OUT_HELP, command_line, exit_if_failed, machine, output_dir, without_local_paths
 
 REPORT = "routing_mismatch_cost.json"
 
@@ -144,18 +142,11 @@ def summarize(steps: list[dict]) -> dict:
     }
 
 
-def machine() -> dict:
-    from benchmarks.quickstart import machine as quickstart_machine
-
-    return quickstart_machine()
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     out = output_dir(args.out, REPORT)
-    command = "python benchmarks/routing_mismatch_cost.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     failures: list[str] = []
-    report = {"command": command.strip(), "machine": machine(), **measure(args)}
+    report = {"command": command_line("routing_mismatch_cost", argv), "machine": machine(), **measure(args)}
     if len(report["steps"]) < 2:
         failures.append(f"{len(report['steps'])} step(s) timed: need at least 2 (one warm-up)")
     elif any(s["extra_s"] <= 0 for s in report["steps"]):

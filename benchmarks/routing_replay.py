@@ -24,7 +24,6 @@ if __package__ in (None, ""):
     import _bootstrap  # noqa: F401  (python benchmarks/routing_replay.py: the repository root on sys.path)
 
 import argparse
-import asyncio
 import base64
 import contextlib
 import json
@@ -35,7 +34,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
+from benchmarks._cli import (
+    OUT_HELP,
+    add_server_args,
+    exit_if_failed,
+    figure,
+    md_table,
+    output_dir,
+    server_manager,
+    without_local_paths,
+)
 
 NAMES = ("routing_replay.json", "routing_replay.md", "routing_replay.png")
 ROUTING_FLAGS = ["--enable-return-routed-experts", "--moe-runner-backend", "triton"]
@@ -46,11 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
     p.add_argument("--layers", type=int, default=4, help="layers of the model (of gpt-oss-20b's 24)")
-    p.add_argument("--server-cmd", default="python3 -m sglang.launch_server")
-    p.add_argument("--server-args", default="", help="extra server flags")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="launch with --disable-cuda-graph (default: on)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.4)
-    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    add_server_args(p, ready_timeout_s=300.0)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="timed generations with and without the routing, each")
@@ -61,12 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--sink-std", type=float, default=1.5)
     p.add_argument("--logit-std", type=float, default=3.0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--url", default=None, help=argparse.SUPPRESS)  # ServerManager reads it; always launched here
-    p.add_argument("--port", type=int, default=None)
     p.add_argument("--from-json", type=Path, default=None, help="no run: render this routing_replay.json again")
-    args = p.parse_args(argv)
-    args.cold_start_steps = 0
-    return args
+    return p.parse_args(argv)
 
 
 def routing_plan(prompts, outputs, width: int, shape) -> torch.Tensor:
@@ -84,10 +84,7 @@ def routing_plan(prompts, outputs, width: int, shape) -> torch.Tensor:
 def generate_all(engine, prompts, sampling) -> list:
     from trl_ext.rollout import run_sync
 
-    async def batch():
-        return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
-
-    return run_sync(batch())
+    return run_sync(engine.generate_batch(prompts, sampling))
 
 
 def timed_generation(engine, prompts, sampling, record, repeats: int) -> list[float]:
@@ -102,7 +99,7 @@ def timed_generation(engine, prompts, sampling, record, repeats: int) -> list[fl
 
 def run(args, work: Path) -> dict:
     from benchmarks.mismatch_study import METRIC_KEYS, load_prompts, score_batch, train_logps
-    from benchmarks.sglang_e2e import ServerManager, build_model, load_policy
+    from benchmarks.sglang_e2e import E2E_LAUNCH_FLAGS, build_model, load_policy
     from hf_gptoss_rl.routing import RoutingReplay, routing_shape
     from trl_ext.mismatch import mismatch_metrics
     from trl_ext.rollout import SamplingParams, SGLangEngine, run_sync
@@ -114,7 +111,7 @@ def run(args, work: Path) -> dict:
     shape = routing_shape(policy)
     result["routing_shape"] = dict(zip(("layers", "top_k", "experts"), shape))
     result["policy_dtype"] = str(next(policy.parameters()).dtype).removeprefix("torch.")
-    server = ServerManager(args, args.model_dir, work / "logs")
+    server = server_manager(args, args.model_dir, work / "logs", E2E_LAUNCH_FLAGS)
     try:
         url = server.ensure("routing", ROUTING_FLAGS, args.ready_timeout_s)
         result["server_command"] = server.launches[-1]["command"]  # its local paths go in main()
@@ -178,8 +175,7 @@ def run(args, work: Path) -> dict:
 
 def checks(result: dict) -> list[str]:
     """Replay may not raise k3, in any round (a round: one batch sampled by the server, scored both ways)."""
-    rounds = result.get("rounds") or {k: [v] for k, v in result["rows"].items()}
-    failures = []
+    rounds, failures = result["rounds"], []
     for i, (own, replayed) in enumerate(zip(rounds["own routing"], rounds["replayed engine routing"])):
         if not replayed["k3_kl"] <= own["k3_kl"]:
             failures.append(f"round {i}: replay raised k3: {replayed['k3_kl']:.3g} > {own['k3_kl']:.3g} without it")
@@ -187,11 +183,14 @@ def checks(result: dict) -> list[str]:
 
 
 def render(result: dict) -> str:
-    own, replayed = result["rows"]["own routing"], result["rows"]["replayed engine routing"]
-    single = "rounds" not in result  # a report of one round, without a warm-up pass
-    rounds = result.get("rounds") or {name: [row] for name, row in result["rows"].items()}
-    cost = result["cost"]
-    shape = result["routing_shape"]
+    rows, rounds, cost, shape = result["rows"], result["rounds"], result["cost"], result["routing_shape"]
+    own, replayed = rows["own routing"], rows["replayed engine routing"]
+
+    def cell(name, key, spec):
+        values = [r[key] for r in rounds[name]]
+        return f"{rows[name][key]:{spec}} [{min(values):{spec}}, {max(values):{spec}}]"
+
+    ratios = [r["k3_kl"] / o["k3_kl"] for o, r in zip(rounds["own routing"], rounds["replayed engine routing"])]
     lines = [
         "# Routing replay against SGLang",
         "",
@@ -206,22 +205,20 @@ def render(result: dict) -> str:
         f"forward. Rounds: {len(rounds['own routing'])}, each a batch of the {result['num_prompts']} prompts sampled "
         "anew and scored both ways; the table gives the median of the rounds and, in brackets, their range.",
         "",
-        "| trainer forward | routing agreement | worst layer | k3 | max abs dp | mean abs dp |",
-        "|---|---|---|---|---|---|",
-    ]
-
-    def cell(name, key, spec):
-        values = [r[key] for r in rounds[name]]
-        return f"{result['rows'][name][key]:{spec}} [{min(values):{spec}}, {max(values):{spec}}]"
-
-    for name in result["rows"]:
-        lines.append(
-            f"| {name} | {cell(name, 'agreement', '.4f')} | {cell(name, 'agreement_min_layer', '.4f')} | "
-            f"{cell(name, 'k3_kl', '.3g')} | {cell(name, 'prob_diff_max', '.3g')} | "
-            f"{cell(name, 'prob_diff_mean', '.3g')} |"
-        )
-    ratios = [r["k3_kl"] / o["k3_kl"] for o, r in zip(rounds["own routing"], rounds["replayed engine routing"])]
-    lines += [
+        *md_table(
+            ["trainer forward", "routing agreement", "worst layer", "k3", "max abs dp", "mean abs dp"],
+            [
+                [
+                    name,
+                    cell(name, "agreement", ".4f"),
+                    cell(name, "agreement_min_layer", ".4f"),
+                    cell(name, "k3_kl", ".3g"),
+                    cell(name, "prob_diff_max", ".3g"),
+                    cell(name, "prob_diff_mean", ".3g"),
+                ]
+                for name in rows
+            ],
+        ),  # fmt: skip
         "",
         "k3 with replay / without, per round: " + ", ".join(f"{x:.3f}" for x in ratios) + ".",
         "",
@@ -233,31 +230,18 @@ def render(result: dict) -> str:
         f"- `meta_info.routed_experts`: {cost['response_bytes_per_token']:.0f} bytes per token in the answer "
         f"(base64 of int32), {cost['stored_bytes_per_token']} bytes per token as the trainer stores it.",
         f"- The trainer's log-prob pass (median over rounds, after a warm-up pass): {replayed['logprob_pass_s']:.3f} s "
-        f"replayed, {own['logprob_pass_s']:.3f} s with its own routing (the hooks compare in both)."
-        if not single
-        else "- The trainer's log-prob pass was timed once each, without a warm-up pass (the first, with its own "
-        "routing, includes the warm-up): no comparison is drawn from it.",
+        f"replayed, {own['logprob_pass_s']:.3f} s with its own routing (the hooks compare in both).",
     ]
     return "\n".join(lines) + "\n"
 
 
 def plot(path: Path, result: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(result["rows"])
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    axes[0].bar(names, [result["rows"][n]["agreement"] for n in names], color=["#888", "#2a7"])
-    axes[0].set_ylabel("routing agreement")
-    axes[1].bar(names, [result["rows"][n]["k3_kl"] for n in names], color=["#888", "#2a7"])
-    axes[1].set_ylabel("k3 KL (engine vs trainer)")
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(9, 3.2), dpi=120) as (_, axes):
+        for ax, key, label in zip(axes, ("agreement", "k3_kl"), ("routing agreement", "k3 KL (engine vs trainer)")):
+            ax.bar(names, [result["rows"][n][key] for n in names], color=["#888", "#2a7"])
+            ax.set_ylabel(label)
+            ax.tick_params(axis="x", labelsize=8)
 
 
 def main(argv=None) -> None:

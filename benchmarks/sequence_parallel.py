@@ -38,7 +38,16 @@ from pathlib import Path
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, RATIO_RULE, exit_if_failed, output_dir, ratio, without_local_paths
+from benchmarks._cli import (
+    OUT_HELP,
+    RATIO_RULE,
+    exit_if_failed,
+    figure,
+    md_table,
+    output_dir,
+    ratio,
+    without_local_paths,
+)
 
 RESULT_TAG = "SP_BENCH_RESULT "
 
@@ -205,6 +214,7 @@ def write_report(results: list[dict], args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sequence_parallel.json").write_text(json.dumps(results, indent=1))
     peers = sorted({(r["mode"], r["gpus"]) for r in results}, key=lambda p: (p[0] != "stock", p[1]))
+    ok = [r for r in results if r["ok"]]
     lines = [
         "# Sequence parallelism: longest GPT-OSS-20B training sequence and step time",
         "",
@@ -212,58 +222,47 @@ def write_report(results: list[dict], args) -> None:
         " = forward + backward, LoRA r=16 on q/k/v/o, gradient checkpointing, batch 1; median of"
         f" {args.steps} steps after one warm-up; peak = max over ranks of `torch.cuda.max_memory_allocated`.",
         "",
-        "| peer | GPUs | max S that fits | first S that failed |",
-        "|---|---|---|---|",
     ]
+    fits = []
     for mode, gpus in peers:
         runs = [r for r in results if r["mode"] == mode and r["gpus"] == gpus]
         fit = max((r["seq_len"] for r in runs if r["ok"]), default=None)
         fail = [f"{r['seq_len']} ({r['reason']})" for r in runs if not r["ok"]]
-        lines.append(f"| {mode} | {gpus} | {fit or 'none tried fit'} | {fail[0] if fail else 'not reached'} |")
-    lines += ["", "| peer | GPUs | S | attention | step s | tokens/s | peak GiB |", "|---|---|---|---|---|---|---|"]
-    for r in results:
-        if r["ok"]:
-            lines.append(
-                f"| {r['mode']} | {r['gpus']} | {r['seq_len']} | {r['attn']} | {r['step_s']:.2f} | "
-                f"{r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} |"
-            )
+        fits.append([mode, gpus, fit or "none tried fit", fail[0] if fail else "not reached"])
+    lines += md_table(["peer", "GPUs", "max S that fits", "first S that failed"], fits) + [""]
+    lines += md_table(
+        ["peer", "GPUs", "S", "attention", "step s", "tokens/s", "peak GiB"],
+        [[r["mode"], r["gpus"], r["seq_len"], r["attn"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
+          f"{r['peak_gib']:.1f}"] for r in ok],
+    )  # fmt: skip
     common = {}
-    for r in results:
-        if r["ok"]:
-            common.setdefault(r["seq_len"], {})[(r["mode"], r["gpus"])] = r["step_s"]
-    ratio_lines = []
+    for r in ok:
+        common.setdefault(r["seq_len"], {})[(r["mode"], r["gpus"])] = r["step_s"]
+    ratio_rows = []
     for seq_len, by_peer in sorted(common.items()):
         base = by_peer.get(("sp", 1)) or by_peer.get(("stock", 1))
         if base and len(by_peer) > 1:
             ordered = sorted(by_peer.items(), key=lambda item: item[0][1])
-            speedups = ", ".join(f"{m} P={g}: {ratio(t, base)}" for (m, g), t in ordered)
-            ratio_lines.append(f"| {seq_len} | {speedups} |")
-    if ratio_lines:
-        lines += ["", f"Step time ÷ one GPU's at the same S ({RATIO_RULE}):", "", "| S | time ratio |", "|---|---|"]
-        lines += ratio_lines
+            ratio_rows.append([seq_len, ", ".join(f"{m} P={g}: {ratio(t, base)}" for (m, g), t in ordered)])
+    if ratio_rows:
+        lines += ["", f"Step time ÷ one GPU's at the same S ({RATIO_RULE}):", ""]
+        lines += md_table(["S", "time ratio"], ratio_rows)
     (out / "sequence_parallel.md").write_text("\n".join(lines) + "\n")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for mode, gpus in peers:
-            runs = [r for r in results if r["mode"] == mode and r["gpus"] == gpus and r["ok"]]
-            if runs:
-                xs = [r["seq_len"] for r in runs]
-                ax1.plot(xs, [r["step_s"] for r in runs], "o-", label=f"{mode} P={gpus}")
-                ax2.plot(xs, [r["peak_gib"] for r in runs], "o-", label=f"{mode} P={gpus}")
-        for ax, label in ((ax1, "step time (s)"), (ax2, "peak memory per GPU (GiB)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("sequence length S (tokens)")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.suptitle(f"GPT-OSS-{args.model} training step, Ulysses SP ({args.device})")
-        fig.tight_layout()
-        fig.savefig(out / "sequence_parallel.png", dpi=120)
+        with figure(out / "sequence_parallel.png", 1, 2, figsize=(11, 4), dpi=120) as (fig, (ax1, ax2)):
+            for mode, gpus in peers:
+                runs = [r for r in ok if r["mode"] == mode and r["gpus"] == gpus]
+                if runs:
+                    xs = [r["seq_len"] for r in runs]
+                    ax1.plot(xs, [r["step_s"] for r in runs], "o-", label=f"{mode} P={gpus}")
+                    ax2.plot(xs, [r["peak_gib"] for r in runs], "o-", label=f"{mode} P={gpus}")
+            for ax, label in ((ax1, "step time (s)"), (ax2, "peak memory per GPU (GiB)")):
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("sequence length S (tokens)")
+                ax.set_ylabel(label)
+                ax.grid(alpha=0.3)
+                ax.legend()
+            fig.suptitle(f"GPT-OSS-{args.model} training step, Ulysses SP ({args.device})")
     except ImportError:
         print("matplotlib missing: no plot", flush=True)
     print(f"wrote {out / 'sequence_parallel.md'}", flush=True)

@@ -1,81 +1,44 @@
 """The whole product against a real SGLang server: rollouts, training with weight sync, rollout/training mismatch.
 
-One script, four phases, each with a deadline; a phase that fails is recorded (exception text and the tail of the
-server's log) and the next one runs. Results are rewritten after every phase, so a run that is killed still leaves
-what it measured.
+`docs/results.md` (section 4) describes the setup and how to read the report. Four phases, each with a deadline;
+a phase that fails is recorded (its error and the tail of the server's log), the next one runs, and the report is
+rewritten after every phase:
 
-1. ``generate``: token-in/token-out ``/generate`` with log-probs through `trl_ext.rollout.SGLangEngine` (tokens/s,
-   finite log-probs, radix-cache hits on a repeated batch), then multi-turn harmony rollouts through
-   `trl_ext.rollout.AgentLoop` with the sandboxed `code_interpreter` tool (turns, tool calls, finish reasons).
-2. ``trainer``: `trl_ext.AgenticGRPOTrainer` with ``rollout_backend="sglang"`` on a few GSM8K rows, for weight
-   sync ``disk``, ``tensor`` (CUDA IPC, same GPU) and LoRA (``weight_sync_lora=True``; the server is restarted
-   with ``--enable-lora --max-lora-rank R --lora-target-modules ...``), with ``weight_sync_verify=["version",
-   "checksum", "logprobs"]``: the default checks (names before sending, every server parameter fed by a changed
-   tensor changed), and the server's log-probs of a probe sentence must match the trainer's. Every sync
-   is timed apart from the steps (one before training, then one per step), with the probe's mean/max |Δ logprob|.
-3. ``mismatch``: completions sampled by the server at temperature 1 (its log-probs are the rollout distribution),
-   scored by the trainer's log-prob path (`benchmarks.mismatch_study`) with eager attention (sinks), eager without
-   sinks, flex_attention and the project's kernel; `trl_ext.mismatch.mismatch_metrics` per row. Repeated with the
-   server flags ``--enable-deterministic-inference``, ``--enable-fp32-lm-head`` and both.
-4. ``sync_timing``: the median sync time per mode from phase 2, bytes moved, and the extrapolation to gpt-oss-20b
-   (bytes at 20b / measured GB/s).
+1. ``generate``: ``/generate`` with log-probs through `trl_ext.rollout.SGLangEngine`, a repeated batch (radix
+   cache), then multi-turn rollouts of `trl_ext.rollout.AgentLoop` with the sandboxed `code_interpreter` tool;
+2. ``trainer``: `trl_ext.AgenticGRPOTrainer` with ``rollout_backend="sglang"`` for weight sync ``disk``,
+   ``tensor`` and LoRA, every sync verified (version, checksum, log-prob probe) and timed apart from the steps;
+3. ``mismatch``: server samples scored by the trainer's log-prob path with four training attentions, once per
+   server configuration of `MISMATCH_CONFIGS`;
+4. ``sync_timing``: the median sync time per mode and its extrapolation to gpt-oss-20b by bytes.
 
-The model is GPT-OSS with the gpt-oss-20b layer shapes (``hf_gptoss_rl.model_builders.gptoss_20b_config``, ``--layers``
-of its 24 layers) and random weights and sinks drawn as in `benchmarks.mismatch_study`, saved in bf16 with
-``save_pretrained`` (SGLang reads it with ``--skip-tokenizer-init``: no tokenizer files). Prompts:
-`benchmarks.mismatch_study.load_prompts` (GSM8K rendered in harmony).
+The model has gpt-oss-20b's layer shapes (``--layers`` of its 24), random weights as in `benchmarks.mismatch_study`,
+saved in bf16; ``--cold-start-steps N`` first fine-tunes it on ``code_interpreter`` demonstrations
+(`trl_ext.cold_start`, the CPU demo's settings) so that it calls the tool. SGLang runs from an environment of its
+own (``--server-cmd``), one server per configuration (`trl_ext.sglang_serve.ServerManager`) with `E2E_LAUNCH_FLAGS`,
+``--server-args`` and the phase's flags; CUDA graphs stay on unless ``--disable-cuda-graph`` (recorded)::
 
-A random policy never writes a tool call, so the agent loop of phase 1 shows none. ``--cold-start-steps N`` (default
-0: random weights) fine-tunes the model before it is saved for the server, as the CPU demo
-(`examples/grpo_retool.py`) does before GRPO: `trl_ext.cold_start.cold_start` (TRL's `SFTTrainer`, full fine-tuning
-with AdamW, bf16 mixed precision on CUDA, float32 on CPU) for N steps on harmony demonstrations that call
-`code_interpreter` with code computing the answers of ``--cold-start-problems`` GSM8K problems of
-``data/gsm8k_train_mini.jsonl``, run in the local sandbox; ``--cold-start-lr`` and ``--cold-start-batch`` default
-to the demo's values. The model, its optimizer and the trainer are freed (and the CUDA cache emptied) before the
-server starts. The report records the steps, the loss at the first and last step (every step's in the JSON), the
-wall time, the problems practised and the sinks (mean and std over heads, per layer) before and after; the agent
-loop then runs on the practised problems, rendered as the demonstrations were, and every other phase is unchanged
-(the mismatch phase measures the trained policy). The cold start counts against ``--budget-s``::
-
-    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang/bin/python -m sglang.launch_server" \
+    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang/bin/python -m sglang.launch_server" \\
         --cold-start-steps 40 --budget-s 900
-
-SGLang pins its own dependencies, so install it in an environment of its own and point ``--server-cmd`` at it; the
-script launches one server per server configuration (``setsid``; the whole process group is killed afterwards)::
-
-    python -m venv /opt/sglang && /opt/sglang/bin/pip install "sglang==0.5.17"   # or, without internet:
-    # scripts/sglang_offline.sh install WHEELDIR   (into /opt/sglang as well, with an /opt/sglang/bin/python)
-    python -m benchmarks.sglang_e2e --server-cmd "/opt/sglang/bin/python -m sglang.launch_server"
     python -m benchmarks.sglang_e2e --url http://127.0.0.1:30000   # a server you started (flags not changed)
     python -m benchmarks.sglang_e2e --merge run1/sglang_e2e.json run2/sglang_e2e.json --out DIR   # one report
 
-Every launch gets ``--model-path DIR --port P --skip-tokenizer-init --attention-backend triton --sampling-backend
-pytorch --grammar-backend none --mem-fraction-static F``, then ``--server-args`` and the phase's own flags. CUDA
-graphs stay on, as a server is run for users; ``--disable-cuda-graph`` passes SGLang's flag of that name (faster
-server starts, slower decoding), and the report's ``meta.disable_cuda_graph`` records which it was. Writes
-``sglang_e2e.md``, ``sglang_e2e.json`` and ``sglang_e2e.png`` into ``--out`` (server logs under ``--out/logs``; by
-default ``docs/benchmarks/``, only while no report is there: name the folder to replace one).
-
-The exit status is non-zero when the model could not be built or a phase failed or was skipped (a phase some of
-whose weight sync modes or server configurations failed is "partial": the report has each failure, and the run
-still exits 0).
+Writes ``sglang_e2e.{md,json,png}`` into ``--out`` (server logs under ``--out/logs``). The exit status is non-zero
+when the model could not be built or a phase failed or was skipped; a phase only some of whose weight sync modes or
+server configurations failed is "partial": the report has each failure, and the run still exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import json
 import math
-import os
 import shlex
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -86,8 +49,17 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, exit_if_failed, output_dir, without_local_paths
-from trl_ext.sglang_serve import ServerProcess, log_tail, wait_until_ready
+from benchmarks._cli import (
+    OUT_HELP,
+    add_server_args,
+    command_line,
+    exit_if_failed,
+    figure,
+    md_table,
+    output_dir,
+    server_manager,
+    without_local_paths,
+)  # fmt: skip
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -100,6 +72,10 @@ MISMATCH_CONFIGS = {
     "fp32_lm_head": ["--enable-fp32-lm-head"],
     "deterministic+fp32_lm_head": ["--enable-deterministic-inference", "--enable-fp32-lm-head"],
 }
+# The flags every server of this script gets: the portable Triton attention backend (SGLang's own default for GPT-OSS
+# is fa3 on Hopper and trtllm_mha on Blackwell: `_gpt_oss_overrides` in sglang/srt/arg_groups/overrides.py),
+# PyTorch sampling, no grammar backend.
+E2E_LAUNCH_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 GPTOSS_20B_LAYERS = 24
 _T0 = time.monotonic()
@@ -135,105 +111,11 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
-# ------------------------------------------------------------------------------------------------------------ server
-
-
-# The flags every server of this script gets: the portable Triton attention backend (SGLang's own default for GPT-OSS
-# is fa3 on Hopper and trtllm_mha on Blackwell: `_gpt_oss_overrides` in sglang/srt/arg_groups/overrides.py),
-# PyTorch sampling, no grammar backend.
-E2E_LAUNCH_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
-
-
-class ServerManager:
-    """Launches SGLang with a given set of flags (reusing a healthy server launched with the same flags), or
-    hands out ``--url``; each launch is a `trl_ext.sglang_serve.ServerProcess` (own session, whole process group
-    stopped).
-
-    Reads ``args.server_cmd``, ``server_args``, ``url``, ``port``, ``mem_fraction_static`` and
-    ``disable_cuda_graph``. ``launch_flags`` go to every launch (default `E2E_LAUNCH_FLAGS`; ``[]`` leaves the
-    attention backend and sampling to SGLang)."""
-
-    def __init__(self, args, model_dir: Path, logs_dir: Path, launch_flags: list[str] | None = None) -> None:
-        self.args = args
-        self.launch_flags = list(E2E_LAUNCH_FLAGS if launch_flags is None else launch_flags)
-        self.model_dir = model_dir
-        self.logs_dir = logs_dir
-        self.process: ServerProcess | None = None
-        self.flags: list[str] | None = None
-        self.url: str | None = args.url
-        self.log_path: Path | None = None
-        self.launches: list[dict] = []
-        self.version: str | None = None  # sglang version the server reports (/server_info)
-        self.dirty = False  # the server's weights differ from --model-dir (a trainer synced into it)
-
-    @property
-    def external(self) -> bool:
-        return self.args.url is not None
-
-    def command(self, flags: list[str], port: int) -> list[str]:
-        a = self.args
-        base = shlex.split(a.server_cmd) + [
-            "--model-path", str(self.model_dir), "--port", str(port), "--host", "127.0.0.1",
-            "--skip-tokenizer-init", *self.launch_flags, "--mem-fraction-static", str(a.mem_fraction_static),
-        ]  # fmt: skip
-        extra = shlex.split(a.server_args)
-        if getattr(a, "disable_cuda_graph", False) and "--disable-cuda-graph" not in extra:
-            extra.append("--disable-cuda-graph")
-        return base + extra + list(flags)
-
-    def ensure(
-        self, name: str, flags: list[str], timeout_s: float, *, flags_required: bool = True, any_weights: bool = False
-    ) -> str:
-        """A ready server launched with ``flags``; raises (with the log tail) when it does not come up. With
-        ``--url`` the flags cannot be applied: an error when ``flags_required``, else the server is used as it is
-        (e.g. LoRA on a server the user launched with ``--enable-lora``). A launched server whose weights a trainer
-        changed is only reused with ``any_weights`` (the trainer's first sync resets them); otherwise relaunched."""
-        if self.external:
-            if flags and flags_required:
-                raise RuntimeError(f"server flags {flags} need a launched server; --url was given (not relaunched)")
-            self.version = wait_until_ready(self.url, timeout_s)
-            return self.url
-        if (
-            self.process is not None
-            and self.flags == flags
-            and self.process.running()
-            and (any_weights or not self.dirty)
-        ):
-            return self.url
-        self.stop()
-        self.dirty = False
-        from trl_ext.weight_sync.transport import free_port
-
-        port = self.args.port or free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.flags = list(flags)
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
-        self.log_path = self.logs_dir / f"server_{len(self.launches) + 1}_{safe}.log"
-        self.process = ServerProcess(self.command(flags, port), self.url, log_path=self.log_path)
-        record = {"name": name, "command": shlex.join(self.process.command), "log": str(self.log_path)}
-        self.launches.append(record)
-        log(f"launching server ({name}): {record['command']}")
-        t0 = time.monotonic()
-        self.process.start()
-        try:
-            self.version = self.process.wait_ready(timeout_s)
-        except BaseException:
-            record["ready"] = False
-            raise
-        record["ready"] = True
-        record["ready_s"] = round(time.monotonic() - t0, 1)
-        log(f"server ready in {record['ready_s']} s")
-        return self.url
-
-    def log_tail(self, lines: int = 40) -> str | None:
-        return log_tail(self.log_path, lines)  # the last launch's log, also once it stopped
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after 15 s; waits at most 20 s in all."""
-        process, self.process, self.flags = self.process, None, None
-        if process is None:
-            return
-        log(f"server stopped (status {process.stop(grace_s=15)})")
+def free_memory(device: torch.device) -> None:
+    """Collect what was dropped and, on CUDA, hand the cached blocks back: the server shares the GPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------------------ model
@@ -241,41 +123,18 @@ class ServerManager:
 
 def sink_stats(model) -> list[dict]:
     """Per layer: the mean and standard deviation over heads of the attention sinks (one learnt logit per head)."""
-    stats = []
-    for name, param in model.named_parameters():
-        if name.endswith("sinks"):
-            values = param.detach().float()
-            stats.append({"param": name, "mean": values.mean().item(), "std": values.std().item()})
-    return stats
-
-
-def loss_recorder():
-    """A `TrainerCallback` whose ``history`` collects the logged `loss` and `grad_norm` (``logging_steps=1``: one
-    entry per step)."""
-    from transformers import TrainerCallback
-
-    class LossRecorder(TrainerCallback):
-        def __init__(self) -> None:
-            self.history: list[dict] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                norm = logs.get("grad_norm")
-                self.history.append(
-                    {
-                        "step": state.global_step,
-                        "loss": float(logs["loss"]),
-                        "grad_norm": None if norm is None else float(norm),
-                    }
-                )
-
-    return LossRecorder()
+    return [
+        {"param": name, "mean": p.detach().float().mean().item(), "std": p.detach().float().std().item()}
+        for name, p in model.named_parameters()
+        if name.endswith("sinks")
+    ]
 
 
 def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
     """``--cold-start-steps`` of `trl_ext.cold_start.cold_start` on ``model`` (in place): the CPU demo's
     (`examples/grpo_retool.py`) data, tool, tokenizer and SFT settings, with this script's step count, learning rate,
     batch size and problem count; bf16 mixed precision on CUDA. Returns what it did and measured."""
+    from transformers import TrainerCallback
     from trl import SFTConfig
 
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
@@ -283,137 +142,83 @@ def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
     from trl_ext.recipes import load_math_dataset
     from trl_ext.tools import CodeInterpreterTool
 
-    steps = args.cold_start_steps
-    cuda = device.type == "cuda"
-    tokenizer = load_gptoss_tokenizer()
-    dataset = load_math_dataset(str(TRAIN_DATA))
-    tool = CodeInterpreterTool()  # the local sandbox, as the demo's default
+    class LossRecorder(TrainerCallback):  # logging_steps=1: one entry per step
+        def __init__(self):
+            self.history: list[dict] = []
+
+        def on_log(self, train_args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                norm = logs.get("grad_norm")
+                self.history.append({"step": state.global_step, "loss": float(logs["loss"]),
+                                     "grad_norm": None if norm is None else float(norm)})  # fmt: skip
+
+    steps, cuda = args.cold_start_steps, device.type == "cuda"
     sft_args = SFTConfig(
         output_dir=str(work_dir / "cold_start"),  # nothing is saved there (save_strategy="no")
         use_cpu=not cuda,  # the first trainer fixes accelerate's process state; the trainer phase uses the same
-        max_steps=steps,
-        per_device_train_batch_size=args.cold_start_batch,
-        learning_rate=args.cold_start_lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, steps // 20),
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        bf16=cuda,
-        report_to="none",
-        seed=args.seed,
-        max_length=None,
+        max_steps=steps, per_device_train_batch_size=args.cold_start_batch, learning_rate=args.cold_start_lr,
+        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=1, save_strategy="no",
+        gradient_checkpointing=False, bf16=cuda, report_to="none", seed=args.seed, max_length=None,
         router_aux_loss_coef=0.0,  # the logged loss is the demonstrations' negative log-likelihood alone
         disable_tqdm=True,
-    )
-    recorder = loss_recorder()
+    )  # fmt: skip
+    recorder = LossRecorder()
     model.set_attn_implementation("eager")  # exact sink attention: the sinks get their gradient
     model.train()
     t0 = time.perf_counter()
     practised = cold_start(
-        model,
-        tokenizer,
-        dataset,
-        tool,
-        args=sft_args,
-        max_rows=args.cold_start_problems,
-        reasoning_effort="low",
-        callbacks=[recorder],
-    )
+        model, load_gptoss_tokenizer(), load_math_dataset(str(TRAIN_DATA)), CodeInterpreterTool(), args=sft_args,
+        max_rows=args.cold_start_problems, reasoning_effort="low", callbacks=[recorder],
+    )  # fmt: skip
     wall = time.perf_counter() - t0
     losses = [h["loss"] for h in recorder.history]
+    first, last = (losses[0], losses[-1]) if losses else (None, None)
     log(
-        f"cold start: {len(losses)} SFT steps in {wall:.1f} s, loss {losses[0] if losses else None} -> "
-        f"{losses[-1] if losses else None}; {len(practised)} problems practised"
+        f"cold start: {len(losses)} SFT steps in {wall:.1f} s, loss {first} -> {last}; {len(practised)} problems practised"
     )
     return {
-        "steps": steps,
-        "steps_logged": len(losses),
-        "batch_size": args.cold_start_batch,
-        "learning_rate": args.cold_start_lr,
-        "problems": args.cold_start_problems,
+        "steps": steps, "steps_logged": len(losses), "batch_size": args.cold_start_batch,
+        "learning_rate": args.cold_start_lr, "problems": args.cold_start_problems,
         "precision": "bf16 mixed precision (bf16 weights)" if cuda else "float32",
         "data": f"{TRAIN_DATA.relative_to(REPO)}, code_interpreter demonstrations (trl_ext.cold_start)",
-        "rows_practised": practised,
-        "first_loss": losses[0] if losses else None,
-        "last_loss": losses[-1] if losses else None,
-        "history": recorder.history,
+        "rows_practised": practised, "first_loss": first, "last_loss": last, "history": recorder.history,
         "wall_s": wall,
-    }
+    }  # fmt: skip
 
 
 def build_model(args, device: torch.device, work_dir: Path | None = None) -> dict:
-    """Build the random GPT-OSS, cold-start it (``--cold-start-steps``), save it (safetensors, bf16) into
-    ``args.model_dir``, check config.json for SGLang."""
+    """Build the random GPT-OSS, cold-start it (``--cold-start-steps``) and save it in bf16 into ``args.model_dir``
+    as SGLang reads it (`trl_ext.weight_sync.write_served_model`)."""
     from benchmarks.mismatch_study import model_config
     from hf_gptoss_rl.model_builders import build_random_gptoss
-    from trl_ext.weight_sync import save_config_for_sglang
+    from trl_ext.weight_sync import write_served_model
 
-    config = model_config(args.model, args.layers)
     steps = getattr(args, "cold_start_steps", 0)
     model = build_random_gptoss(
-        config,
-        device=device,
+        model_config(args.model, args.layers), device=device,
         # the cold start on a CPU trains in float32 (as the CPU demo does); saved in bf16 in any case
         dtype=torch.float32 if steps and device.type != "cuda" else torch.bfloat16,
-        seed=args.seed,
-        sink_mean=args.sink_mean,
-        sink_std=args.sink_std,
-        logit_std=args.logit_std,
-    )
+        seed=args.seed, sink_mean=args.sink_mean, sink_std=args.sink_std, logit_std=args.logit_std,
+    )  # fmt: skip
     sinks = {"initial": sink_stats(model)}
     cold = None
     if steps:
         cold = run_cold_start(model, args, device, Path(work_dir or tempfile.mkdtemp(prefix="sglang_e2e_")))
         sinks["after_cold_start"] = sink_stats(model)
-        model = model.to(torch.bfloat16)
     model.config.use_cache = True
-    model.save_pretrained(args.model_dir, safe_serialization=True)
-    had_limit = "swiglu_limit" in json.loads((Path(args.model_dir) / "config.json").read_text())
-    save_config_for_sglang(model.config, args.model_dir)  # what SGLang's loader reads (swiglu_limit)
-    n_params = sum(p.numel() for p in model.parameters())
-    # the server shares the GPU: the model and (after a cold start) the trainer's optimizer state must be gone
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        if cold is not None:
-            cold["cuda_allocated_after_free_bytes"] = torch.cuda.memory_allocated(device)
-    path = Path(args.model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    checks = {
-        "architectures": cfg.get("architectures") == ["GptOssForCausalLM"],
-        "dtype bfloat16": "bfloat16" in (cfg.get("torch_dtype"), cfg.get("dtype")),
-        "layer_types": len(cfg.get("layer_types") or []) == cfg.get("num_hidden_layers"),
-        "sliding_window": bool(cfg.get("sliding_window")),
-        "no quantization_config": "quantization_config" not in cfg,
-    }
-    added = []
-    if "torch_dtype" not in cfg and cfg.get("dtype"):  # older transformers (SGLang's own pin) read torch_dtype
-        cfg["torch_dtype"] = cfg["dtype"]
-        added.append("torch_dtype (copied from dtype)")
-    if not had_limit:
-        added.append(f"swiglu_limit ({cfg['swiglu_limit']}, by trl_ext.weight_sync.save_config_for_sglang)")
-    if added:
-        path.write_text(json.dumps(cfg, indent=2))
-    bad = [k for k, ok in checks.items() if not ok]
-    if bad:
-        raise RuntimeError(f"config.json lacks what SGLang needs: {bad} ({path})")
+    write_served_model(model, args.model_dir, torch.bfloat16)
+    cfg, n_params = model.config, sum(p.numel() for p in model.parameters())
+    del model  # the server shares the GPU: the model and (after a cold start) the optimizer state must be gone
+    free_memory(device)
+    if cold is not None and device.type == "cuda":
+        cold["cuda_allocated_after_free_bytes"] = torch.cuda.memory_allocated(device)
     return {
-        "model_dir": str(args.model_dir),
-        "params": n_params,
-        "bytes_bf16": 2 * n_params,
-        "config_checks": checks,
-        "config_keys_added": added,
-        "num_hidden_layers": cfg["num_hidden_layers"],
-        "hidden_size": cfg["hidden_size"],
-        "heads": f"{cfg['num_attention_heads']} q / {cfg['num_key_value_heads']} kv, head_dim {cfg.get('head_dim')}",
-        "num_local_experts": cfg.get("num_local_experts"),
-        "sliding_window": cfg.get("sliding_window"),
-        "vocab_size": cfg.get("vocab_size"),
-        "cold_start": cold,
-        "sinks": sinks,
-    }
+        "model_dir": str(args.model_dir), "params": n_params, "bytes_bf16": 2 * n_params,
+        "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+        "heads": f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv, head_dim {cfg.head_dim}",
+        "num_local_experts": cfg.num_local_experts, "sliding_window": cfg.sliding_window,
+        "vocab_size": cfg.vocab_size, "cold_start": cold, "sinks": sinks,
+    }  # fmt: skip
 
 
 def load_policy(model_dir, device: torch.device, attn: str = "eager"):
@@ -438,10 +243,55 @@ def params_of_20b() -> int:
 # ------------------------------------------------------------------------------------------------------------ phases
 
 
+class Context:
+    def __init__(self, args, device, server, work_dir):
+        self.args, self.device, self.server, self.work_dir = args, device, server, work_dir
+        self.results: dict = {}
+        self.t0 = time.monotonic()
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t0)
+
+    def checkpoint(self) -> None:
+        if self.server.version:
+            self.results["meta"]["sglang_version"] = self.server.version
+        write_outputs(self.args.out, self.results)
+
+
+def run_part(ctx: Context, rec: dict, label: str, fn) -> None:
+    """``fn()`` as one recorded part of the run (a phase, a weight sync mode, a server configuration): skipped when
+    the budget is spent; ``rec`` gets its status ("ok" unless ``fn`` set one), and on a failure the error, the
+    traceback and the server's log tail; the next part runs either way. Its wall time is recorded and the report
+    rewritten."""
+    if ctx.left() <= 0:
+        rec.update(status="skipped", error=f"skipped for time: budget of {ctx.args.budget_s:.0f} s spent")
+        log(f"{label}: skipped for time")
+        ctx.checkpoint()
+        return
+    t0 = time.monotonic()
+    try:
+        fn()
+        rec.setdefault("status", "ok")
+    except BaseException as exc:  # noqa: BLE001 - recorded; the next part runs
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        rec.update(status="failed", error=error_text(exc), traceback=traceback.format_exc()[-3000:],
+                   server_log_tail=ctx.server.log_tail())  # fmt: skip
+    free_memory(ctx.device)
+    rec["wall_s"] = time.monotonic() - t0
+    log(f"{label}: {rec['status']} in {rec['wall_s']:.1f} s" + (f" ({rec['error'][:300]})" if "error" in rec else ""))
+    ctx.checkpoint()
+
+
 def sglang_engine(url: str, args, **kwargs):
     from trl_ext.rollout import SGLangEngine
 
     return SGLangEngine(url, ready_timeout_s=args.ready_timeout_s, timeout_s=120.0, retry_deadline_s=20.0, **kwargs)
+
+
+def close_engine(engine) -> None:
+    with contextlib.suppress(Exception):
+        engine.run(engine.close(), timeout_s=10)
 
 
 def phase_generate(ctx, result: dict) -> None:
@@ -455,70 +305,52 @@ def phase_generate(ctx, result: dict) -> None:
     engine = sglang_engine(url, args)
     result.update(prompts_how=prompts_how, num_prompts=len(prompts))
     try:
-        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
-
-        async def batch(s):
-            return await asyncio.gather(*(engine.generate(p, s) for p in prompts))
-
         t0 = time.perf_counter()
-        outs = run_sync(batch(sampling))
+        outs = run_sync(
+            engine.generate_batch(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0))
+        )
         wall = time.perf_counter() - t0
         n_tokens = sum(len(o.output_ids) for o in outs)
         logps = [lp for o in outs for lp in o.logprobs]
         first = dict(engine.stats)
         result["generate"] = {
-            "wall_s": wall,
-            "output_tokens": n_tokens,
-            "tokens_per_s": n_tokens / wall if wall > 0 else None,
-            "logprobs_finite": all(math.isfinite(x) for x in logps),
-            "num_logprobs": len(logps),
+            "wall_s": wall, "output_tokens": n_tokens, "tokens_per_s": n_tokens / wall if wall > 0 else None,
+            "logprobs_finite": all(math.isfinite(x) for x in logps), "num_logprobs": len(logps),
             "mean_logprob": sum(logps) / len(logps) if logps else None,
             "finish_reasons": _count(o.finish_reason for o in outs),
             "weight_versions": sorted({str(o.weight_version) for o in outs}),
-            "prompt_tokens": first["prompt_tokens"],
-            "cached_tokens": first["cached_tokens"],
-        }
+            "prompt_tokens": first["prompt_tokens"], "cached_tokens": first["cached_tokens"],
+        }  # fmt: skip
         # the same prompts again: SGLang's radix cache should serve their prefixes
-        run_sync(batch(SamplingParams(max_new_tokens=1, temperature=1.0)))
-        result["repeat"] = {
-            "prompt_tokens": engine.stats["prompt_tokens"] - first["prompt_tokens"],
-            "cached_tokens": engine.stats["cached_tokens"] - first["cached_tokens"],
-        }
+        run_sync(engine.generate_batch(prompts, SamplingParams(max_new_tokens=1, temperature=1.0)))
+        result["repeat"] = {k: engine.stats[k] - first[k] for k in ("prompt_tokens", "cached_tokens")}
         log(
             f"generate: {n_tokens} tokens in {wall:.2f} s; repeat batch cached "
             f"{result['repeat']['cached_tokens']}/{result['repeat']['prompt_tokens']} prompt tokens"
         )
         ctx.checkpoint()
-        # multi-turn agent rollouts with the sandboxed code tool
         result["generate"]["status"] = "ok"
-        try:  # recorded apart: the token-level results above stand on their own
+        try:  # multi-turn agent rollouts with the sandboxed code tool, recorded apart from the token-level results
             tool = CodeInterpreterTool(timeout_s=10.0)
             practised = ((ctx.results.get("model") or {}).get("cold_start") or {}).get("rows_practised")
             agent_prompts, agent_how = tool_prompts(args.agent_prompts, tool, practised)
             loop = AgentLoop(
-                engine,
-                [tool],
-                sampling=SamplingParams(max_new_tokens=args.agent_turn_tokens, temperature=1.0),
-                max_turns=args.agent_max_turns,
-                max_completion_tokens=args.agent_max_turns * args.agent_turn_tokens,
+                engine, [tool], sampling=SamplingParams(max_new_tokens=args.agent_turn_tokens, temperature=1.0),
+                max_turns=args.agent_max_turns, max_completion_tokens=args.agent_max_turns * args.agent_turn_tokens,
                 tool_timeout_s=15.0,
-            )
+            )  # fmt: skip
             t0 = time.perf_counter()
             trajs = loop.run_batch_sync(agent_prompts)
             calls = [c for t in trajs for c in t.tool_calls]
             result["agent"] = {
-                "prompts_how": agent_how,
-                "num_trajectories": len(trajs),
-                "wall_s": time.perf_counter() - t0,
-                "turns": [t.num_turns for t in trajs],
-                "tool_calls": len(calls),
+                "prompts_how": agent_how, "num_trajectories": len(trajs), "wall_s": time.perf_counter() - t0,
+                "turns": [t.num_turns for t in trajs], "tool_calls": len(calls),
                 "tool_calls_executed": sum(1 for c in calls if c.result is not None and c.error is None),
                 "tool_call_errors": [f"{c.name}: {c.error}"[:200] for c in calls if c.error][:5],
                 "finish_reasons": _count(t.finish_reason for t in trajs),
                 "trajectory_errors": [e[:200] for t in trajs for e in t.errors][:8],
-                "completion_tokens": [len(t.completion_ids) for t in trajs],
-            }
-            result["agent"]["status"] = "ok"
+                "completion_tokens": [len(t.completion_ids) for t in trajs], "status": "ok",
+            }  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             result["agent"] = {
                 "status": "failed",
@@ -528,24 +360,21 @@ def phase_generate(ctx, result: dict) -> None:
             log(f"agent loop failed: {error_text(exc)[:300]}")
         result["engine_stats"] = dict(engine.stats)
     finally:
-        with contextlib.suppress(Exception):
-            engine.run(engine.close(), timeout_s=10)
+        close_engine(engine)
 
 
 def tool_prompts(n: int, tool, practised: list[int] | None = None) -> tuple[list[list[int]], str]:
-    """GSM8K questions rendered in harmony with the tool in the system message (pre-rendered, tool-less prompts
-    when harmony rendering is unavailable).
+    """GSM8K questions rendered in harmony with the tool in the system message.
 
     After a cold start (``practised``: the rows of the training file its demonstrations solved), the problems it
     practised come first, then the file's other rows, all rendered exactly as the demonstrations' prompts
     (`trl_ext.recipes.load_math_dataset`'s prompt, the tool, reasoning effort low): the agent loop then samples from
     the distribution the policy was fine-tuned on."""
-    from benchmarks.mismatch_study import INSTRUCTION, load_prompts
+    from benchmarks.mismatch_study import INSTRUCTION
+    from hf_gptoss_rl.harmony import render_prompt
+    from trl_ext.recipes import load_math_dataset
 
     if practised:
-        from hf_gptoss_rl.harmony import render_prompt
-        from trl_ext.recipes import load_math_dataset
-
         dataset = load_math_dataset(str(TRAIN_DATA))
         seen = set(practised)
         order = list(practised) + [i for i in range(len(dataset)) if i not in seen]
@@ -554,22 +383,12 @@ def tool_prompts(n: int, tool, practised: list[int] | None = None) -> tuple[list
             f"rows {order[:n]} of {TRAIN_DATA.name} ({min(n, len(practised))} practised in the cold start), rendered "
             "as the cold start's demonstrations (hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools)"
         )
-    try:
-        from hf_gptoss_rl.harmony import render_prompt
-
-        rows = [json.loads(line) for line in TRAIN_DATA.read_text().splitlines() if line.strip()][:n]
-        ids = [
-            render_prompt(
-                [{"role": "user", "content": f"{r['question']}\n\n{INSTRUCTION} Use the code_interpreter tool."}],
-                tools=[tool.spec()],
-                reasoning_effort="low",
-            )
-            for r in rows
-        ]
-        return ids, "rendered with hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools"
-    except ImportError as e:
-        ids, how = load_prompts(n)
-        return ids, f"{how}; without the tool in the prompt ({e})"
+    rows = [json.loads(line) for line in TRAIN_DATA.read_text().splitlines() if line.strip()][:n]
+    messages = [
+        [{"role": "user", "content": f"{r['question']}\n\n{INSTRUCTION} Use the code_interpreter tool."}] for r in rows
+    ]
+    ids = [render_prompt(m, tools=[tool.spec()], reasoning_effort="low") for m in messages]
+    return ids, "rendered with hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools"
 
 
 def _count(items) -> dict:
@@ -600,18 +419,13 @@ def instrument_engine(engine, records: list[dict]) -> None:
             probe = engine.last_logprob_probe.get(engine.base_urls[0])  # what the check itself measured
             if probe:
                 rec.update(
-                    probe_tokens=probe["tokens"],
-                    probe_dlogp_mean=probe["mean_abs"],
-                    probe_dlogp_max=probe["max_abs"],
-                    probe_mean_abs_logp=probe.get("mean_abs_reference"),
-                    probe_tolerance=probe.get("tolerance"),
-                )
+                    probe_tokens=probe["tokens"], probe_dlogp_mean=probe["mean_abs"], probe_dlogp_max=probe["max_abs"],
+                    probe_mean_abs_logp=probe.get("mean_abs_reference"), probe_tolerance=probe.get("tolerance"),
+                )  # fmt: skip
 
     engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs = (
-        update_weights,
-        update_lora_adapter,
-        verify_logprobs,
-    )
+        update_weights, update_lora_adapter, verify_logprobs,
+    )  # fmt: skip
 
 
 async def _timed(rec: dict, coro, *, ok_key: str = "ok", seconds_key: str = "transfer_s") -> None:
@@ -629,9 +443,8 @@ async def _timed(rec: dict, coro, *, ok_key: str = "ok", seconds_key: str = "tra
 
 
 def start_trainer_server(ctx, mode: str, out: dict) -> str:
-    """The server a trainer mode runs against (LoRA: restarted with ``--enable-lora``); returns its URL."""
-    args = ctx.args
-    lora = mode == "lora"
+    """The server a trainer mode runs against (LoRA: relaunched with ``--enable-lora``); returns its URL."""
+    args, lora = ctx.args, mode == "lora"
     flags = (
         ["--enable-lora", "--max-lora-rank", str(args.lora_rank), "--lora-target-modules", *LORA_TARGETS]
         if lora
@@ -641,7 +454,7 @@ def start_trainer_server(ctx, mode: str, out: dict) -> str:
     if lora:
         out["lora_sync_mode"] = args.lora_sync_mode
     url = ctx.server.ensure(
-        "lora" if lora else "default", flags, args.ready_timeout_s, flags_required=False, any_weights=True
+        mode if lora else "default", flags, args.ready_timeout_s, flags_required=False, any_weights=True
     )
     if ctx.server.external and flags:
         out["note"] = f"--url: flags {flags} not applied by this script (the server must have been launched with them)"
@@ -657,41 +470,19 @@ def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
     from trl_ext.recipes import load_math_dataset, retool_reward_func
     from trl_ext.tools import CodeInterpreterTool
 
-    args, device = ctx.args, ctx.device
-    lora = mode == "lora"
+    args, device, lora = ctx.args, ctx.device, mode == "lora"
     model = load_policy(args.model_dir, device, attn="eager")
-    dataset = load_math_dataset(str(TRAIN_DATA), limit=args.train_rows)
     cuda = device.type == "cuda"
     config = AgenticGRPOConfig(
-        output_dir=str(ctx.work_dir / f"trainer_{mode}"),
-        max_steps=args.train_steps,
-        learning_rate=1e-5,
-        per_device_train_batch_size=args.num_generations,
-        num_generations=args.num_generations,
-        max_completion_length=args.train_completion_tokens,
-        max_turns=2,
-        beta=0.0,
-        loss_type="dapo",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=not cuda,
-        bf16=cuda,
-        seed=args.seed,
-        rollout_concurrency=8,
-        disable_tqdm=True,
-        rollout_backend="sglang",
-        sglang_urls=[url],
-        sglang_ready_timeout_s=args.ready_timeout_s,
-        sglang_timeout_s=120.0,
-        sglang_retry_deadline_s=20.0,
-        weight_sync_mode=args.lora_sync_mode if lora else mode,
-        weight_sync_lora=lora,
-        weight_sync_verify=["version", "checksum", "logprobs"],
-        weight_sync_probe_atol=args.probe_atol,
-        weight_sync_probe_rtol=args.probe_rtol,
+        output_dir=str(ctx.work_dir / f"trainer_{mode}"), max_steps=args.train_steps, learning_rate=1e-5,
+        per_device_train_batch_size=args.num_generations, num_generations=args.num_generations,
+        max_completion_length=args.train_completion_tokens, max_turns=2, beta=0.0, loss_type="dapo", logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=not cuda, bf16=cuda, seed=args.seed, rollout_concurrency=8,
+        disable_tqdm=True, rollout_backend="sglang", sglang_urls=[url], sglang_ready_timeout_s=args.ready_timeout_s,
+        sglang_timeout_s=120.0, sglang_retry_deadline_s=20.0, weight_sync_mode=args.lora_sync_mode if lora else mode,
+        weight_sync_lora=lora, weight_sync_verify=["version", "checksum", "logprobs"],
         weight_sync_dir=str(ctx.work_dir / f"weights_{mode}"),
-    )
+    )  # fmt: skip
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -706,14 +497,10 @@ def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
             out["steps"].append({"step": state.global_step, "step_s_without_sync": time.perf_counter() - self.t0})
 
     trainer = AgenticGRPOTrainer(
-        model=model,
-        reward_funcs=[retool_reward_func],
-        args=config,
-        train_dataset=dataset,
-        callbacks=[StepTimer()],
-        peft_config=peft_config,
-        tools=[CodeInterpreterTool(timeout_s=10.0)],
-    )
+        model=model, reward_funcs=[retool_reward_func], args=config,
+        train_dataset=load_math_dataset(str(TRAIN_DATA), limit=args.train_rows), callbacks=[StepTimer()],
+        peft_config=peft_config, tools=[CodeInterpreterTool(timeout_s=10.0)],
+    )  # fmt: skip
     engine = trainer.rollout_engine
     instrument_engine(engine, out["syncs"])
     ctx.server.dirty = True
@@ -730,63 +517,34 @@ def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
     trainer._push_weights = timed_push
     out["attn_implementation"] = trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation
     try:
-        # version 0: the server gets the trainer's starting weights (and the first timed sync)
-        trainer.sync_rollout_weights()
+        trainer.sync_rollout_weights()  # version 0: the server gets the trainer's starting weights (the first sync)
         t0 = time.perf_counter()
         train_out = trainer.train()
-        out["train_s"] = time.perf_counter() - t0
-        out["train_loss"] = train_out.training_loss
+        out["train_s"], out["train_loss"] = time.perf_counter() - t0, train_out.training_loss
+        kept = ("step", "loss", "reward", "num_tokens", "rollout/weight_version")
         out["log_history"] = [
-            {
-                k: v
-                for k, v in h.items()
-                if k in ("step", "loss", "reward", "num_tokens", "rollout/weight_version")
-                or k.startswith(("sampling/", "tools/", "rollout/"))
-            }
+            {k: v for k, v in h.items() if k in kept or k.startswith(("sampling/", "tools/", "rollout/"))}
             for h in trainer.state.log_history
         ]
         out["served_weight_version"] = engine.weight_version
         out["engine_stats"] = dict(engine.stats)
     finally:
-        with contextlib.suppress(Exception):
-            engine.run(engine.close(), timeout_s=10)
+        close_engine(engine)
         del trainer, model
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        free_memory(device)
 
 
 def phase_trainer(ctx, results: dict) -> None:
     for mode in ctx.args.trainer_modes:
-        t0 = time.monotonic()
-        rec: dict = {}
-        results[mode] = rec
-        if ctx.left() <= 0:
-            rec.update(status="skipped", error=f"skipped for time: budget of {ctx.args.budget_s:.0f} s spent")
-            ctx.checkpoint()
-            continue
-        try:
+        rec = results[mode] = {}
+
+        def train(mode=mode, rec=rec):
             # the server start has its own deadline (--ready-timeout-s); the mode's starts once it is up
             url = start_trainer_server(ctx, mode, rec)
             with deadline(min(ctx.args.trainer_timeout_s, ctx.left()), f"trainer {mode}"):
                 run_trainer(ctx, mode, rec, url)
-            rec["status"] = "ok"
-        except BaseException as exc:  # noqa: BLE001 - recorded; the next mode runs
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            rec["status"] = "failed"
-            rec["error"] = error_text(exc)
-            rec["traceback"] = traceback.format_exc()[-3000:]
-            rec["server_log_tail"] = ctx.server.log_tail()
-        gc.collect()
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-        rec["wall_s"] = time.monotonic() - t0
-        log(
-            f"trainer {mode}: {rec['status']} in {rec['wall_s']:.1f} s"
-            + (f" ({rec.get('error')})" if "error" in rec else "")
-        )
-        ctx.checkpoint()
+
+        run_part(ctx, rec, f"trainer {mode}", train)
 
 
 def phase_mismatch(ctx, result: dict) -> None:
@@ -796,9 +554,10 @@ def phase_mismatch(ctx, result: dict) -> None:
         register_sink_dropping_attention,
         set_project_attention,
         setup_project_attention,
-    )
+    )  # fmt: skip
     from trl_ext.mismatch import mismatch_metrics
     from trl_ext.rollout import SamplingParams, run_sync
+    from trl_ext.weight_sync import WeightSyncConfig
 
     args, device = ctx.args, ctx.device
     register_sink_dropping_attention()
@@ -813,94 +572,60 @@ def phase_mismatch(ctx, result: dict) -> None:
         ("flex_attention + sinks", "flex_attention", None if device.type == "cuda" else FLEX_CPU_NOTE),
         ("project kernel (sink-flash-attn3)", project_attn, None),
     ]
+
+    def measure(name: str, rec: dict) -> None:
+        # the server start has its own deadline (--ready-timeout-s); the configuration's starts once it is up
+        url = ctx.server.ensure(f"mismatch_{name}", rec["server_flags"], args.ready_timeout_s)
+        with deadline(min(args.mismatch_timeout_s, ctx.left()), f"mismatch {name}"):
+            engine = sglang_engine(url, args, weight_sync=WeightSyncConfig(mode="disk", model_config=model.config))
+            try:
+                if ctx.server.dirty:  # --url server a trainer synced into: back to --model-dir's weights
+                    run_sync(engine.update_weights(list(model.state_dict().items()), version=0))
+                    ctx.server.dirty = False
+                    rec["note"] = "the server's weights were reset to --model-dir by a disk sync first"
+                sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
+                outs = run_sync(engine.generate_batch(prompts, sampling))
+            finally:
+                close_engine(engine)
+            if not all(o.output_ids for o in outs):
+                raise RuntimeError("a completion came back empty (aborted?)")
+            ids, mask, rollout_lp, cmask = score_batch(prompts, outs, pad_id, device)
+            rec["completion_tokens"] = int(cmask.sum())
+            rec["finish_reasons"] = _count(o.finish_reason for o in outs)
+            rec["rows"] = []
+            for label, impl, skip in variants:
+                row = {"attention": label, "attn_implementation": impl}
+                rec["rows"].append(row)
+                if skip:
+                    row["note"] = skip
+                    continue
+                try:
+                    if impl == project_attn:
+                        row["attn_implementation"], row["attention_how"] = set_project_attention(
+                            model, args.project_attn
+                        )
+                    else:
+                        model.set_attn_implementation(impl)
+                    lt = train_logps(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
+                except Exception as exc:  # noqa: BLE001 - recorded, the other rows go on
+                    row["note"] = f"error: {error_text(exc)[:300]}"
+                    continue
+                stats = mismatch_metrics(lt, rollout_lp, cmask, threshold=args.threshold)
+                row.update({k: float(stats[k]) for k in METRIC_KEYS})
+
     try:
         for name in args.mismatch_configs:
-            flags = MISMATCH_CONFIGS[name]
-            rec: dict = {"server_flags": flags}
-            result["configs"][name] = rec
-            t0 = time.monotonic()
-            if ctx.left() <= 0:
-                rec.update(status="skipped", error=f"skipped for time: budget of {args.budget_s:.0f} s spent")
-                ctx.checkpoint()
-                continue
-            try:
-                missing = [f for f in flags if f not in ctx.server_flags_known]
-                if ctx.server_flags_known and missing:
-                    raise RuntimeError(f"flags not in this sglang's server arguments: {missing}")
-                # the server start has its own deadline (--ready-timeout-s); the configuration's starts once it is up
-                url = ctx.server.ensure(f"mismatch_{name}", flags, args.ready_timeout_s)
-                with deadline(min(args.mismatch_timeout_s, ctx.left()), f"mismatch {name}"):
-                    from trl_ext.weight_sync import WeightSyncConfig
-
-                    engine = sglang_engine(
-                        url, args, weight_sync=WeightSyncConfig(mode="disk", model_config=model.config)
-                    )
-                    try:
-                        if ctx.server.dirty:  # --url server a trainer synced into: back to --model-dir's weights
-                            state = list(model.state_dict().items())
-                            run_sync(engine.update_weights(state, version=0))
-                            ctx.server.dirty = False
-                            rec["note"] = "the server's weights were reset to --model-dir by a disk sync first"
-                        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
-
-                        async def batch(engine=engine, sampling=sampling):
-                            return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
-
-                        outs = run_sync(batch())
-                    finally:
-                        with contextlib.suppress(Exception):
-                            engine.run(engine.close(), timeout_s=10)
-                    if not all(o.output_ids for o in outs):
-                        raise RuntimeError("a completion came back empty (aborted?)")
-                    ids, mask, rollout_lp, cmask = score_batch(prompts, outs, pad_id, device)
-                    rec["completion_tokens"] = int(cmask.sum())
-                    rec["finish_reasons"] = _count(o.finish_reason for o in outs)
-                    rows = []
-                    for label, impl, skip in variants:
-                        row = {"attention": label, "attn_implementation": impl}
-                        rows.append(row)
-                        if skip:
-                            row["note"] = skip
-                            continue
-                        try:
-                            if impl == project_attn:
-                                row["attn_implementation"], row["attention_how"] = set_project_attention(
-                                    model, args.project_attn
-                                )
-                            else:
-                                model.set_attn_implementation(impl)
-                            lt = train_logps(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
-                        except Exception as exc:  # noqa: BLE001 - recorded, the other rows go on
-                            row["note"] = f"error: {error_text(exc)[:300]}"
-                            continue
-                        stats = mismatch_metrics(lt, rollout_lp, cmask, threshold=args.threshold)
-                        row.update({k: float(stats[k]) for k in METRIC_KEYS})
-                    rec["rows"] = rows
-                rec["status"] = "ok"
-            except BaseException as exc:  # noqa: BLE001
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                rec["status"] = "failed"
-                rec["error"] = error_text(exc)
-                rec["server_log_tail"] = ctx.server.log_tail()
-            rec["wall_s"] = time.monotonic() - t0
-            log(
-                f"mismatch {name}: {rec['status']} in {rec['wall_s']:.1f} s"
-                + (f" ({rec.get('error')})" if "error" in rec else "")
-            )
-            ctx.checkpoint()
+            rec = result["configs"][name] = {"server_flags": MISMATCH_CONFIGS[name]}
+            run_part(ctx, rec, f"mismatch {name}", lambda name=name, rec=rec: measure(name, rec))
     finally:
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        model = None  # the server shares the GPU
+        free_memory(device)
 
 
 def phase_sync_timing(ctx, out: dict) -> None:
     """Median sync time per mode from the trainer phase, GB/s, and the extrapolation to gpt-oss-20b."""
     trainer = ctx.results["phases"].get("trainer", {}).get("result") or {}
-    model = ctx.results.get("model") or {}
-    layers = model.get("num_hidden_layers")
+    layers = (ctx.results.get("model") or {}).get("num_hidden_layers")
     out.update(params_20b=params_of_20b() if ctx.args.model == "20b" else None, modes={})
     if out["params_20b"]:
         out["bytes_20b_merged_bf16"] = 2 * out["params_20b"]
@@ -910,75 +635,20 @@ def phase_sync_timing(ctx, out: dict) -> None:
             out["modes"][mode] = {"note": "no successful sync measured in the trainer phase"}
             continue
         times = [s["transfer_s"] for s in syncs]
-        nbytes = syncs[-1]["bytes"]
-        med = statistics.median(times)
+        nbytes, med = syncs[-1]["bytes"], statistics.median(times)
         rec = {
-            "repeats": len(times),
-            "transfer_s": times,
-            "median_transfer_s": med,
+            "repeats": len(times), "transfer_s": times, "median_transfer_s": med,
             "median_sync_total_s": statistics.median([s.get("sync_total_s", float("nan")) for s in syncs]),
-            "bytes": nbytes,
-            "gb_per_s": nbytes / med / 1e9 if med > 0 else None,
-        }
+            "bytes": nbytes, "gb_per_s": nbytes / med / 1e9 if med > 0 else None,
+        }  # fmt: skip
         if ctx.args.model == "20b" and layers:
-            if mode == "lora":  # q/k/v/o adapters only: every layer has the same shapes, so size scales with depth
-                rec["bytes_20b"] = nbytes * GPTOSS_20B_LAYERS / layers
-            else:
-                rec["bytes_20b"] = out["bytes_20b_merged_bf16"]
+            # LoRA: q/k/v/o adapters only, the same shapes in every layer, so the size scales with depth
+            rec["bytes_20b"] = nbytes * GPTOSS_20B_LAYERS / layers if mode == "lora" else out["bytes_20b_merged_bf16"]
             rec["extrapolated_20b_s"] = rec["bytes_20b"] / (rec["gb_per_s"] * 1e9) if rec["gb_per_s"] else None
         out["modes"][mode] = rec
 
 
 # ------------------------------------------------------------------------------------------------------------ report
-
-
-class Context:
-    def __init__(self, args, device, server, work_dir):
-        self.args, self.device, self.server, self.work_dir = args, device, server, work_dir
-        self.results: dict = {}
-        self.server_flags_known: set[str] = set()
-        self.t0 = time.monotonic()
-
-    def left(self) -> float:
-        return self.args.budget_s - (time.monotonic() - self.t0)
-
-    def checkpoint(self) -> None:
-        if self.server.version:
-            self.results["meta"]["sglang_version"] = self.server.version
-        write_outputs(self.args.out, self.results)
-
-
-def known_server_flags(args):
-    """The CLI flags of the sglang that ``--server-cmd`` runs (its ``ServerArgs``), to record a flag that does not
-    exist instead of launching with it; runs in the background. Returns a function giving ``(flags, how)``: empty
-    flags when they cannot be asked (``--url``, or the query fails)."""
-    if args.url:
-        return lambda: (set(), "not checked (--url)")
-    code = (
-        "import argparse, json; from sglang.srt.server_args import ServerArgs; p = argparse.ArgumentParser(); "
-        "ServerArgs.add_cli_args(p); print(json.dumps(sorted(o for a in p._actions for o in a.option_strings)))"
-    )
-    cmd = shlex.split(args.server_cmd)
-    try:
-        i = cmd.index("-m")
-        py = cmd[:i]
-    except ValueError:
-        return lambda: (set(), "not checked (--server-cmd is not `PYTHON -m MODULE`)")
-    proc = subprocess.Popen(
-        [*py, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-
-    def result():
-        try:
-            out, err = proc.communicate(timeout=90)
-            flags = json.loads(out.strip().splitlines()[-1])
-            return set(flags), f"{len(flags)} flags from sglang.srt.server_args.ServerArgs"
-        except Exception as exc:  # noqa: BLE001
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            return set(), f"not checked ({error_text(exc)[:200]})"
-
-    return result
 
 
 def fmt(v, spec=".3g") -> str:
@@ -1023,7 +693,6 @@ def _cold_start_lines(m: dict) -> list[str]:
     cold, sinks = m.get("cold_start"), m.get("sinks") or {}
     lines = []
     if cold:
-        rows = cold.get("rows_practised") or []
         lines += [
             "## Cold start",
             "",
@@ -1032,28 +701,28 @@ def _cold_start_lines(m: dict) -> list[str]:
             f"schedule, {cold.get('precision')}. Loss (negative log-likelihood per assistant token) "
             f"{fmt(cold.get('first_loss'), '.4g')} at the first step, {fmt(cold.get('last_loss'), '.4g')} at the last; "
             f"{fmt(cold.get('wall_s'), '.1f')} s (demonstrations built in the sandbox, then trained). "
-            f"{len(rows)} problems practised: rows {rows} of the file.",
+            f"{len(cold.get('rows_practised') or [])} problems practised: rows {cold.get('rows_practised') or []} of the file.",
             "",
         ]
     if sinks.get("initial"):
         after = {s["param"]: s for s in sinks.get("after_cold_start") or []}
-        lines += [
-            "Attention sinks, mean ± std over heads:",
-            "",
-            "| parameter | initial | after the cold start |",
-            "|---|---|---|",
-        ]
-        for s in sinks["initial"]:
-            a = after.get(s["param"])
-            moved = f"{a['mean']:.4g} ± {a['std']:.4g}" if a else "-"
-            lines.append(f"| {s['param']} | {s['mean']:.4g} ± {s['std']:.4g} | {moved} |")
-        lines.append("")
+        cell = lambda s: f"{s['mean']:.4g} ± {s['std']:.4g}" if s else "-"  # noqa: E731
+        rows = [[s["param"], cell(s), cell(after.get(s["param"]))] for s in sinks["initial"]]
+        lines += ["Attention sinks, mean ± std over heads:", ""]
+        lines += md_table(["parameter", "initial", "after the cold start"], rows) + [""]
     return lines
 
 
+def _section(phases: dict, name: str, title: str) -> tuple[list[str], dict | None]:
+    """The heading and status of a phase's section, and its result (None: the phase is not in the report)."""
+    ph = phases.get(name)
+    if not ph:
+        return [], None
+    return [f"## {title}", ""] + _status_block(ph), ph.get("result") or {}
+
+
 def render_markdown(r: dict) -> str:
-    meta = r.get("meta", {})
-    m = r.get("model") or {}
+    meta, m, phases = r.get("meta", {}), r.get("model") or {}, r.get("phases", {})
     runs = meta.get("merged_from")
     how = (
         f"Command: `{meta.get('command')}`."
@@ -1063,6 +732,9 @@ def render_markdown(r: dict) -> str:
         + "; ".join(f"{x.get('started')}: `{x.get('command')}`" for x in runs)
         + "."
     )
+    started = [] if runs else [f"Started {meta.get('started')}, budget {meta.get('budget_s')} s"]
+    if "server_flags_checked" in meta:  # reports of the script's earlier versions
+        started.append(f"server flags checked: {meta['server_flags_checked']}")
     lines = [
         "# GPT-OSS RL against a real SGLang server (`benchmarks/sglang_e2e.py`)",
         "",
@@ -1073,164 +745,126 @@ def render_markdown(r: dict) -> str:
         f"hidden {m.get('hidden_size')}, {m.get('heads')}, {m.get('num_local_experts')} experts, window "
         f"{m.get('sliding_window')}, {fmt(m.get('params'), ',')} parameters, bf16; random init (sinks and logits as "
         "in `benchmarks/mismatch_study.py`)" + (", then the SFT cold start below." if m.get("cold_start") else "."),
-        ("" if runs else f"Started {meta.get('started')}, budget {meta.get('budget_s')} s; ")
-        + f"server flags checked: {meta.get('server_flags_checked')}.",
+        *(["; ".join(started) + "."] if started else []),
         "",
-        "| phase | status | seconds | note |",
-        "|---|---|---|---|",
     ]
-    phases = r.get("phases", {})
-    for name in PHASES:
-        ph = phases.get(name, {"status": "not run"})
-        lines.append(
-            f"| {name} | {ph.get('status')} | {fmt(ph.get('wall_s'), '.1f')} | {(ph.get('error') or '')[:160]} |"
-        )
-    lines.append("")
+    status = [phases.get(name, {"status": "not run"}) for name in PHASES]
+    lines += md_table(["phase", "status", "seconds", "note"], [
+        [name, ph.get("status"), fmt(ph.get("wall_s"), ".1f"), (ph.get("error") or "")[:160]]
+        for name, ph in zip(PHASES, status)
+    ]) + [""]  # fmt: skip
     if "model_error" in r:
         lines += ["## Model build failed", "", f"`{r['model_error']}`", ""]
     lines += _cold_start_lines(m)
-    # generate
-    ph = phases.get("generate")
-    if ph:
-        lines += ["## 1. generate", ""] + _status_block(ph)
-        res = ph.get("result") or {}
-        g = res.get("generate")
-        if g:
-            rep = res.get("repeat") or {}
-            lines += [
-                f"Prompts: {res.get('prompts_how')}.",
-                "",
-                "| prompts | output tokens | wall s | tokens/s | log-probs finite | finish reasons | cached prompt tokens "
-                "(first batch) | cached prompt tokens (same prompts again) |",
-                "|---|---|---|---|---|---|---|---|",
-                f"| {res.get('num_prompts')} | {g['output_tokens']} | {fmt(g['wall_s'], '.2f')} | "
-                f"{fmt(g['tokens_per_s'], '.1f')} | {g['logprobs_finite']} ({g['num_logprobs']}) | "
-                f"{g['finish_reasons']} | {g['cached_tokens']}/{g['prompt_tokens']} | "
-                f"{rep.get('cached_tokens')}/{rep.get('prompt_tokens')} |",
-                "",
-            ]
-        a = res.get("agent")
-        if a and a.get("status") != "ok":
-            lines += [f"Agent loop with `code_interpreter`: **{a.get('status')}**: `{a.get('error')}`", ""]
-        elif a:
-            lines += [
-                f"Agent loop with `code_interpreter` ({a['prompts_how']}):",
-                "",
-                "| trajectories | turns each | tool calls | executed without error | finish reasons | completion tokens |",
-                "|---|---|---|---|---|---|",
-                f"| {a['num_trajectories']} | {a['turns']} | {a['tool_calls']} | {a['tool_calls_executed']} | "
-                f"{a['finish_reasons']} | {a['completion_tokens']} |",
-                "",
-            ]
-            if a["trajectory_errors"] or a["tool_call_errors"]:
-                lines += ["Parse outcomes (first few):", ""]
-                lines += [f"- {e}" for e in a["tool_call_errors"] + a["trajectory_errors"]] + [""]
-    # trainer
-    ph = phases.get("trainer")
-    if ph:
-        lines += ["## 2. trainer (AgenticGRPOTrainer, rollout_backend='sglang')", ""] + _status_block(ph)
-        res = ph.get("result") or {}
+
+    section, res = _section(phases, "generate", "1. generate")
+    lines += section
+    if res is not None and res.get("generate"):
+        g, rep = res["generate"], res.get("repeat") or {}
+        lines += [f"Prompts: {res.get('prompts_how')}.", ""]
+        lines += md_table(
+            ["prompts", "output tokens", "wall s", "tokens/s", "log-probs finite", "finish reasons",
+             "cached prompt tokens (first batch)", "cached prompt tokens (same prompts again)"],
+            [[res.get("num_prompts"), g["output_tokens"], fmt(g["wall_s"], ".2f"), fmt(g["tokens_per_s"], ".1f"),
+              f"{g['logprobs_finite']} ({g['num_logprobs']})", g["finish_reasons"],
+              f"{g['cached_tokens']}/{g['prompt_tokens']}", f"{rep.get('cached_tokens')}/{rep.get('prompt_tokens')}"]],
+        ) + [""]  # fmt: skip
+    a = (res or {}).get("agent")
+    if a and a.get("status") != "ok":
+        lines += [f"Agent loop with `code_interpreter`: **{a.get('status')}**: `{a.get('error')}`", ""]
+    elif a:
+        lines += [f"Agent loop with `code_interpreter` ({a['prompts_how']}):", ""]
+        lines += md_table(
+            ["trajectories", "turns each", "tool calls", "executed without error", "finish reasons", "completion tokens"],
+            [[a["num_trajectories"], a["turns"], a["tool_calls"], a["tool_calls_executed"], a["finish_reasons"],
+              a["completion_tokens"]]],
+        ) + [""]  # fmt: skip
+        if a["trajectory_errors"] or a["tool_call_errors"]:
+            lines += ["Parse outcomes (first few):", ""]
+            lines += [f"- {e}" for e in a["tool_call_errors"] + a["trajectory_errors"]] + [""]
+
+    section, res = _section(phases, "trainer", "2. trainer (AgenticGRPOTrainer, rollout_backend='sglang')")
+    lines += section
+    if res is not None:
+        modes = [(mode, res[mode]) for mode in TRAINER_MODES if res.get(mode)]
         lines += [
             "One sync before training (version 0), then one after each step. `transfer` = the engine's "
             "`update_weights`/`update_lora_adapter` (pause, load, continue, version check); `total` = the trainer's "
             "whole sync (export, transfer, probe reference, log-prob check).",
             "",
-            "| mode | version | bytes | sync | transfer s | total s | probe mean abs Δlogp | probe max abs Δlogp "
-            "| probe mean abs logp (trainer) | tolerance | probe |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for mode in TRAINER_MODES:
-            rec = res.get(mode)
-            if not rec:
-                continue
-            for s in rec.get("syncs", []):
-                probe = {True: "pass", False: "FAIL"}.get(s.get("probe_pass"), "-")
-                lines.append(
-                    f"| {mode} | {s['version']} | {fmt(s['bytes'], ',')} | {'ok' if s.get('ok') else 'FAILED'} | "
-                    f"{fmt(s.get('transfer_s'), '.3f')} | "
-                    f"{fmt(s.get('sync_total_s'), '.3f')} | {fmt(s.get('probe_dlogp_mean'))} | "
-                    f"{fmt(s.get('probe_dlogp_max'))} | {fmt(s.get('probe_mean_abs_logp'))} | "
-                    f"{fmt(s.get('probe_tolerance'))} | {probe} |"
-                )
-        lines.append("")
-        for mode in TRAINER_MODES:
-            rec = res.get(mode)
-            if not rec:
-                continue
+        lines += md_table(
+            ["mode", "version", "bytes", "sync", "transfer s", "total s", "probe mean abs Δlogp", "probe max abs Δlogp",
+             "probe mean abs logp (trainer)", "tolerance", "probe"],
+            [[mode, s["version"], fmt(s["bytes"], ","), "ok" if s.get("ok") else "FAILED",
+              fmt(s.get("transfer_s"), ".3f"), fmt(s.get("sync_total_s"), ".3f"), fmt(s.get("probe_dlogp_mean")),
+              fmt(s.get("probe_dlogp_max")), fmt(s.get("probe_mean_abs_logp")), fmt(s.get("probe_tolerance")),
+              {True: "pass", False: "FAIL"}.get(s.get("probe_pass"), "-")]
+             for mode, rec in modes for s in rec.get("syncs", [])],
+        ) + [""]  # fmt: skip
+        for mode, rec in modes:
             steps = ", ".join(f"{s['step_s_without_sync']:.2f}" for s in rec.get("steps", []))
-            lines += [
+            lines.append(
                 f"- **{mode}**: {rec.get('status')}; server flags `{' '.join(rec.get('server_flags', []))}`; "
                 + (f"adapter sent by `{rec['lora_sync_mode']}`; " if "lora_sync_mode" in rec else "")
                 + f"policy attention `{rec.get('attn_implementation')}`; step seconds without sync: [{steps}]"
                 + (f"; error `{rec['error'][:600]}`" if rec.get("error") else "")
-            ]
+            )
             if rec.get("server_log_tail") and rec.get("status") != "ok":
                 lines += ["", "  ```", *("  " + x for x in rec["server_log_tail"][-3000:].splitlines()), "  ```"]
         lines.append("")
-    # mismatch
-    ph = phases.get("mismatch")
-    if ph:
-        lines += ["## 3. mismatch (SGLang rollouts, trainer-side scoring)", ""] + _status_block(ph)
-        res = ph.get("result") or {}
+
+    section, res = _section(phases, "mismatch", "3. mismatch (SGLang rollouts, trainer-side scoring)")
+    lines += section
+    if res is not None:
+        configs = res.get("configs") or {}
+        rows = []
+        for rec in configs.values():
+            label = " ".join(rec.get("server_flags") or []) or "(default)"
+            if rec.get("status") != "ok":
+                rows.append([label, *["-"] * 7, f"{rec.get('status')}: {(rec.get('error') or '')[:200]}"])
+            rows += [
+                [label, fmt(rec.get("completion_tokens")), row["attention"], fmt(row.get("prob_diff_mean")),
+                 fmt(row.get("prob_diff_max")), fmt(row.get("k3_kl")), fmt(row.get("log_ppl_diff"), "+.3g"),
+                 fmt(row.get("frac_tokens_over_threshold"), ".2%"), row.get("note", "")]
+                for row in (rec.get("rows", []) if rec.get("status") == "ok" else [])
+            ]  # fmt: skip
         lines += [
             f"Prompts: {res.get('prompts_how')}; temperature 1; project kernel via {res.get('project_attention_how')}.",
             "",
-            "| server flags | sampled tokens | training attention | mean abs Δp | max abs Δp | k3 KL(rollout‖train) "
-            "| log-PPL diff | tokens over threshold | note |",
-            "|---|---|---|---|---|---|---|---|---|",
         ]
-        for _name, rec in (res.get("configs") or {}).items():
-            label = " ".join(rec.get("server_flags") or []) or "(default)"
-            if rec.get("status") != "ok":
-                lines.append(
-                    f"| {label} | - | - | - | - | - | - | - | {rec.get('status')}: {(rec.get('error') or '')[:200]} |"
-                )
-                continue
-            for row in rec.get("rows", []):
-                lines.append(
-                    f"| {label} | {fmt(rec.get('completion_tokens'))} | {row['attention']} | "
-                    f"{fmt(row.get('prob_diff_mean'))} | "
-                    f"{fmt(row.get('prob_diff_max'))} | {fmt(row.get('k3_kl'))} | "
-                    f"{fmt(row.get('log_ppl_diff'), '+.3g')} | {fmt(row.get('frac_tokens_over_threshold'), '.2%')} | "
-                    f"{row.get('note', '')} |"
-                )
-        lines.append("")
-        for name, rec in (res.get("configs") or {}).items():
+        lines += md_table(
+            ["server flags", "sampled tokens", "training attention", "mean abs Δp", "max abs Δp",
+             "k3 KL(rollout‖train)", "log-PPL diff", "tokens over threshold", "note"], rows,
+        ) + [""]  # fmt: skip
+        for name, rec in configs.items():
             if rec.get("status") != "ok" and rec.get("server_log_tail"):
                 lines += [f"Server log tail ({name}):", "", "```", rec["server_log_tail"][-3000:], "```", ""]
-    # sync timing
-    ph = phases.get("sync_timing")
-    if ph:
-        lines += ["## 4. sync_timing", ""] + _status_block(ph)
-        res = ph.get("result") or {}
-        lines += [
-            "| mode | repeats | median transfer s | median total s | bytes | GB/s | bytes at gpt-oss-20b | "
-            "extrapolated s at 20b |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for mode, rec in (res.get("modes") or {}).items():
-            if "note" in rec:
-                lines.append(f"| {mode} | - | - | - | - | - | - | {rec['note']} |")
-                continue
-            lines.append(
-                f"| {mode} | {rec['repeats']} | {fmt(rec['median_transfer_s'], '.3f')} | "
-                f"{fmt(rec['median_sync_total_s'], '.3f')} | {fmt(rec['bytes'], ',')} | {fmt(rec['gb_per_s'], '.2f')} | "
-                f"{fmt(rec.get('bytes_20b'), ',.0f')} | {fmt(rec.get('extrapolated_20b_s'), '.1f')} |"
-            )
-        lines.append("")
+
+    section, res = _section(phases, "sync_timing", "4. sync_timing")
+    lines += section
+    if res is not None:
+        modes = res.get("modes") or {}
+        lines += md_table(
+            ["mode", "repeats", "median transfer s", "median total s", "bytes", "GB/s", "bytes at gpt-oss-20b",
+             "extrapolated s at 20b"],
+            [[mode, *["-"] * 6, rec["note"]] if "note" in rec else
+             [mode, rec["repeats"], fmt(rec["median_transfer_s"], ".3f"), fmt(rec["median_sync_total_s"], ".3f"),
+              fmt(rec["bytes"], ","), fmt(rec["gb_per_s"], ".2f"), fmt(rec.get("bytes_20b"), ",.0f"),
+              fmt(rec.get("extrapolated_20b_s"), ".1f")] for mode, rec in modes.items()],
+        ) + [""]  # fmt: skip
         if res.get("params_20b"):
             lines += [
                 "Arithmetic: time at 20b = bytes at 20b / (bytes measured / median transfer time).",
                 f"Merged weights at 20b: {res['params_20b']:,} parameters (gpt-oss-20b's layer shapes at 24 layers, "
                 f"counted on the meta device) x 2 bytes (bf16) = {res['bytes_20b_merged_bf16'] / 1e9:.1f} GB.",
             ]
-            for mode, rec in (res.get("modes") or {}).items():
-                if rec.get("extrapolated_20b_s") is not None:
-                    lines.append(
-                        f"- {mode}: {rec['bytes'] / 1e9:.4g} GB / {rec['median_transfer_s']:.3f} s = "
-                        f"{rec['gb_per_s']:.3g} GB/s; {rec['bytes_20b'] / 1e9:.4g} GB / {rec['gb_per_s']:.3g} GB/s = "
-                        f"{rec['extrapolated_20b_s']:.2f} s"
-                    )
+            lines += [
+                f"- {mode}: {rec['bytes'] / 1e9:.4g} GB / {rec['median_transfer_s']:.3f} s = {rec['gb_per_s']:.3g} GB/s; "
+                f"{rec['bytes_20b'] / 1e9:.4g} GB / {rec['gb_per_s']:.3g} GB/s = {rec['extrapolated_20b_s']:.2f} s"
+                for mode, rec in modes.items()
+                if rec.get("extrapolated_20b_s") is not None
+            ]
             lines += [
                 "",
                 "Assumption: disk and tensor sync scale with the bytes moved (write + read of safetensors; CUDA IPC "
@@ -1241,48 +875,39 @@ def render_markdown(r: dict) -> str:
                 "",
             ]
     if r.get("launches"):
-        lines += ["## Server launches", "", "| name | ready | ready s | command |", "|---|---|---|---|"]
-        for ln in r["launches"]:
-            lines.append(f"| {ln['name']} | {ln.get('ready')} | {fmt(ln.get('ready_s'))} | `{ln['command']}` |")
-        lines.append("")
+        lines += ["## Server launches", ""]
+        lines += md_table(
+            ["name", "ready", "ready s", "command"],
+            [[ln["name"], ln.get("ready"), fmt(ln.get("ready_s")), f"`{ln['command']}`"] for ln in r["launches"]],
+        ) + [""]  # fmt: skip
     lines.append("![sglang_e2e](sglang_e2e.png)")
     return "\n".join(lines) + "\n"
 
 
 def plot(path: Path, r: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
-    ax = axes[0]
     configs = ((r.get("phases", {}).get("mismatch") or {}).get("result") or {}).get("configs") or {}
-    labels, values = [], []
-    for name, rec in configs.items():
-        for row in rec.get("rows", []):
-            if row.get("k3_kl") is not None:
-                labels.append(f"{name}\n{row['attention'].split(' (')[0]}")
-                values.append(max(row["k3_kl"], 1e-12))
-    if values:
-        ax.barh(range(len(values)), values)
-        ax.set_yticks(range(len(values)), labels, fontsize=6)
-        ax.set_xscale("log")
-    ax.set_xlabel("k3 KL(rollout ‖ train)")
-    ax.set_title("mismatch: SGLang rollout vs trainer attention")
-    ax = axes[1]
     timing = ((r.get("phases", {}).get("sync_timing") or {}).get("result") or {}).get("modes") or {}
-    modes = [m for m, rec in timing.items() if "median_transfer_s" in rec]
-    if modes:
-        ax.bar(modes, [timing[m]["median_transfer_s"] for m in modes])
-    ax.set_ylabel("median weight sync (s)")
-    ax.set_title("weight sync per mode (this model size)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(13, 4.2)) as (_, (ax, ax_sync)):
+        bars = [
+            (f"{name}\n{row['attention'].split(' (')[0]}", max(row["k3_kl"], 1e-12))
+            for name, rec in configs.items()
+            for row in rec.get("rows", [])
+            if row.get("k3_kl") is not None
+        ]
+        if bars:
+            ax.barh(range(len(bars)), [v for _, v in bars])
+            ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=6)
+            ax.set_xscale("log")
+        ax.set_xlabel("k3 KL(rollout ‖ train)")
+        ax.set_title("mismatch: SGLang rollout vs trainer attention")
+        modes = [m for m, rec in timing.items() if "median_transfer_s" in rec]
+        if modes:
+            ax_sync.bar(modes, [timing[m]["median_transfer_s"] for m in modes])
+        ax_sync.set_ylabel("median weight sync (s)")
+        ax_sync.set_title("weight sync per mode (this model size)")
 
 
-# ------------------------------------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------------------------------------ merge
 
 
 _MODEL_KEYS = ("params", "num_hidden_layers", "hidden_size", "heads", "num_local_experts", "vocab_size")
@@ -1302,11 +927,7 @@ def _parts(name: str, result: dict) -> dict:
     """The records a phase's status is made of: its sub-runs, weight sync modes or server configurations."""
     if name == "generate":
         return {k: result[k] for k in ("generate", "agent") if k in result}
-    if name == "trainer":
-        return result
-    if name == "mismatch":
-        return result.get("configs") or {}
-    return {}
+    return result if name == "trainer" else (result.get("configs") or {}) if name == "mismatch" else {}
 
 
 def _phase_status(name: str, result: dict) -> dict:
@@ -1316,10 +937,8 @@ def _phase_status(name: str, result: dict) -> dict:
     status = "ok" if all(x == "ok" for x in statuses) else "partial" if "ok" in statuses else "failed"
     if status == "ok":
         return {"status": status}
-    return {
-        "status": status,
-        "error": "; ".join(f"{k}: {v.get('error', '')[:150]}" for k, v in parts.items() if v.get("status") != "ok"),
-    }
+    errors = "; ".join(f"{k}: {v.get('error', '')[:150]}" for k, v in parts.items() if v.get("status") != "ok")
+    return {"status": status, "error": errors}
 
 
 def merge_runs(paths: list[Path]) -> dict:
@@ -1334,24 +953,21 @@ def merge_runs(paths: list[Path]) -> dict:
         differ = {k: (mine[k], other[k]) for k in mine if mine[k] != other[k]}
         if differ:
             raise ValueError(f"--merge: {path} measured another model than {paths[0]}: {differ}")
-    merged: dict = {
-        "meta": dict(runs[-1].get("meta") or {}),
-        "model": first,
-        "phases": {},
-        "launches": [launch for run in runs for launch in run.get("launches", [])],
-    }
-    merged["meta"]["merged_from"] = [
-        {
-            "json": str(p),
-            "command": (r.get("meta") or {}).get("command"),
-            "started": (r.get("meta") or {}).get("started"),
-            "disable_cuda_graph": _reported_cuda_graph_disabled(r.get("meta") or {}),
-        }
+    merged_from = [
+        {"json": str(p), "command": (r.get("meta") or {}).get("command"), "started": (r.get("meta") or {}).get("started"),
+         "disable_cuda_graph": _reported_cuda_graph_disabled(r.get("meta") or {})}
         for p, r in zip(paths, runs)
-    ]
-    disabled = {m["disable_cuda_graph"] for m in merged["meta"]["merged_from"]}
-    merged["meta"]["disable_cuda_graph"] = disabled.pop() if len(disabled) == 1 else "mixed"
-    merged["meta"]["command"] = "; ".join(str(m["command"]) for m in merged["meta"]["merged_from"])
+    ]  # fmt: skip
+    disabled = {m["disable_cuda_graph"] for m in merged_from}
+    meta = {
+        **(runs[-1].get("meta") or {}), "merged_from": merged_from,
+        "disable_cuda_graph": disabled.pop() if len(disabled) == 1 else "mixed",
+        "command": "; ".join(str(m["command"]) for m in merged_from),
+    }  # fmt: skip
+    merged: dict = {
+        "meta": meta, "model": first, "phases": {},
+        "launches": [launch for run in runs for launch in run.get("launches", [])],
+    }  # fmt: skip
     for run in runs:
         for name, phase in (run.get("phases") or {}).items():
             have = merged["phases"].get(name)
@@ -1359,9 +975,8 @@ def merge_runs(paths: list[Path]) -> dict:
                 continue
             if name in ("mismatch", "trainer") and (have or {}).get("result") and "result" in phase:
                 # server configurations / weight sync modes one by one: a later run's wins unless it was skipped
-                earlier, later = _parts(name, have.get("result") or {}), _parts(name, phase["result"])
-                parts = dict(earlier)
-                for key, rec in later.items():
+                parts = dict(_parts(name, have.get("result") or {}))
+                for key, rec in _parts(name, phase["result"]).items():
                     if rec.get("status") != "skipped" or key not in parts:
                         parts[key] = rec
                 result = {**phase["result"], "configs": parts} if name == "mismatch" else parts
@@ -1376,98 +991,54 @@ def merge_runs(paths: list[Path]) -> dict:
     return merged
 
 
+# ------------------------------------------------------------------------------------------------------------ main
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
     p.add_argument("--layers", type=int, default=2, help="layers of the model (of gpt-oss-20b's 24)")
-    p.add_argument(
-        "--model-dir", type=Path, default=None, help="where to save the model (default: in the temporary work dir)"
-    )
-    p.add_argument(
-        "--keep-work-dir",
-        action="store_true",
-        help="keep the temporary work dir (default model dir, synced weights, cold-start output); removed otherwise",
-    )
+    p.add_argument("--model-dir", type=Path, default=None, help="where to save the model (default: in the work dir)")
+    p.add_argument("--keep-work-dir", action="store_true", help="keep the temporary work dir (default model dir, "
+                   "synced weights, cold-start output); removed otherwise")  # fmt: skip
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--server-cmd", default="python3 -m sglang.launch_server")
-    p.add_argument("--server-args", default="", help='extra server flags, e.g. "--chunked-prefill-size 8192"')
-    p.add_argument(
-        "--disable-cuda-graph",
-        action="store_true",
-        help="launch the servers with SGLang's --disable-cuda-graph (faster starts, slower decoding); default: CUDA "
-        "graphs on, as served",
-    )
+    add_server_args(p)
     p.add_argument("--url", default=None, help="use this running server instead of launching one")
-    p.add_argument(
-        "--merge",
-        nargs="+",
-        type=Path,
-        default=None,
-        help="no run: merge the sglang_e2e.json of earlier runs (same model) into one report in --out",
-    )
+    p.add_argument("--merge", nargs="+", type=Path, default=None,
+                   help="no run: merge the sglang_e2e.json of earlier runs (same model) into one report in --out")  # fmt: skip
     p.add_argument("--from-json", type=Path, default=None, help="no run: render this sglang_e2e.json again")
-    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.4)
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--trainer-modes", default=",".join(TRAINER_MODES))
     p.add_argument("--mismatch-configs", default=",".join(MISMATCH_CONFIGS))
     p.add_argument("--budget-s", type=float, default=540.0, help="no phase starts after this many seconds")
-    p.add_argument("--ready-timeout-s", type=float, default=180.0, help="deadline of one server start")
     p.add_argument("--generate-timeout-s", type=float, default=240.0, help="includes the first server start")
+    p.add_argument("--trainer-timeout-s", type=float, default=200.0, help="per sync mode, once the server is ready")
     p.add_argument(
-        "--trainer-timeout-s", type=float, default=200.0, help="per weight sync mode, from the server being ready"
+        "--mismatch-timeout-s", type=float, default=180.0, help="per configuration, once the server is ready"
     )
-    p.add_argument(
-        "--mismatch-timeout-s", type=float, default=180.0, help="per server configuration, from the server being ready"
-    )
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--agent-prompts", type=int, default=4)
-    p.add_argument("--agent-max-turns", type=int, default=3)
-    p.add_argument("--agent-turn-tokens", type=int, default=128)
-    p.add_argument("--train-rows", type=int, default=4)
-    p.add_argument("--train-steps", type=int, default=2)
-    p.add_argument("--num-generations", type=int, default=2)
-    p.add_argument("--train-completion-tokens", type=int, default=32)
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument(
-        "--lora-sync-mode",
-        choices=("tensor", "disk"),
-        default="tensor",
-        help="how the LoRA adapter travels: tensor (CUDA IPC, same machine) or disk (a shared directory)",
-    )
-    p.add_argument("--probe-atol", type=float, default=0.05, help="weight_sync_probe_atol (the trainer's default)")
-    p.add_argument("--probe-rtol", type=float, default=0.01, help="weight_sync_probe_rtol (the trainer's default)")
-    p.add_argument("--threshold", type=float, default=0.1)
-    p.add_argument("--sink-mean", type=float, default=1.0)
-    p.add_argument("--sink-std", type=float, default=1.5)
-    p.add_argument("--logit-std", type=float, default=3.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--cold-start-steps",
-        type=int,
-        default=0,
-        help="SFT steps (trl_ext.cold_start) on code_interpreter demonstrations before the model is saved for the "
-        "server; 0: the random weights as built",
-    )
+    for name, default in (("num-prompts", 8), ("max-new-tokens", 128), ("agent-prompts", 4), ("agent-max-turns", 3),
+                          ("agent-turn-tokens", 128), ("train-rows", 4), ("train-steps", 2), ("num-generations", 2),
+                          ("train-completion-tokens", 32), ("lora-rank", 8), ("seed", 0)):  # fmt: skip
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--lora-sync-mode", choices=("tensor", "disk"), default="tensor",
+                   help="how the LoRA adapter travels: tensor (CUDA IPC, same machine) or disk (a shared directory)")  # fmt: skip
+    for name, default in (("threshold", 0.1), ("sink-mean", 1.0), ("sink-std", 1.5), ("logit-std", 3.0)):
+        p.add_argument(f"--{name}", type=float, default=default)
+    p.add_argument("--cold-start-steps", type=int, default=0, help="SFT steps (trl_ext.cold_start) on code_interpreter "
+                   "demonstrations before the model is saved for the server; 0: the random weights as built")  # fmt: skip
     p.add_argument("--cold-start-lr", type=float, default=5e-2, help="cold-start learning rate (the CPU demo's)")
     p.add_argument("--cold-start-batch", type=int, default=4, help="demonstrations per cold-start step")
     p.add_argument("--cold-start-problems", type=int, default=4, help="distinct GSM8K problems in the cold start")
     p.add_argument("--cold-start-timeout-s", type=float, default=300.0, help="deadline of the cold start")
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
     args = p.parse_args(argv)
-    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
-    args.trainer_modes = [x.strip() for x in args.trainer_modes.split(",") if x.strip()]
-    args.mismatch_configs = [x.strip() for x in args.mismatch_configs.split(",") if x.strip()]
-    for name, values, allowed in (
-        ("--phases", args.phases, PHASES),
-        ("--trainer-modes", args.trainer_modes, TRAINER_MODES),
-        ("--mismatch-configs", args.mismatch_configs, tuple(MISMATCH_CONFIGS)),
-    ):
+    for name, allowed in (("phases", PHASES), ("trainer_modes", TRAINER_MODES), ("mismatch_configs", MISMATCH_CONFIGS)):
+        values = [x.strip() for x in getattr(args, name).split(",") if x.strip()]
         bad = [v for v in values if v not in allowed]
         if bad:
-            p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+            p.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {list(allowed)}")
+        setattr(args, name, values)
     if args.cold_start_steps < 0:
         p.error(f"--cold-start-steps must be >= 0, got {args.cold_start_steps}")
     for name in ("cold_start_batch", "cold_start_problems"):
@@ -1513,18 +1084,30 @@ def run_failures(results: dict) -> list[str]:
     return failures
 
 
+def build_or_record(ctx: Context) -> None:
+    """`build_model` under its deadline; a failure is recorded (``model_error``), and every phase is then skipped."""
+    args, results = ctx.args, ctx.results
+    t0 = time.monotonic()
+    try:
+        limit = 300.0 + (args.cold_start_timeout_s if args.cold_start_steps else 0.0)
+        with deadline(min(limit, ctx.left()), "model build" + (" and cold start" if args.cold_start_steps else "")):
+            results["model"] = build_model(args, ctx.device, ctx.work_dir)
+        params = results["model"]["params"]
+        log(f"model saved to {args.model_dir} in {time.monotonic() - t0:.1f} s ({params:,} params)")
+    except Exception as exc:  # noqa: BLE001
+        results["model_error"] = error_text(exc)
+        results["model_traceback"] = traceback.format_exc()[-3000:]
+        log(f"model build failed: {results['model_error']}")
+        free_memory(ctx.device)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.out = output_dir(args.out, "sglang_e2e.json", "sglang_e2e.md", "sglang_e2e.png")
-    if args.from_json is not None:
-        results = json.loads(args.from_json.read_text())
+    if args.from_json is not None or args.merge:
+        results = json.loads(args.from_json.read_text()) if args.from_json is not None else merge_runs(args.merge)
         write_outputs(args.out, results)
-        log(f"rendered {args.from_json} again into {args.out / 'sglang_e2e.md'}, .json, .png")
-        return results
-    if args.merge:
-        results = merge_runs(args.merge)
-        write_outputs(args.out, results)
-        log(f"merged {len(args.merge)} runs into {args.out / 'sglang_e2e.md'}, .json, .png")
+        log(f"wrote {args.out / 'sglang_e2e.md'}, .json, .png from {args.from_json or args.merge}")
         return results
     from benchmarks._cli import environment
 
@@ -1532,21 +1115,15 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))
     if args.model_dir is None:
         args.model_dir = work / "model"
-    server = ServerManager(args, Path(args.model_dir), args.out / "logs")
+    server = server_manager(args, Path(args.model_dir), args.out / "logs", E2E_LAUNCH_FLAGS, log=log)
     ctx = Context(args, device, server, work)
     results = ctx.results
     results["meta"] = {
-        "command": "python -m benchmarks.sglang_e2e "
-        + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "env": environment(),
-        "server_cmd": args.server_cmd if args.url is None else f"--url {args.url}",
-        "server_args": args.server_args,
-        "disable_cuda_graph": cuda_graph_disabled(args),
-        "budget_s": args.budget_s,
-        "device": str(device),
-        "model_kind": args.model,
-    }
+        "command": command_line("sglang_e2e", argv), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "env": environment(), "server_cmd": args.server_cmd if args.url is None else f"--url {args.url}",
+        "server_args": args.server_args, "disable_cuda_graph": cuda_graph_disabled(args), "budget_s": args.budget_s,
+        "device": str(device), "model_kind": args.model,
+    }  # fmt: skip
     results["phases"] = {}
     results["launches"] = server.launches
 
@@ -1556,23 +1133,7 @@ def main(argv=None) -> dict:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        flags_result = known_server_flags(args)
-        t0 = time.monotonic()
-        try:
-            limit = 300.0 + (args.cold_start_timeout_s if args.cold_start_steps else 0.0)
-            with deadline(min(limit, ctx.left()), "model build" + (" and cold start" if args.cold_start_steps else "")):
-                results["model"] = build_model(args, device, work)
-            log(
-                f"model saved to {args.model_dir} in {time.monotonic() - t0:.1f} s ({results['model']['params']:,} params)"
-            )
-        except Exception as exc:  # noqa: BLE001
-            results["model_error"] = error_text(exc)
-            results["model_traceback"] = traceback.format_exc()[-3000:]
-            log(f"model build failed: {results['model_error']}")
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        ctx.server_flags_known, results["meta"]["server_flags_checked"] = flags_result()
+        build_or_record(ctx)
         ctx.checkpoint()
         runners = {
             "generate": (phase_generate, args.generate_timeout_s),
@@ -1582,48 +1143,26 @@ def main(argv=None) -> dict:
         }
         # in the order given (e.g. mismatch before trainer reuses the first server), sync_timing last: it reads trainer
         for name in sorted(args.phases, key=lambda n: (n == "sync_timing", args.phases.index(n))):
-            ph: dict = {}
-            results["phases"][name] = ph
+            ph = results["phases"][name] = {}
             if "model_error" in results and name != "sync_timing":
                 ph.update(status="skipped", error="model build failed")
                 continue
-            if ctx.left() <= 0:
-                ph.update(status="skipped", error=f"skipped for time: budget of {args.budget_s:.0f} s spent")
-                log(f"{name}: skipped for time")
-                ctx.checkpoint()
-                continue
-            log(f"{name}: start ({ctx.left():.0f} s of budget left)")
-            t0 = time.monotonic()
             fn, limit = runners[name]
-            ph["result"] = {}  # filled as the phase goes: a checkpoint in the middle of it shows what it has
-            try:
-                if limit is None:
+
+            def phase(fn=fn, limit=limit, ph=ph, name=name):
+                log(f"{name}: start ({ctx.left():.0f} s of budget left)")
+                ph["result"] = {}  # filled as the phase goes: a checkpoint in the middle of it shows what it has
+                with deadline(min(limit, ctx.left()), name) if limit else contextlib.nullcontext():
                     fn(ctx, ph["result"])
-                else:
-                    with deadline(min(limit, ctx.left()), name):
-                        fn(ctx, ph["result"])
                 ph.update(_phase_status(name, ph["result"]))
-            except BaseException as exc:  # noqa: BLE001 - recorded; the next phase runs
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                ph["status"] = "failed"
-                ph["error"] = error_text(exc)
-                ph["traceback"] = traceback.format_exc()[-3000:]
-                ph["server_log_tail"] = server.log_tail()
-            ph["wall_s"] = time.monotonic() - t0
-            log(
-                f"{name}: {ph['status']} in {ph['wall_s']:.1f} s"
-                + (f" ({ph['error'][:300]})" if ph.get("error") else "")
-            )
-            ctx.checkpoint()
+
+            run_part(ctx, ph, name, phase)
     finally:
         server.stop()
         results["meta"]["total_s"] = time.monotonic() - ctx.t0
         if not args.keep_work_dir:  # the default model dir, trainer weight dirs, cold-start output: 100s of MB
             shutil.rmtree(work, ignore_errors=True)
-            results["meta"]["work_dir"] = f"{work} (removed; --keep-work-dir keeps it)"
-        else:
-            results["meta"]["work_dir"] = str(work)
+        results["meta"]["work_dir"] = str(work) if args.keep_work_dir else f"{work} (removed; --keep-work-dir keeps it)"
         ctx.checkpoint()
         log(f"wrote {args.out / 'sglang_e2e.md'}, .json, .png")
     partial = [name for name, ph in results["phases"].items() if ph.get("status") == "partial"]

@@ -83,15 +83,19 @@ def test_sglang_e2e_run_failures():
 
 
 def test_sglang_e2e_cuda_graphs_are_on_unless_disabled(tmp_path):
-    from benchmarks.sglang_e2e import ServerManager, cuda_graph_disabled, parse_args
+    from benchmarks._cli import server_manager
+    from benchmarks.sglang_e2e import E2E_LAUNCH_FLAGS, cuda_graph_disabled, parse_args
+
+    def command(args, flags):
+        return server_manager(args, tmp_path, tmp_path, E2E_LAUNCH_FLAGS).command(flags, 1234)
 
     args = parse_args(["--server-cmd", "python -m sglang.launch_server"])
-    assert "--disable-cuda-graph" not in ServerManager(args, tmp_path, tmp_path).command([], 1234)
+    assert "--disable-cuda-graph" not in command(args, [])
     args = parse_args(["--server-cmd", "python -m sglang.launch_server", "--disable-cuda-graph"])
-    assert ServerManager(args, tmp_path, tmp_path).command(["--enable-lora"], 1234).count("--disable-cuda-graph") == 1
+    assert command(args, ["--enable-lora"]).count("--disable-cuda-graph") == 1
     assert cuda_graph_disabled(args) is True
     args = parse_args(["--server-args=--disable-cuda-graph", "--disable-cuda-graph"])
-    assert ServerManager(args, tmp_path, tmp_path).command([], 1234).count("--disable-cuda-graph") == 1
+    assert command(args, []).count("--disable-cuda-graph") == 1
     assert cuda_graph_disabled(parse_args(["--server-args=--disable-cuda-graph"])) is True
     assert cuda_graph_disabled(parse_args([])) is False
     assert cuda_graph_disabled(parse_args(["--url", "http://127.0.0.1:1"])) is None  # a server it did not launch

@@ -155,3 +155,29 @@ def test_stop_at_loss():
     for loss, should_stop in ((0.4, False), (0.7, False), (0.6, False), (0.3, True)):
         stop.on_log(None, TrainerState(), control, logs={"loss": loss})
         assert control.should_training_stop == should_stop
+
+
+def test_evaluate_tool_use_samples_at_the_temperature_asked(monkeypatch):
+    """`recipes.evaluate_tool_use` is greedy by default and samples at ``temperature`` when asked (the learning run
+    scores its policy both ways); the accuracy is math-verify's on the final text."""
+    from types import SimpleNamespace
+
+    import trl_ext.rollout
+
+    temperatures = []
+
+    class Loop:
+        def __init__(self, engine, tools, *, sampling, **kwargs):
+            temperatures.append(sampling.temperature)
+
+        def run_batch_sync(self, prompts):
+            final = ["\\boxed{4}", "\\boxed{5}"]
+            return [
+                SimpleNamespace(final_text=f, tool_calls=[], num_tool_calls=0, finish_reason="final") for f in final
+            ]
+
+    monkeypatch.setattr(trl_ext.rollout, "AgentLoop", Loop)
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}] * 2
+    greedy = recipes.evaluate_tool_use(None, [], rows, max_completion_length=8, max_turns=1)
+    sampled = recipes.evaluate_tool_use(None, [], rows, max_completion_length=8, max_turns=1, temperature=1.0)
+    assert temperatures == [0.0, 1.0] and greedy["accuracy"] == sampled["accuracy"] == 0.5

@@ -241,3 +241,36 @@ def test_server_process_dies_with_the_process_that_launched_it(tmp_path):
     if not gone:
         os.kill(server_pid, signal.SIGKILL)
     assert gone, "the server outlived the process that launched it"
+
+
+def test_server_manager_starts_a_server_only_while_it_holds_the_start_lock(tmp_path):
+    """`ServerManager(start_lock=PATH)`: a server starts only once the lock is free (processes sharing a GPU start
+    theirs one at a time), and the command it launches is the documented one."""
+    import fcntl
+    import threading
+
+    from trl_ext.sglang_serve import ServerManager
+
+    lock = tmp_path / "start.lock"
+    manager = ServerManager(f"{sys.executable} -c 'import sys; sys.exit(3)'", tmp_path / "model", tmp_path / "logs",
+                            server_args="--x 1", launch_flags=["--dtype", "float32"], start_lock=lock)  # fmt: skip
+    failures = []
+
+    def start():
+        try:
+            manager.ensure("locked", ["--y"], timeout_s=30)
+        except RuntimeError as exc:
+            failures.append(str(exc))
+
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        thread = threading.Thread(target=start)
+        thread.start()
+        time.sleep(1.0)
+        assert manager.process is not None and manager.process.proc is None  # waiting for the lock, not started
+    thread.join(60)
+    assert not thread.is_alive() and failures and "exited with status 3" in failures[0], failures
+    command = shlex.split(manager.launches[0]["command"])
+    assert command[command.index("--model-path") + 1] == str(tmp_path / "model") and "--skip-tokenizer-init" in command
+    assert command[-7:] == ["--dtype", "float32", "--mem-fraction-static", "0.4", "--x", "1", "--y"]
+    assert manager.launches[0]["ready"] is False

@@ -6,8 +6,8 @@ evaluation and a one-line-per-step progress printer.
   `{"prompt": [user message], "answer": str, "solution": str}`.
 * Reward functions with TRL's signature (keyword arguments; the agentic trainer adds `final_text`,
   `num_tool_calls`, ...): `retool_reward_func`, `correctness_reward_func`, `boxed_format_reward_func`.
-* `evaluate_tool_use`: greedy agent rollouts on a rollout engine, scored by math-verify, with the tool-call
-  rate and the share of tool calls that ran without error.
+* `evaluate_tool_use`: agent rollouts on a rollout engine (greedy, or sampled as training does), scored by
+  math-verify, with the tool-call rate and the share of tool calls that ran without error.
 * `StepSummaryCallback`: prints `step N | reward ... | tool_calls ... | ...` from the trainer's logs.
 * `policy_from_model_config`: the policy, its LoRA config and its quantization config from TRL's `ModelConfig`
   (`--model_name_or_path`, `--dtype`, `--attn_implementation`, `--use_peft`, `--lora_*`, `--load_in_4bit`, ...), as
@@ -192,8 +192,8 @@ def boxed_format_reward_func(completions, final_text, **kwargs) -> list[float]:
 
 # %% Evaluation ---------------------------------------------------------------------------------------------------------------
 def evaluate_tool_use(engine, tools, rows, *, max_completion_length: int, max_turns: int,
-                      reasoning_effort: str = "low") -> dict:  # fmt: skip
-    """Greedy (temperature 0) agent rollouts of `rows` on `engine`, scored against each row's `answer`.
+                      reasoning_effort: str = "low", temperature: float = 0.0) -> dict:  # fmt: skip
+    """Agent rollouts of `rows` on `engine`, greedy by default, scored against each row's `answer`.
 
     Args:
         engine: a `trl_ext.rollout.RolloutEngine`, e.g. a trainer's `rollout_engine` (it follows the trained
@@ -201,6 +201,7 @@ def evaluate_tool_use(engine, tools, rows, *, max_completion_length: int, max_tu
         tools: the tools the model may call (rendered into the prompt and executed).
         rows: rows with `prompt` (chat messages) and `answer`.
         max_completion_length / max_turns: trajectory budget, as in `AgenticGRPOConfig`.
+        temperature: 0 is greedy; 1 samples as training does (the accuracy a rollout of the policy gets).
 
     Returns `accuracy` (math-verify on the final channel), `correct`, `n`, `tool_call_rate` (share of trajectories
     with at least one call), `tool_calls` (their number), `tool_call_success_rate` (share of calls that parsed and
@@ -215,7 +216,7 @@ def evaluate_tool_use(engine, tools, rows, *, max_completion_length: int, max_tu
     loop = AgentLoop(
         engine,
         list(tools or []),
-        sampling=SamplingParams(max_new_tokens=max_completion_length, temperature=0.0),
+        sampling=SamplingParams(max_new_tokens=max_completion_length, temperature=temperature),
         max_turns=max_turns,
         max_completion_tokens=max_completion_length,
     )

@@ -12,7 +12,8 @@ server's whole process group). Flags after ``--`` go to SGLang unchanged.
 
 `ServerProcess` is the one launcher of an SGLang server process in this project (this command, the benchmarks and
 the tests use it): a session of its own that dies with its parent, SGLang's own environment, the readiness wait of
-`SGLangEngine` with a deadline, an optional log file, and a stop of the whole process group.
+`SGLangEngine` with a deadline, an optional log file, and a stop of the whole process group. `ServerManager` keeps one
+such server at a time for a run that needs several server configurations (the benchmarks against SGLang).
 
 The server's environment is its own: the trainer's ``PYTHONPATH`` (and ``PYTHONHOME``) are not passed on
 (`server_environment`), so packages of the trainer's environment cannot shadow the versions SGLang pins. A
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 
@@ -273,6 +276,89 @@ class ServerProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
         return proc.returncode
+
+
+class ServerManager:
+    """One SGLang server at a time for a run that needs several server configurations: `ensure(name, flags)` returns
+    the URL of a ready server launched with ``flags``, reusing the running one when it was launched with the same
+    flags (and its weights are still the checkpoint's, unless ``any_weights``), otherwise stopping it and launching
+    anew as a `ServerProcess` (log in ``logs_dir``). With ``url`` nothing is launched: that server is used as it is.
+
+    Every launch is ``server_cmd --model-path MODEL_DIR --port P --host 127.0.0.1 --skip-tokenizer-init``, then
+    ``launch_flags``, ``--mem-fraction-static``, ``server_args`` (``--disable-cuda-graph`` added once when asked)
+    and the configuration's own ``flags``; `launches` records each (command, log, seconds to ready). Set `dirty`
+    when a trainer synced other weights into the server. ``start_lock`` names a file locked while a server starts:
+    processes that share a GPU then start theirs one at a time (SGLang sizes its KV cache from the memory free
+    during its own start)."""
+
+    def __init__(
+        self, server_cmd: str, model_dir, logs_dir, *, server_args: str = "", launch_flags=(), url: str | None = None,
+        port: int | None = None, mem_fraction_static: float = 0.4, disable_cuda_graph: bool = False, log=print,
+        start_lock: str | os.PathLike | None = None,
+    ) -> None:  # fmt: skip
+        self.server_cmd, self.server_args, self.launch_flags = server_cmd, server_args, list(launch_flags)
+        self.model_dir, self.logs_dir = Path(model_dir), Path(logs_dir)
+        self.port, self.mem_fraction_static, self.disable_cuda_graph = port, mem_fraction_static, disable_cuda_graph
+        self.url, self.external, self.log, self.start_lock = url, url is not None, log, start_lock
+        self.process: ServerProcess | None = None
+        self.flags: list[str] | None = None
+        self.launches: list[dict] = []
+        self.version: str | None = None  # the SGLang version the server reports (/server_info)
+        self.dirty = False  # the server's weights differ from model_dir's (a trainer synced into it)
+
+    def command(self, flags: list[str], port: int) -> list[str]:
+        extra = shlex.split(self.server_args)
+        if self.disable_cuda_graph and "--disable-cuda-graph" not in extra:
+            extra.append("--disable-cuda-graph")
+        return shlex.split(self.server_cmd) + [
+            "--model-path", str(self.model_dir), "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init",
+            *self.launch_flags, "--mem-fraction-static", str(self.mem_fraction_static), *extra, *flags,
+        ]  # fmt: skip
+
+    def ensure(self, name: str, flags: list[str], timeout_s: float, *, flags_required: bool = True,
+               any_weights: bool = False) -> str:  # fmt: skip
+        """A ready server launched with ``flags``; raises (the server's log has the cause) when it does not come
+        up. With ``url`` the flags cannot be applied: an error when ``flags_required``, else the server is used as
+        it is (e.g. LoRA on a server the user launched with ``--enable-lora``)."""
+        if self.external:
+            if flags and flags_required:
+                raise RuntimeError(f"server flags {flags} need a launched server; --url was given (not relaunched)")
+            self.version = wait_until_ready(self.url, timeout_s)
+            return self.url
+        reusable = self.process is not None and self.process.running() and (any_weights or not self.dirty)
+        if reusable and self.flags == flags:
+            return self.url
+        self.stop()
+        self.dirty = False
+        from .weight_sync.transport import free_port
+
+        port = self.port or free_port()
+        self.url, self.flags = f"http://127.0.0.1:{port}", list(flags)
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+        log_path = self.logs_dir / f"server_{len(self.launches) + 1}_{safe}.log"
+        self.process = ServerProcess(self.command(flags, port), self.url, log_path=log_path)
+        record = {"name": name, "command": shlex.join(self.process.command), "log": str(log_path), "ready": False}
+        self.launches.append(record)
+        self.log(f"launching server ({name}): {record['command']}")
+        start = time.monotonic()
+        with open(self.start_lock, "a") if self.start_lock else contextlib.nullcontext() as lock:
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            self.process.start()
+            self.version = self.process.wait_ready(timeout_s)
+        record.update(ready=True, ready_s=round(time.monotonic() - start, 1))
+        self.log(f"server ready in {record['ready_s']} s")
+        return self.url
+
+    def log_tail(self, lines: int = 40) -> str | None:
+        """The last launch's log (also once it stopped)."""
+        return log_tail(Path(self.launches[-1]["log"]), lines) if self.launches else None
+
+    def stop(self) -> None:
+        """Stop the launched server (`ServerProcess.stop`); nothing with ``url``."""
+        process, self.process, self.flags = self.process, None, None
+        if process is not None:
+            self.log(f"server stopped (status {process.stop(grace_s=15)})")
 
 
 def _api_key(extra: list[str]) -> str | None:
