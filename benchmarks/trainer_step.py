@@ -462,6 +462,22 @@ def write_report(out: Path, report: dict) -> None:
             f"| {label} | {s['seconds']:.2f} | {s['tokens']:,.0f} | {s['tokens_per_s']:,.0f} | {peak} | {mfu} | "
             f"{fwd} | {'yes' if r.get('padding_free') else 'no'} | {'; '.join(r.get('notes', []))} |"
         )
+    measured = [r for r in results if r.get("summary")]
+    if meta["ragged"] and measured:  # each step trains on other lengths: the stacks side by side, step by step
+        warmup = meta["warmup"]
+        steps = [r["steps"][warmup:] for r in measured]
+        lines += [
+            "",
+            "Each timed step trains on other trajectories (the trainer seeds each step's requests anew), the same ones "
+            "for every stack:",
+            "",
+            "| step | tokens | longest | " + " | ".join(f"{r['variant']} s" for r in measured) + " |",
+            "|---" * (3 + len(measured)) + "|",
+        ]
+        for i, step in enumerate(steps[0]):
+            lengths = [p + c for p, c in step["trajectories"]]
+            cells = " | ".join(f"{s[i]['seconds']:.2f}" if i < len(s) else "—" for s in steps)
+            lines.append(f"| {warmup + i + 1} | {sum(lengths):,} | {max(lengths):,} | {cells} |")
     lines += ["", f"Ratios ({RATIO_RULE}):", ""]
     ours = [r for r in results if r["variant"].startswith("project") and r.get("summary")]
     peers = [r for r in results if r["variant"].startswith("stock") and r.get("summary")]

@@ -197,9 +197,7 @@ def _repo_copy(tmp_path: Path) -> Path:
     shutil.copytree(REPO / "benchmarks", root / "benchmarks", ignore=shutil.ignore_patterns("__pycache__", "notes"))
     shutil.copytree(REPO / "docs" / "benchmarks", root / "docs" / "benchmarks")
     (root / "data").symlink_to(REPO / "data")
-    for name in ("sequence_parallel", "trainer_step"):  # no committed report yet: a stand-in the default refuses
-        if not (REPO / "docs" / "benchmarks" / f"{name}.json").exists():
-            (root / "docs" / "benchmarks" / f"{name}.json").write_text("[]\n")
+    (root / "docs" / "benchmarks" / "sequence_parallel.json").write_text("[]\n")  # no committed one yet
     return root
 
 
@@ -218,7 +216,7 @@ DEFAULT_OUT_RUNS = {
     "sglang_e2e": ["--from-json", "{reports}/sglang_e2e.json"],
     "routing_replay": ["--from-json", "{reports}/routing_replay.json"],
     "routing_mismatch_cost": [],  # refused before anything is measured
-    "trainer_step": [],  # refused before anything is measured
+    "trainer_step": ["--from-json", "{reports}/trainer_step.json"],
 }
 
 
@@ -273,6 +271,8 @@ RERENDERED = [
     ("quickstart", "quickstart.json", "quickstart.md"),
     ("routing_replay", "routing_replay.json", "routing_replay.md"),
     ("sglang_e2e", "sglang_e2e.json", "sglang_e2e.md"),
+    ("trainer_step", "trainer_step.json", "trainer_step.md"),
+    ("trainer_step", "trainer_step_ragged.json", "trainer_step_ragged.md"),
 ]
 
 
