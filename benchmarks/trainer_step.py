@@ -98,6 +98,7 @@ VARIANTS = {
     "stock_eager": {"label": "stock: eager + grouped_mm + TRL's fused LM head", "attn": "eager", **STOCK},
 }
 DEFAULT_VARIANTS = ("project_default", "stock_fa4")
+TARGET_RATIO, TARGET_MFU = 0.40, 0.50  # the default stack's step time ÷ the stock stack's, and its MFU
 # Dense bf16 Tensor Core peak, TFLOP/s, by the GPU name (`torch.cuda.get_device_name`), most specific first. NVIDIA's
 # H100 and H200 datasheets give bf16 "with sparsity" (SXM: 1,979; NVL: 1,671; H100 PCIe: 1,513); dense is half.
 DENSE_BF16_PEAK_TFLOPS = {"H100 PCIe": 756.5, "H100 NVL": 835.5, "H200 NVL": 835.5, "H100": 989.5, "H200": 989.5}
@@ -290,9 +291,9 @@ def worker(spec: dict) -> dict:
         "attn_implementation": variant["attn"],
         "experts_implementation": variant["experts"],
         "config_overrides": overrides,
-        "padding_free": bool(trainer.padding_free),
-        "liger_rms_norm": bool(trainer.liger_rms_norm),
-        "fused_rope": bool(trainer.fused_rope),
+        "padding_free": bool(trainer.resolved.padding_free),
+        "liger_rms_norm": bool(trainer.resolved.liger_rms_norm),
+        "fused_rope": bool(trainer.resolved.fused_rope),
         "resident_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None,
     }
     trainer.train()
@@ -495,6 +496,20 @@ def write_report(out: Path, report: dict) -> None:
             )
     if not (ours and peers):
         lines.append("- no pair of a project and a stock row measured")
+    default = next((r for r in ours if r["variant"] == "project_default"), None)
+    if default and peers and not meta["ragged"]:
+        s, peer = default["summary"], peers[0]["summary"]
+        need = TARGET_RATIO * peer["seconds"]
+        lines += ["", "Targets of the default configuration:", ""]
+        verdict = "met" if s["seconds"] <= need else f"missed: {s['seconds'] - need:.2f} s too slow"
+        lines.append(
+            f"- step time at most {TARGET_RATIO:.2f}x the stock stack's ({need:.2f} s): "
+            f"{ratio(s['seconds'], peer['seconds'])}, {verdict}"
+        )
+        if "mfu" in s:
+            mfu_need = s["mfu"] * s["seconds"] / TARGET_MFU  # the step time at which the MFU would reach the target
+            verdict = "met" if s["mfu"] >= TARGET_MFU else f"missed: it needs a {mfu_need:.2f} s step"
+            lines.append(f"- MFU at least {TARGET_MFU:.0%}: {100 * s['mfu']:.0f}%, {verdict}")
     for r in (r for r in results if r.get("profile")):
         prof = r["profile"]
         lines += [

@@ -74,7 +74,7 @@ __all__ = [
 #: Token-expert pairs processed per chunk. At gpt-oss-20b size (H = I = 2880, bf16) a chunk's
 #: intermediates take about 30 KiB per row, so 32768 rows ≈ 1 GiB whatever the sequence length. Fewer,
 #: larger chunks launch fewer kernels: a 32k-token GRPO step on an H200 took 2.31 s at 8192 rows, 2.25 s at
-#: 16384 and 2.21 s at 32768 (second of two steps each; docs/benchmarks/full_step.md), 0.5 GiB more at peak.
+#: 16384 and 2.21 s at 32768 (second of two steps each, 2026-12-02), 0.5 GiB more at peak.
 DEFAULT_CHUNK_ROWS = 32768
 #: Experts one chunk of the host plan may span (bounds the per-chunk weight-gradient temporaries: 8 × 32 MiB at
 #: 20b size).

@@ -160,95 +160,6 @@ def attention_rows(data: Data) -> list[str]:
     return out
 
 
-# `AgenticGRPOConfig()`'s stack on a 140 GiB GPU: the sink kernel, memory-efficient experts, chunked log-probs,
-# Liger RMSNorm, fused RoPE and checkpoint_saves=["attention", "experts", "projections"], the experts outputs kept up
-# to ~33k tokens (checkpoint_experts_max_tokens' default). `project_default` measures exactly that; until a run has it, the
-# variant with the same settings at 32k (experts kept) stands for it.
-DEFAULT_FULL_STEP_VARIANTS = ("project_default", "project_sac_experts_liger_rope")
-
-
-def full_step_headline(data: Data) -> dict:
-    """The default configuration against FA4 + grouped_mm at 32k, both under bf16 autocast when the run has both."""
-    where = "docs/benchmarks/full_step.json"
-    steps = {}
-    for r in _need(data("full_step"), "results", where):
-        step = r.get("grpo_step") or {}
-        if "seconds" in step:
-            key = (r["variant"], r["seq_len"], bool(r.get("autocast")))
-            steps[key] = (step["seconds"], step["peak_gib"], r.get("repeats", 1))
-
-    def default_at(seq_len: int, autocast: bool):
-        return next((v for v in DEFAULT_FULL_STEP_VARIANTS if (v, seq_len, autocast) in steps), None)
-
-    autocast = default_at(32768, True) is not None and ("fa4_grouped_mm", 32768, True) in steps
-    name = default_at(32768, autocast)
-    if name is None or ("fa4_grouped_mm", 32768, autocast) not in steps:
-        raise KeyError(f"{where}: needs one of {DEFAULT_FULL_STEP_VARIANTS} and fa4_grouped_mm at S=32768")
-    sec, peak, repeats = steps[(name, 32768, autocast)]
-    fa4_sec, fa4_peak, _ = steps[("fa4_grouped_mm", 32768, autocast)]
-    longest = max((s for (v, s, a) in steps if a == autocast and v in DEFAULT_FULL_STEP_VARIANTS), default=32768)
-    out = dict(name=name, autocast=autocast, sec=sec, peak=peak, repeats=repeats, fa4_sec=fa4_sec, fa4_peak=fa4_peak)
-    out["ratio"] = ratio(sec, fa4_sec)
-    if longest > 32768:
-        out["longest"] = (longest, *steps[(default_at(longest, autocast), longest, autocast)][:2])
-    if ("project", 32768, False) in steps:
-        out["plain"] = steps[("project", 32768, False)][:2]
-    return out
-
-
-def full_step_rows(data: Data) -> list[str]:
-    h = full_step_headline(data)
-    how = ", bf16 autocast as in training" if h["autocast"] else ""
-    median = f" (median of {h['repeats']})" if h["repeats"] > 1 else ""
-    ours = [
-        f"default configuration (`{h['name']}`{how}): {h['sec']:.2f} s, {32768 / h['sec']:,.0f} tokens/s, "
-        f"{h['peak']:.1f} GiB{median}"
-    ]
-    if "longest" in h:
-        longest, l_sec, l_peak = h["longest"]
-        ours.append(f"{longest // 1024}k fits: {l_sec:.2f} s, {l_peak:.1f} GiB")
-    if "plain" in h:
-        ours.append(f"plain checkpointing (`project`, no autocast) {h['plain'][0]:.2f} s, {h['plain'][1]:.1f} GiB")
-    peer = (
-        f"FA4 + `grouped_mm` + full logits{how}{', same run' if h['autocast'] else ''}: {h['fa4_sec']:.2f} s, "
-        f"{h['fa4_peak']:.1f} GiB: **{h['ratio']}**"
-    )
-    return [
-        "| GRPO step, gpt-oss-20b shape, LoRA, S=32k ([full step](docs/benchmarks/full_step.md)) "
-        f"| {'; '.join(ours)} | {peer} |"
-    ]
-
-
-def ragged_headline(data: Data) -> dict:
-    where = "docs/benchmarks/full_step_ragged.json"
-    ragged_json = data("full_step_ragged")
-    rows = {r["variant"]: r for r in _need(ragged_json, "results", where) if "seconds" in (r.get("grpo_step") or {})}
-    ragged = _need(_need(ragged_json, "meta", where), "ragged", where)
-    packed = [v for v in (*DEFAULT_FULL_STEP_VARIANTS, "project_sac_liger_rope") if v in rows]
-    if not packed or "fa4_grouped_mm" not in rows:
-        raise KeyError(f"{where}: needs a packed project variant and fa4_grouped_mm")
-    ours, peer = rows[packed[0]], rows["fa4_grouped_mm"]
-    return dict(
-        name=packed[0], ours=ours, peer=peer, ragged=ragged,
-        ratio=ratio(ours["grpo_step"]["seconds"], peer["grpo_step"]["seconds"]),
-    )  # fmt: skip
-
-
-def ragged_rows(data: Data) -> list[str]:
-    h = ragged_headline(data)
-    ours, peer, ragged = h["ours"], h["peer"], h["ragged"]
-    useful_tps = ours["useful_tokens"] / ours["grpo_step"]["seconds"]
-    return [
-        f"| GRPO step on a ragged batch: {len(ragged['lengths'])} trajectories of {min(ragged['lengths']):,} to "
-        f"{max(ragged['lengths']):,} tokens ({sum(ragged['lengths']):,} in all), micro-batches of "
-        f"{ragged['micro_batch']} ([ragged](docs/benchmarks/full_step_ragged.md)) "
-        f"| packed (`{h['name']}`): {ours['grpo_step']['seconds']:.2f} s, {useful_tps:,.0f} useful tokens/s, "
-        f"{ours['grpo_step']['peak_gib']:.1f} GiB "
-        f"| FA4 + `grouped_mm`, padded as TRL pads ({peer['processed_tokens']:,} tokens): "
-        f"{peer['grpo_step']['seconds']:.2f} s, {peer['grpo_step']['peak_gib']:.1f} GiB: **{h['ratio']}** |"
-    ]
-
-
 def _trainer_step_pair(data: Data, name: str) -> tuple[dict, dict, dict]:
     """(meta, the default stack's row, the stock row it is compared with) of `trainer_step[_ragged].json`."""
     where = f"docs/benchmarks/{name}.json"
@@ -326,22 +237,27 @@ def sources(data: Data) -> list[str]:
     def env_text(env: dict, keys) -> str:
         return ", ".join(f"{k} {env[k]}" for k in keys if env.get(k))
 
-    attention, full_step, ragged = data("attention"), data("full_step"), data("full_step_ragged")
-    a_env, f_env = attention.get("env", {}), full_step["meta"]["env"]
+    attention = data("attention")
+    a_env = attention.get("env", {})
     m, lp = data("moe")["meta"], data("logprobs")["meta"]
     moe_extra = f", default chunk {m.get('default_chunk_rows', 8192)} pairs"
-    return [
+    lines = [
         f"- `attention.json`: {a_env.get('gpu', '?')} "
-        f"({env_text(a_env, ('torch', 'triton', 'transformers', 'flash_attn_4'))}); "
+        f"({env_text(a_env, ('torch', 'triton', 'transformers', 'flash_attn_4', 'commit'))}); "
         f"`{_command(attention.get('command', 'attention.py'))}`",
-        f"- `full_step.json`: {f_env['device']} ({env_text(f_env, ('torch', 'transformers', 'peft', 'triton'))}); "
-        "rows of several runs, listed in its notes",
-        f"- `full_step_ragged.json`: {ragged['meta']['env']['device']} "
-        f"({env_text(ragged['meta']['env'], ('torch', 'transformers', 'peft', 'triton'))}); "
-        f"`{_command(ragged['meta']['command'])}`",
-        f"- `moe.json`: {m['device']} ({env_text(m, ('torch', 'transformers', 'triton'))}), {m['date']}{moe_extra}; "
+    ]
+    for name in ("trainer_step", "trainer_step_ragged"):
+        meta = data(name)["meta"]
+        env = meta["environment"]
+        lines.append(
+            f"- `{name}.json`: {env['device']} "
+            f"({env_text(env, ('torch', 'transformers', 'trl', 'peft', 'triton', 'flash_attn_4', 'liger_kernel', 'commit'))}); "
+            f"`{_command(meta['command'])}`"
+        )
+    return lines + [
+        f"- `moe.json`: {m['device']} ({env_text(m, ('torch', 'transformers', 'triton', 'commit'))}), {m['date']}{moe_extra}; "
         f"`{_command(m['command'])}`",
-        f"- `logprobs.json`: {lp['device']} ({env_text(lp, ('torch', 'triton'))}), {lp['date']}; "
+        f"- `logprobs.json`: {lp['device']} ({env_text(lp, ('torch', 'triton', 'commit'))}), {lp['date']}; "
         f"`{_command(lp['command'])}`",
     ]
 
@@ -352,8 +268,7 @@ def readme_table(data: Data) -> str:
         "| what | this project | peer (ratio = this project ÷ peer) |",
         "|---|---|---|",
         *attention_rows(data),
-        *full_step_rows(data),
-        *ragged_rows(data),
+        *trainer_step_rows(data),
         *moe_rows(data),
         *logprobs_rows(data),
         "",
@@ -508,15 +423,16 @@ def results_learning_sglang(data: Data) -> str:  # a block: what was run against
     return "\n".join(lines)
 
 
-def results_full_step(data: Data) -> str:
-    h, r = full_step_headline(data), ragged_headline(data)
+def results_trainer_step(data: Data) -> str:
+    meta, ours, peer = _trainer_step_pair(data, "trainer_step")
+    _, r_ours, r_peer = _trainer_step_pair(data, "trainer_step_ragged")
+    o, p = ours["summary"], peer["summary"]
     return (
-        f"the default configuration took {h['ratio']} of FA4 + grouped_mm's step time at 32k "
-        f"({h['sec']:.2f} s against {h['fa4_sec']:.2f} s, median of {h['repeats']} each, same run)"
-        + (", " if "longest" in h else " and ")
-        + f"{r['ratio']} of stock TRL's (padded) step time on the ragged batch ({r['ours']['grpo_step']['seconds']:.2f} s "
-        f"against {r['peer']['grpo_step']['seconds']:.2f} s)"
-        + (f", and its {h['longest'][0] // 1024}k step peaked at {h['longest'][2]:.1f} GiB" if "longest" in h else "")
+        f"the default configuration's optimizer step took {ratio(o['seconds'], p['seconds'])} of the stock stack's "
+        f"time on {meta['trajectories']} trajectories of {meta['seq_len']:,} tokens ({o['seconds']:.2f} s against "
+        f"{p['seconds']:.2f} s, median of {meta['repeats']} each, same run; MFU {100 * o['mfu']:.0f}% against "
+        f"{100 * p['mfu']:.0f}%) and {ratio(r_ours['summary']['seconds'], r_peer['summary']['seconds'])} on the "
+        f"ragged batch ({r_ours['summary']['seconds']:.2f} s against {r_peer['summary']['seconds']:.2f} s)"
     )
 
 
@@ -605,26 +521,24 @@ def routing_mismatch_cost(data: Data) -> str:
     )
 
 
-def _fa4_peaks(data: Data) -> dict[int, float]:
-    return {
-        r["seq_len"]: r["grpo_step"]["peak_gib"]
-        for r in _need(data("full_step"), "results", "docs/benchmarks/full_step.json")
-        if r["variant"] == "fa4_grouped_mm" and not r.get("autocast") and "peak_gib" in (r.get("grpo_step") or {})
-    }
+def _stock_step(data: Data) -> tuple[dict, dict]:
+    """(meta, the stock row) of `trainer_step.json`: the same trainer as stock TRL runs it."""
+    meta, _, peer = _trainer_step_pair(data, "trainer_step")
+    if peer["summary"].get("peak_gib") is None or peer.get("resident_gib") is None:
+        raise KeyError("docs/benchmarks/trainer_step.json: the stock row has no peak or resident memory")
+    return meta, peer
 
 
 def sp_stock_peak_32k(data: Data) -> str:
-    peaks = _fa4_peaks(data)
-    if 32768 not in peaks:
-        raise KeyError("docs/benchmarks/full_step.json: no fa4_grouped_mm GRPO step at S=32768 (no autocast)")
-    return f"{peaks[32768]:.1f} GiB"
+    meta, peer = _stock_step(data)
+    return f"{peer['summary']['peak_gib']:.1f} GiB"
 
 
 def sp_stock_slope(data: Data) -> str:
-    peaks = _fa4_peaks(data)
-    if not {16384, 32768} <= set(peaks):
-        raise KeyError("docs/benchmarks/full_step.json: no fa4_grouped_mm GRPO steps at S=16384 and S=32768")
-    return f"{(peaks[32768] - peaks[16384]) * 2**10 / (32768 - 16384):.1f} MiB"
+    """The stock step's peak above its resident weights, per token of a micro-batch."""
+    meta, peer = _stock_step(data)
+    tokens = meta["seq_len"] * meta["micro_batch"]
+    return f"{(peer['summary']['peak_gib'] - peer['resident_gib']) * 2**10 / tokens:.2f} MiB"
 
 
 RENDERERS = {
@@ -637,7 +551,7 @@ RENDERERS = {
     "results.mismatch_fp32": results_mismatch_fp32,
     "results.learning_k3": results_learning_k3,
     "results.learning_sglang": results_learning_sglang,
-    "results.full_step": results_full_step,
+    "results.trainer_step": results_trainer_step,
     "results.attention_vs_fa4": results_attention_vs_fa4,
     "results.sglang_probe": results_sglang_probe,
     "results.routing_replay": results_routing_replay,

@@ -26,7 +26,7 @@ SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if not p.nam
 
 def test_the_benchmark_list_is_complete():
     assert set(SCRIPTS) >= {
-        "attention", "full_step", "learning_run", "logprobs", "mismatch_study", "moe", "quickstart",
+        "attention", "trainer_step", "learning_run", "logprobs", "mismatch_study", "moe", "quickstart",
         "sequence_parallel", "sglang_e2e",
     }  # fmt: skip
 
@@ -101,24 +101,6 @@ def test_sglang_e2e_cuda_graphs_are_on_unless_disabled(tmp_path):
     assert cuda_graph_disabled(parse_args(["--url", "http://127.0.0.1:1"])) is None  # a server it did not launch
 
 
-def test_full_step_exits_nonzero_when_a_worker_crashes(tmp_path, monkeypatch):
-    """A worker that dies without an OOM (a crash, not a measurement) fails the run, after the report is written."""
-    from benchmarks import full_step
-
-    def fake_run(cmd, **kwargs):
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="RuntimeError: boom")
-
-    monkeypatch.setattr(full_step.subprocess, "run", fake_run)
-    with pytest.raises(SystemExit) as exc:
-        full_step.main(
-            ["--model", "tiny", "--device", "cpu", "--seq-lens", "64", "--variants", "project", "--out", str(tmp_path)]
-        )
-    assert exc.value.code not in (0, None) and "worker exited with 1" in str(exc.value.code)
-    (row,) = json.loads((tmp_path / "full_step.json").read_text())["results"]
-    assert row["error"] == "worker exited with 1"
-
-
-@pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of a search where nothing fitted
 def test_sequence_parallel_exits_nonzero_when_a_point_fails(tmp_path, monkeypatch):
     """An OOM ends the search for that P (a result); a worker that crashes or times out fails the run."""
     from benchmarks import sequence_parallel
@@ -206,7 +188,6 @@ REPORTS = REPO / "docs" / "benchmarks"
 # writes into the default folder, where the report is already there
 DEFAULT_OUT_RUNS = {
     "attention": ["--from-json", "{reports}/attention.json"],
-    "full_step": ["--from-json", "{reports}/full_step.json"],
     "learning_run": ["--from-json", "{reports}/learning_run.json"],
     "logprobs": ["--from-json", "{reports}/logprobs.json"],
     "mismatch_study": ["--model", "tiny", "--device", "cpu", "--num-prompts", "1", "--max-new-tokens", "2"],
@@ -264,8 +245,6 @@ def test_explicit_out_replaces_a_report_and_default_out_writes_a_new_one(tmp_pat
 # report of the script's earlier, one-seed layout, which today's renderer lays out differently.)
 RERENDERED = [
     ("attention", "attention.json", "attention.md"),
-    ("full_step", "full_step.json", "full_step.md"),
-    ("full_step", "full_step_ragged.json", "full_step_ragged.md"),
     ("logprobs", "logprobs.json", "logprobs.md"),
     ("moe", "moe.json", "moe.md"),
     ("quickstart", "quickstart.json", "quickstart.md"),

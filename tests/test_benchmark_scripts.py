@@ -1,4 +1,4 @@
-"""CPU checks of the end-to-end GPU benchmarks (`benchmarks/mismatch_study.py`, `benchmarks/full_step.py`).
+"""CPU checks of the end-to-end GPU benchmarks (`benchmarks/mismatch_study.py`, `benchmarks/attention.py`, ...).
 
 The scripts are meant for a GPU; here they run end to end on tiny shapes (their numbers are not results), and the
 pieces whose correctness the GPU numbers rest on are checked against references:
@@ -8,7 +8,6 @@ attention against eager, and the pre-rendered prompts against a fresh harmony re
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from hf_gptoss_rl import attention_variants
-from hf_gptoss_rl.attention import KERNEL_REPO_ID
 from hf_gptoss_rl.model_builders import build_random_gptoss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,82 +103,6 @@ def test_prerendered_prompts_match_harmony_rendering():
     assert saved["prompts"] == mismatch_study.render_gsm8k_prompts(len(saved["prompts"]))
 
 
-def test_grpo_loss_matches_trl_compute_loss(tmp_path):
-    """The benchmark's loss (both log-prob paths) equals TRL's `GRPOTrainer._compute_loss`, value and gradient."""
-    datasets = pytest.importorskip("datasets")
-    trl = pytest.importorskip("trl")
-    from transformers import GptOssForCausalLM
-
-    from benchmarks import full_step
-    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-    from hf_gptoss_rl.logprobs import add_chunked_logprob_head
-    from hf_gptoss_rl.model_builders import tiny_gptoss_config
-
-    torch.manual_seed(0)
-    config = tiny_gptoss_config(num_hidden_layers=2, hidden_size=32, intermediate_size=32, head_dim=8)
-    config._attn_implementation = "eager"
-    model = GptOssForCausalLM(config)
-    ours = {
-        "chunked": add_chunked_logprob_head(copy.deepcopy(model)).train(),
-        "full": copy.deepcopy(model).train(),
-    }
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=8,
-        beta=0.0,
-        loss_type="dapo",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    trainer = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=args,
-        train_dataset=datasets.Dataset.from_list([{"prompt": "hi"}] * 2),
-        processing_class=load_gptoss_tokenizer(),
-    )
-    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == config.router_aux_loss_coef
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.training_step in a real run
-    g = torch.Generator().manual_seed(0)
-    batch, prompt_len, keep = 2, 5, 7
-    prompt_ids = torch.randint(0, 1000, (batch, prompt_len), generator=g)
-    completion_ids = torch.randint(0, 1000, (batch, keep), generator=g)
-    ids = torch.cat([prompt_ids, completion_ids], 1)
-    advantages = torch.tensor([1.0, -0.5])
-    completion_mask = torch.ones(batch, keep)
-    with torch.no_grad():
-        current, _ = full_step.completion_logps(ours["full"], ids, keep, "full", with_aux=False)
-    old = current + 0.3 * torch.randn(batch, keep, generator=g)  # off-policy: some ratios are clipped
-    inputs = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones(batch, prompt_len),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "old_per_token_logps": old,
-        "num_items_in_batch": completion_mask.sum(),
-    }
-    model.train()
-    trl_loss = trainer._compute_loss(model, inputs)
-    trl_loss.backward()
-    ref_grad = model.model.layers[0].self_attn.q_proj.weight.grad
-    ratio = torch.exp(current - old)
-    assert ((ratio < 0.8) | (ratio > 1.2)).any(), "the clip is not exercised"
-    for how, m in ours.items():
-        logps, aux = full_step.completion_logps(m, ids, keep, how, with_aux=True)
-        loss = full_step.grpo_loss(logps, old, advantages, completion_mask, aux, config.router_aux_loss_coef)
-        torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6, msg=how)
-        loss.backward()
-        torch.testing.assert_close(
-            m.model.layers[0].self_attn.q_proj.weight.grad, ref_grad, rtol=1e-4, atol=1e-6, msg=how
-        )
-
-
 def test_mismatch_study_runs_on_cpu(tmp_path):
     proc = _run(
         [
@@ -233,71 +155,6 @@ def test_mismatch_study_exact_reference_fp32_and_no_exact(tmp_path):
     assert data["meta"]["exact_reference"] is False and res["exact"] is None
     assert not any(k.startswith("exact_") for row in res["rows"] for k in row)
     assert "k3 KL(exact‖row)" not in (tmp_path / "no_exact" / "mismatch_study.md").read_text()
-
-
-def test_full_step_runs_on_cpu(tmp_path):
-    proc = _run(
-        [
-            "benchmarks/full_step.py",
-            "--model", "tiny", "--device", "cpu", "--seq-lens", "64",
-            "--variants", "project,project_sac_experts,eager_grouped_mm,flex_grouped_mm", "--max-seconds", "200",
-            "--profile",
-            "--out", str(tmp_path),
-        ]
-    )  # fmt: skip
-    assert "estimated" in proc.stdout  # the plan is printed first
-    for name in ("full_step.md", "full_step.png", "full_step.json"):
-        assert (tmp_path / name).stat().st_size > 0
-    results = {r["variant"]: r for r in json.loads((tmp_path / "full_step.json").read_text())["results"]}
-    assert "skipped" in results["flex_grouped_mm"]["skip"]
-    for name in ("project", "project_sac_experts", "eager_grouped_mm"):
-        r = results[name]
-        assert "error" not in r, r
-        for key in ("grpo_step", "logprob_pass", "plain_step"):
-            assert r[key]["seconds"] > 0, (name, key, r[key])
-        assert r["lora_grads_finite"]
-        assert r["trainable_params"] < r["params"] / 5  # LoRA only
-    assert results["project"]["attn_implementation"] in (attention_variants.DIRECT_KERNEL_ATTENTION, KERNEL_REPO_ID)
-    assert results["project_sac_experts"]["checkpoint_saves"] == ["attention", "experts"]
-    assert "project_sac_experts: " in (tmp_path / "full_step.md").read_text()  # its own speed-up line
-    # --profile: one profiled step per run, ops ranked by self time; the project's attention is one entry (its
-    # autograd.Function in eager mode, its custom op where a dispatch mode or torch.compile sees ops)
-    prof = results["project"]["step_profile"]
-    shares = [t["share"] for t in prof["top"]]
-    assert prof["busy_ms"] > 0 and shares == sorted(shares, reverse=True) and 0.5 < sum(shares) <= 1.0 + 1e-9
-    assert any("sink_flash_attn3" in t["op"] or "SinkAttention" in t["op"] for t in prof["top"])
-    assert "Where the GRPO step's time goes" in (tmp_path / "full_step.md").read_text()
-
-
-def test_full_step_autocast_runs_the_forward_as_accelerate_does(tmp_path):
-    """`--autocast`: the model's forward under bf16 autocast (accelerate with TRL's default bf16=True); the project's
-    LoRA layers skip the input casts that autocast undoes, as AgenticGRPOTrainer's do."""
-    _run(
-        [
-            "benchmarks/full_step.py", "--model", "tiny", "--device", "cpu", "--seq-lens", "64", "--variants",
-            "project", "--autocast", "--no-plain-step", "--warmup", "0", "--out", str(tmp_path),
-        ]
-    )  # fmt: skip
-    saved = json.loads((tmp_path / "full_step.json").read_text())
-    assert saved["meta"]["autocast"] is True
-    (r,) = saved["results"]
-    assert r["grpo_step"]["seconds"] > 0 and r["lora_grads_finite"], r
-    assert "under bf16 autocast" in (tmp_path / "full_step.md").read_text()
-
-
-def test_full_step_reports_a_crashing_run_without_stopping(tmp_path, monkeypatch):
-    """A worker that dies (OOM, crash) becomes an error row; the sweep and the report go on."""
-    from benchmarks import full_step
-
-    def fake_run(cmd, **kwargs):
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="torch.OutOfMemoryError: CUDA out of memory.")
-
-    monkeypatch.setattr(full_step.subprocess, "run", fake_run)
-    results = full_step.main(
-        ["--model", "tiny", "--device", "cpu", "--seq-lens", "64", "--variants", "project", "--out", str(tmp_path)]
-    )
-    assert results[0]["error"].startswith("OOM")
-    assert "OOM" in (tmp_path / "full_step.md").read_text()
 
 
 def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypatch):
@@ -511,38 +368,9 @@ def test_attention_bench_interleaves_rounds_and_keeps_failures(monkeypatch):
     assert medians == {"fast": 1.0, "broken": None, "slow": 60.0}
 
 
-def test_full_step_ragged_batch_runs_on_cpu(tmp_path):
-    """`--ragged`: packed (project) and padded (stock) micro-batches of a log-normal batch; same log-probs."""
-    cmd = [sys.executable, "benchmarks/full_step.py", "--model", "tiny", "--device", "cpu", "--dtype", "float32",
-           "--ragged", "--ragged-n", "6", "--ragged-median", "24", "--ragged-max", "96", "--micro-batch", "3",
-           "--warmup", "0", "--variants", "project,eager_grouped_mm", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    saved = json.loads((tmp_path / "full_step_ragged.json").read_text())
-    lengths = saved["meta"]["ragged"]["lengths"]
-    assert len(lengths) == 6 and min(lengths) >= 8 and max(lengths) <= 96 and len(set(lengths)) > 3
-    results = {r["variant"]: r for r in saved["results"]}
-    packed, padded = results["project"], results["eager_grouped_mm"]
-    assert (packed["path"], padded["path"]) == ("packed", "padded")
-    assert packed["processed_tokens"] == packed["useful_tokens"] == sum(lengths) < padded["processed_tokens"]
-    for r in (packed, padded):
-        assert r["grpo_step"]["seconds"] > 0, r
-    # the kernel on packed rows and eager on padded rows score the same tokens alike (fp32)
-    assert packed["completion_logp_sum"] == pytest.approx(padded["completion_logp_sum"], rel=1e-5)
-    assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
-    md = (tmp_path / "full_step_ragged.md").read_text()
-    assert "useful tokens/s" in md and "same batch, same loss: eager_grouped_mm (padded) vs project (packed)" in md
-    assert (tmp_path / "full_step_ragged.png").stat().st_size > 0
-    # --report-from re-renders a saved ragged run
-    again = tmp_path / "again"
-    subprocess.run([sys.executable, "benchmarks/full_step.py", "--report-from", str(tmp_path / "full_step_ragged.json"),
-                    "--out", str(again)], check=True, cwd=REPO, timeout=120)  # fmt: skip
-    assert (again / "full_step_ragged.md").read_text() == md
-
-
 def test_grpo_step_flops_by_hand():
-    """The FLOP model of the full-step report, on a config small enough to count by hand."""
-    from benchmarks.full_step import grpo_step_flops
+    """The FLOP model of the trainer-step report, on a config small enough to count by hand."""
+    from benchmarks.trainer_step import grpo_step_flops
     from hf_gptoss_rl.model_builders import gptoss_20b_config
 
     config = gptoss_20b_config(
@@ -559,20 +387,3 @@ def test_grpo_step_flops_by_hand():
     assert f["attention"] == 3.5 * 2 * 2 * pairs * 2 * 4  # QK^T and PV, head_dim 2, 4 heads; backward 2.5x
     assert f["lm_head"] == 2 * 2 * 8 * 10 * (s - prompt)
     assert f["total"] == f["linear"] + f["attention"] + f["lm_head"]
-
-
-def test_full_step_mfu_uses_the_recorded_gpu_peak():
-    """The report's MFU section: the model FLOPs over the step time over the dense bf16 peak of the GPU the run
-    recorded, by NVIDIA's datasheet table; no section for a device without a known peak or a report without one."""
-    from benchmarks.full_step import VARIANTS, flop_limit_lines, grpo_step_flops
-    from hf_gptoss_rl.model_builders import gptoss_20b_config
-
-    name = next(iter(VARIANTS))
-    results = [{"variant": name, "seq_len": 4096, "grpo_step": {"seconds": 2.0}}]
-    flops = grpo_step_flops(gptoss_20b_config(num_hidden_layers=2), 4096, 4096 // 8)["total"]
-    lines = flop_limit_lines(results, 2, "NVIDIA H100 80GB HBM3")
-    assert "against the H100's dense bf16 peak of 989.5 TFLOP/s (NVIDIA's datasheet: 1,979 with sparsity)" in lines[2]
-    mfu = flops / 989.5e12 / 2.0
-    assert lines[-2] == f"| {VARIANTS[name]['label']} | 4,096 | 2.00 | {mfu:.0%} |"
-    assert "H100 PCIe's dense bf16 peak of 756.5" in flop_limit_lines(results, 2, "NVIDIA H100 PCIe")[2]
-    assert flop_limit_lines(results, 2, "cpu") == flop_limit_lines(results, 2, None) == []

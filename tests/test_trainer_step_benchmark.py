@@ -79,3 +79,40 @@ def test_checks_catch_an_extra_policy_forward_and_a_step_that_does_not_train(tmp
     assert any("1 forward(s) with grad and 1 without" in f for f in beta), beta
     assert any("LoRA tensors moved" in f for f in frozen), frozen
     assert rows[0]["lora_tensors_moved"].split("/")[0] != "0"  # the beta run did train: only its forward count fails
+
+
+def test_mfu_uses_the_recorded_gpu_peak():
+    """MFU = the step's model FLOPs (summed over its trajectories) / step time / the dense bf16 peak of the GPU the run
+    recorded, by NVIDIA's datasheet table; none for a device without a known peak."""
+    from benchmarks.trainer_step import dense_bf16_peak, grpo_step_flops, summarize
+    from hf_gptoss_rl.model_builders import gptoss_20b_config
+
+    config = gptoss_20b_config(num_hidden_layers=2)
+    step = {"seconds": 2.0, "rollout_s": 0.1, "peak_gib": 50.0, "forwards": {"grad": 2, "no_grad": 0}}
+    result = {"micro_batches_per_step": 2, "steps": [{**step, "trajectories": [[64, 4032], [64, 2000]]}] * 2}
+    flops = grpo_step_flops(config, 4096, 64)["total"] + grpo_step_flops(config, 2064, 64)["total"]
+    summary = summarize(result, config, 1, "NVIDIA H100 80GB HBM3")
+    assert summary["mfu"] == pytest.approx(flops / 2.0 / 989.5e12)
+    assert summary["tokens"] == 4096 + 2064 and summary["grad_forwards_per_micro_batch"] == 1
+    assert dense_bf16_peak("NVIDIA H100 PCIe") == ("H100 PCIe", 756.5)
+    assert "mfu" not in summarize(result, config, 1, None) and dense_bf16_peak("cpu") is None
+
+
+def test_a_crashing_stack_is_reported_and_fails_the_run_an_oom_does_not(tmp_path, monkeypatch):
+    import types
+
+    from benchmarks import trainer_step
+
+    def fake_run(stderr):
+        return lambda *a, **k: types.SimpleNamespace(returncode=1, stdout="", stderr=stderr)
+
+    argv = ["--model", "tiny", "--device", "cpu", "--variants", "project_default"]
+    monkeypatch.setattr(trainer_step.subprocess, "run", fake_run("Traceback\nRuntimeError: boom"))
+    with pytest.raises(SystemExit) as exc:
+        trainer_step.main([*argv, "--out", str(tmp_path / "crash")])
+    assert "project_default: exited with 1" in str(exc.value)
+    (row,) = json.loads((tmp_path / "crash" / "trainer_step.json").read_text())["results"]
+    assert row["error"] == "exited with 1" and "RuntimeError: boom" in row["tail"][-1]
+    monkeypatch.setattr(trainer_step.subprocess, "run", fake_run("torch.OutOfMemoryError: CUDA out of memory"))
+    trainer_step.main([*argv, "--out", str(tmp_path / "oom")])  # an OOM is a result: no failure
+    assert "| project, default configuration | OOM |" in (tmp_path / "oom" / "trainer_step.md").read_text()

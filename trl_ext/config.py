@@ -183,8 +183,8 @@ class AgenticGRPOConfig(GRPOConfig):
             deterministic kernels: on Hopper the attention backward of full layers from 2k keys adds dQ with atomics
             unless `FLASH_ATTENTION_DETERMINISTIC=1` or `full_determinism=True`); attention and
             experts ops of other implementations (eager, sdpa, `grouped_mm`, ...) are not matched, so for them it is
-            plain checkpointing. The speed and memory of each choice on the 32k gpt-oss-20b LoRA step are in
-            `docs/benchmarks/full_step.md`. `[]`: plain checkpointing.
+            plain checkpointing. The speed and memory of the default and of `[]` on the trainer's 32k gpt-oss-20b
+            LoRA step are in `docs/benchmarks/trainer_step.md`. `[]`: plain checkpointing.
         checkpoint_experts_max_tokens (`int`, *optional*):
             `"experts"` keeps the experts outputs of micro-batches of at most this many tokens; longer ones recompute
             them (the kept outputs grow with the tokens: ~1.24 MB per token for gpt-oss-20b, 76 GiB at 64k). `None`
