@@ -389,7 +389,7 @@ def failures_of(results: list[dict]) -> list[str]:
     failures = []
     for r in results:
         name = r["variant"]
-        if r.get("error") and r["error"] != "OOM":
+        if r.get("error") and r["error"] not in ("OOM", "skipped"):
             failures.append(f"{name}: {r['error']}")
             continue
         if "summary" not in r:
@@ -631,30 +631,21 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     results = []
     for name in names:
-        notes = []
         if name == "stock_fa4":
             from hf_gptoss_rl.attention_variants import flash_attention_4_available
 
             if not flash_attention_4_available():
-                results.append({"variant": name, "skipped": "flash_attention_4 is not importable here"})
+                results.append({"variant": name, "error": "skipped", "notes": ["flash_attention_4 is not importable"]})
                 continue
         result = run_variant({**spec, "variant": name}, args.timeout)
         result["micro_batches_per_step"] = trajectories // micro_batch
         if result.get("steps"):
             result["summary"] = summarize(result, config, args.warmup, env["device"] if peak else None)
-            first = result["steps"][0]["trajectories"]
-            spec.setdefault("prompt_tokens", first[0][0])
-        if result.get("checkpoint_experts_max_tokens") is not None:
-            notes.append(f"experts kept up to {result['checkpoint_experts_max_tokens']:,} tokens")
-        if result.get("skipped"):
-            notes.append(result["skipped"])
-        result["notes"] = notes
+            spec.setdefault("prompt_tokens", result["steps"][0]["trajectories"][0][0])
+        bound = result.get("checkpoint_experts_max_tokens")
+        result["notes"] = [f"experts kept up to {bound:,} tokens"] if bound is not None else []
         results.append(result)
         print(json.dumps({k: result.get(k) for k in ("variant", "summary", "error")}), flush=True)
-    for r in results:
-        if r.get("skipped"):
-            r.setdefault("notes", [r["skipped"]])
-            r.setdefault("error", "skipped")
     command = "python benchmarks/trainer_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = {
         **spec, "stem": stem, "command": command.strip(), "environment": env, "dtype": "bfloat16" if device.startswith("cuda") else "float32",
@@ -663,7 +654,7 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     report = {"meta": meta, "results": results}
     render(out, report)
-    exit_if_failed("trainer_step", failures_of([r for r in results if not r.get("skipped")]), out)
+    exit_if_failed("trainer_step", failures_of(results), out)
     return report
 
 
