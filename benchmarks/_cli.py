@@ -175,11 +175,25 @@ def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dp
         plt.close(fig)
 
 
-def command_line(script: str, argv: list[str] | None) -> str:
-    """``python benchmarks/<script>.py ARGS`` as this run was started (``argv``: the arguments, None: `sys.argv`)."""
+def command_line(script: str, argv: list[str] | None, *, omit_out: bool = False) -> str:
+    """``python benchmarks/<script>.py ARGS`` as this run was started (``argv``: the arguments, None: `sys.argv`;
+    ``omit_out``: without ``--out DIR``, where the report went)."""
     import sys
 
-    return f"python benchmarks/{script}.py {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if omit_out:
+        args = [
+            a
+            for i, a in enumerate(args)
+            if a != "--out" and not a.startswith("--out=") and args[i - 1 : i] != ["--out"]
+        ]
+    return f"python benchmarks/{script}.py {shlex.join(args)}".strip()
+
+
+def rel_error(x, ref) -> float:
+    """The relative L2 error of the tensor ``x`` against ``ref``, in float64."""
+    ref = ref.double()
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def machine() -> dict:
