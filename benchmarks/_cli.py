@@ -16,7 +16,7 @@ same for every reader.
 
 Header and cells: `environment()` (versions, device, source commit) heads every report, `machine()` a CPU run's; the
 command of a run is recorded as `command_line` writes it; `fmt` writes a table cell, `md_table` a table, `figure` a
-plot.
+plot, `grouped_bars` its bars. GPU timings: `gpu_time_and_peak` (time and peak memory of a call), `rel_error`.
 
 SGLang: `add_server_args` gives the scripts that launch servers the same flags, and `server_manager` their servers
 (`trl_ext.sglang_serve.ServerManager`).
@@ -173,6 +173,47 @@ def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dp
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)
+
+
+def grouped_bars(ax, groups, series: dict) -> None:
+    """Bars on ``ax``: one group per entry of ``groups``, one bar per series in each (``series``: {label: one value
+    per group}; a value that is not a number, such as "OOM", drawn as 0), the groups named under their middles."""
+    width = 0.8 / max(len(series), 1)
+    for j, (label, values) in enumerate(series.items()):
+        heights = [v if isinstance(v, float) else 0.0 for v in values]
+        ax.bar([i + j * width for i in range(len(groups))], heights, width, label=label)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], [str(g) for g in groups])
+
+
+def gpu_time_and_peak(fn, reset=lambda: None, warmup: int = 25, rep: int = 100):
+    """(median ms of `triton.testing.do_bench`, peak GiB) of ``fn`` on the current GPU, after one warm-up call. Peak:
+    `max_memory_allocated` during one call minus what was allocated just before it; ``reset`` (dropping gradients)
+    runs before that baseline and at the end. Out of memory: ("OOM", "OOM"), the memory freed."""
+    import gc
+
+    import torch
+    from triton.testing import do_bench
+
+    try:
+        fn()  # warm-up / compile
+        torch.cuda.synchronize()
+        reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    except torch.OutOfMemoryError:
+        ms = peak = "OOM"
+    reset()
+    if ms == "OOM":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return ms, peak
 
 
 def command_line(script: str, argv: list[str] | None, *, omit_out: bool = False) -> str:
