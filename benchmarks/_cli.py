@@ -158,15 +158,15 @@ def md_table(header: list[str], rows=()) -> list[str]:
 
 
 @contextlib.contextmanager
-def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dpi: int = 110):
-    """``(fig, axes)`` of a new matplotlib figure (Agg backend), laid out and saved to ``path`` at the end of the
-    ``with`` block, and closed in any case."""
+def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dpi: int = 110, **subplots):
+    """``(fig, axes)`` of a new matplotlib figure (Agg backend; ``subplots``: more arguments of `plt.subplots`), laid
+    out and saved to ``path`` at the end of the ``with`` block, and closed in any case."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize)
+    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, **subplots)
     try:
         yield fig, axes
         fig.tight_layout()

@@ -70,7 +70,7 @@ def parse_args(argv=None):
 
 
 def routing_plan(prompts, outputs, width: int, shape) -> torch.Tensor:
-    """`[B, width, layers, top_k]` of the engine's records in `score_batch`'s right-padded layout."""
+    """`[B, width, layers, top_k]` of the engine's records in `rollout_scoring_batch`'s right-padded layout."""
     from hf_gptoss_rl.routing import no_route, routing_dtype
 
     layers, top_k, experts = shape
@@ -98,10 +98,10 @@ def timed_generation(engine, prompts, sampling, record, repeats: int) -> list[fl
 
 
 def run(args, work: Path) -> dict:
-    from benchmarks.mismatch_study import METRIC_KEYS, load_prompts, score_batch, train_logps
+    from benchmarks.mismatch_study import METRIC_KEYS, load_prompts
     from benchmarks.sglang_e2e import E2E_LAUNCH_FLAGS, build_model, load_policy
     from hf_gptoss_rl.routing import RoutingReplay, routing_shape
-    from trl_ext.mismatch import mismatch_metrics
+    from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
     from trl_ext.rollout import SamplingParams, SGLangEngine, run_sync
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -145,16 +145,16 @@ def run(args, work: Path) -> dict:
     per_round: dict[str, list[dict]] = {"own routing": [], "replayed engine routing": []}
     tokens_scored = 0
     for outs_r in rounds:
-        ids, mask, rollout_lp, cmask = score_batch(prompts, outs_r, policy.config.pad_token_id or 0, device)
+        ids, mask, rollout_lp, cmask = rollout_scoring_batch(prompts, outs_r, policy.config.pad_token_id or 0, device)
         plan = routing_plan(prompts, outs_r, ids.shape[1], shape)
         tokens_scored += int(cmask.sum())
-        train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)  # warm-up, untimed
+        completion_logprobs(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)  # warm-up, untimed
         for name, replayed in (("own routing", False), ("replayed engine routing", True)):
             replay.set_plan(plan, replay=replayed, device=device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            logps = train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)
+            logps = completion_logprobs(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)
             elapsed = time.perf_counter() - start
             agreement = replay.take_agreement()
             stats = mismatch_metrics(logps, rollout_lp, cmask, threshold=args.threshold)

@@ -189,13 +189,12 @@ def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
 def build_model(args, device: torch.device, work_dir: Path | None = None) -> dict:
     """Build the random GPT-OSS, cold-start it (``--cold-start-steps``) and save it in bf16 into ``args.model_dir``
     as SGLang reads it (`trl_ext.weight_sync.write_served_model`)."""
-    from benchmarks.mismatch_study import model_config
-    from hf_gptoss_rl.model_builders import build_random_gptoss
+    from hf_gptoss_rl.model_builders import build_random_gptoss, gptoss_config
     from trl_ext.weight_sync import write_served_model
 
     steps = getattr(args, "cold_start_steps", 0)
     model = build_random_gptoss(
-        model_config(args.model, args.layers), device=device,
+        gptoss_config(args.model, args.layers), device=device,
         # the cold start on a CPU trains in float32 (as the CPU demo does); saved in bf16 in any case
         dtype=torch.float32 if steps and device.type != "cuda" else torch.bfloat16,
         seed=args.seed, sink_mean=args.sink_mean, sink_std=args.sink_std, logit_std=args.logit_std,
@@ -548,14 +547,14 @@ def phase_trainer(ctx, results: dict) -> None:
 
 
 def phase_mismatch(ctx, result: dict) -> None:
-    from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts, score_batch, train_logps
+    from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts
     from hf_gptoss_rl.attention_variants import (
         SINK_DROPPING_ATTENTION,
         register_sink_dropping_attention,
         set_project_attention,
         setup_project_attention,
     )  # fmt: skip
-    from trl_ext.mismatch import mismatch_metrics
+    from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
     from trl_ext.rollout import SamplingParams, run_sync
     from trl_ext.weight_sync import WeightSyncConfig
 
@@ -589,7 +588,7 @@ def phase_mismatch(ctx, result: dict) -> None:
                 close_engine(engine)
             if not all(o.output_ids for o in outs):
                 raise RuntimeError("a completion came back empty (aborted?)")
-            ids, mask, rollout_lp, cmask = score_batch(prompts, outs, pad_id, device)
+            ids, mask, rollout_lp, cmask = rollout_scoring_batch(prompts, outs, pad_id, device)
             rec["completion_tokens"] = int(cmask.sum())
             rec["finish_reasons"] = _count(o.finish_reason for o in outs)
             rec["rows"] = []
@@ -606,7 +605,7 @@ def phase_mismatch(ctx, result: dict) -> None:
                         )
                     else:
                         model.set_attn_implementation(impl)
-                    lt = train_logps(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
+                    lt = completion_logprobs(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
                 except Exception as exc:  # noqa: BLE001 - recorded, the other rows go on
                     row["note"] = f"error: {error_text(exc)[:300]}"
                     continue
