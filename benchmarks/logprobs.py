@@ -46,6 +46,15 @@ from benchmarks._cli import (
 )
 
 VOCAB, HIDDEN = 201_088, 2880
+COLUMNS = [
+    "S",
+    "variant",
+    "no-grad ms",
+    "no-grad peak GiB",
+    "train ms",
+    "train peak GiB",
+    "train time ÷ chunked_torch's",
+]
 VARIANTS = {
     "full_logits": "full logits (stock TRL path: bf16 head, fp32 log_softmax)",
     "chunked_torch": "chunked, PyTorch ops (hf_gptoss_rl, backend=torch)",
@@ -133,18 +142,7 @@ def write_report(out_dir: Path, results, corr, meta):
         "adds the backward to the hidden states. Times: median of `triton.testing.do_bench`; peak = "
         "`max_memory_allocated` above what was resident before the call.",
         "",
-        *md_table(
-            [
-                "S",
-                "variant",
-                "no-grad ms",
-                "no-grad peak GiB",
-                "train ms",
-                "train peak GiB",
-                "train time ÷ chunked_torch's",
-            ],
-            rows,
-        ),  # fmt: skip
+        *md_table(COLUMNS, rows),
         "",
         f"Last column: {RATIO_RULE}.",
         "",

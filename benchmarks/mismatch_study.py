@@ -238,6 +238,13 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     ]
     for res in results:
         c = res["config"]
+        table = md_table(
+            ["training attention", "mean abs Δp", "max abs Δp", "k3 KL(rollout‖train)", "log-PPL diff",
+             "tokens over threshold", "note"],
+            [[row["attention"], fmt(row.get("prob_diff_mean")), fmt(row.get("prob_diff_max")), fmt(row.get("k3_kl")),
+              fmt(row.get("log_ppl_diff"), "+.3g"), fmt(row.get("frac_tokens_over_threshold"), ".2%"),
+              row.get("note", "")] for row in res["rows"]],
+        )  # fmt: skip
         lines += [
             f"## {res['model']}: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, {c['num_local_experts']} experts, "
@@ -248,29 +255,7 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
             f"{res['completion_len_min_max'][0]}-{res['completion_len_min_max'][1]} tokens); build "
             f"{res['build_s']:.1f} s, rollout {res['rollout_s']:.1f} s.",
             "",
-            *md_table(
-                [
-                    "training attention",
-                    "mean abs Δp",
-                    "max abs Δp",
-                    "k3 KL(rollout‖train)",
-                    "log-PPL diff",
-                    "tokens over threshold",
-                    "note",
-                ],
-                [
-                    [
-                        row["attention"],
-                        fmt(row.get("prob_diff_mean")),
-                        fmt(row.get("prob_diff_max")),
-                        fmt(row.get("k3_kl")),
-                        fmt(row.get("log_ppl_diff"), "+.3g"),
-                        fmt(row.get("frac_tokens_over_threshold"), ".2%"),
-                        row.get("note", ""),
-                    ]
-                    for row in res["rows"]
-                ],
-            ),  # fmt: skip
+            *table,
             "",
         ]
         lines += exact_table(res)

@@ -186,6 +186,11 @@ def write_report(out_dir: Path, results, corr, meta):
                 fmt("nograd_ms", ".1f"), fmt("nograd_tflops", ".0f"), fmt("nograd_peak", ".2f"),
                 vs_base("train_ms"), vs_base("nograd_ms")]  # fmt: skip
 
+    table = md_table(
+        ["T", "implementation", "train ms", "train TFLOP/s", "train peak GiB", "no-grad ms", "no-grad TFLOP/s",
+         "no-grad peak GiB", "train time ÷ grouped_mm's", "no-grad time ÷ grouped_mm's"],
+        [cells(t, name, r, v.get("grouped_mm", {})) for t, v in results.items() for name, r in v.items()],
+    )  # fmt: skip
     lines = [
         "# MoE experts: one gpt-oss-20b layer (32 experts, top-4, H = I = 2880, bf16)",
         "",
@@ -202,25 +207,7 @@ def write_report(out_dir: Path, results, corr, meta):
         "newly allocated expert gradients (1.48 GiB). TFLOP/s counts the layer's matmul FLOPs (fwd 6·S·H·I, "
         "S = T·top_k; train 3× fwd) for every implementation alike.",
         "",
-        *md_table(
-            [
-                "T",
-                "implementation",
-                "train ms",
-                "train TFLOP/s",
-                "train peak GiB",
-                "no-grad ms",
-                "no-grad TFLOP/s",
-                "no-grad peak GiB",
-                "train time ÷ grouped_mm's",
-                "no-grad time ÷ grouped_mm's",
-            ],
-            [
-                cells(t, name, r, variants.get("grouped_mm", {}))
-                for t, variants in results.items()
-                for name, r in variants.items()
-            ],
-        ),  # fmt: skip
+        *table,
         "",
         f"The last two columns: {RATIO_RULE}.",
         "",

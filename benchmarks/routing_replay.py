@@ -191,6 +191,12 @@ def render(result: dict) -> str:
         return f"{rows[name][key]:{spec}} [{min(values):{spec}}, {max(values):{spec}}]"
 
     ratios = [r["k3_kl"] / o["k3_kl"] for o, r in zip(rounds["own routing"], rounds["replayed engine routing"])]
+    cells = (("agreement", ".4f"), ("agreement_min_layer", ".4f"), ("k3_kl", ".3g"), ("prob_diff_max", ".3g"),
+             ("prob_diff_mean", ".3g"))  # fmt: skip
+    table = md_table(
+        ["trainer forward", "routing agreement", "worst layer", "k3", "max abs dp", "mean abs dp"],
+        [[name, *(cell(name, key, spec) for key, spec in cells)] for name in rows],
+    )
     lines = [
         "# Routing replay against SGLang",
         "",
@@ -205,20 +211,7 @@ def render(result: dict) -> str:
         f"forward. Rounds: {len(rounds['own routing'])}, each a batch of the {result['num_prompts']} prompts sampled "
         "anew and scored both ways; the table gives the median of the rounds and, in brackets, their range.",
         "",
-        *md_table(
-            ["trainer forward", "routing agreement", "worst layer", "k3", "max abs dp", "mean abs dp"],
-            [
-                [
-                    name,
-                    cell(name, "agreement", ".4f"),
-                    cell(name, "agreement_min_layer", ".4f"),
-                    cell(name, "k3_kl", ".3g"),
-                    cell(name, "prob_diff_max", ".3g"),
-                    cell(name, "prob_diff_mean", ".3g"),
-                ]
-                for name in rows
-            ],
-        ),  # fmt: skip
+        *table,
         "",
         "k3 with replay / without, per round: " + ", ".join(f"{x:.3f}" for x in ratios) + ".",
         "",

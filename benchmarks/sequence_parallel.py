@@ -188,6 +188,8 @@ def write_report(results: list[dict], args) -> None:
         if base and len(by_peer) > 1:
             ordered = sorted(by_peer.items(), key=lambda item: item[0][1])
             ratio_rows.append([seq_len, ", ".join(f"{m} P={g}: {ratio(t, base)}" for (m, g), t in ordered)])
+    runs = [[r["mode"], r["gpus"], r["seq_len"], r["attn"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
+             f"{r['peak_gib']:.1f}"] for r in ok]  # fmt: skip
     lines = [
         "# Sequence parallelism: longest GPT-OSS-20B training sequence and step time",
         "",
@@ -197,21 +199,7 @@ def write_report(results: list[dict], args) -> None:
         "",
         *md_table(["peer", "GPUs", "max S that fits", "first S that failed"], fits),
         "",
-        *md_table(
-            ["peer", "GPUs", "S", "attention", "step s", "tokens/s", "peak GiB"],
-            [
-                [
-                    r["mode"],
-                    r["gpus"],
-                    r["seq_len"],
-                    r["attn"],
-                    f"{r['step_s']:.2f}",
-                    f"{r['tokens_per_s']:.0f}",
-                    f"{r['peak_gib']:.1f}",
-                ]
-                for r in ok
-            ],
-        ),  # fmt: skip
+        *md_table(["peer", "GPUs", "S", "attention", "step s", "tokens/s", "peak GiB"], runs),
     ]
     if ratio_rows:
         lines += [
