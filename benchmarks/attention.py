@@ -37,6 +37,7 @@ from benchmarks._cli import (
     command_line,
     exit_if_failed,
     figure,
+    grouped_bars,
     md_table,
     output_dir,
     ratio,
@@ -339,39 +340,26 @@ def mixed_workload(kernel, S):
 # ----------------------------------------------------------------------------------------------------------------
 def reference_fp64(q, k, v, sinks, dout, window, chunk=512):
     """Exact sink attention and its gradients in fp64 for ``q [S, Hq, D]``, ``k, v [S, Hkv, D]`` (causal, optional
-    sliding window), computed by query chunks so that 16k x 16k fits."""
+    sliding window): the softmax over the visible keys and the sink written out, differentiated by autograd one chunk
+    of queries at a time, so that 16k x 16k fits."""
     S, H, D = q.shape
     group = H // k.shape[1]
-    scale = D**-0.5
-    qd, dod, s = q.double(), dout.double(), sinks.double()
-    kd, vd = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-    out, dq = torch.empty_like(qd), torch.empty_like(qd)
-    dk, dv = torch.zeros_like(kd), torch.zeros_like(vd)
-    dsink = torch.zeros(H, dtype=torch.float64, device=q.device)
+    q, k, v, s = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
+    out = torch.empty(S, H, D, dtype=torch.float64, device=q.device)
     for r0 in range(0, S, chunk):
         r1 = min(S, r0 + chunk)
         lo = 0 if window is None else max(0, r0 - (window - 1))
-        qc, doc = qd[r0:r1].transpose(0, 1), dod[r0:r1].transpose(0, 1)  # [H, c, D]
-        kc, vc = kd[lo:r1].transpose(0, 1), vd[lo:r1].transpose(0, 1)  # [H, n, D]
+        qc = q[r0:r1].transpose(0, 1)  # [H, c, D]
+        kc, vc = (t[lo:r1].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, n, D]
         i = torch.arange(r0, r1, device=q.device)[:, None]
         j = torch.arange(lo, r1, device=q.device)[None, :]
         visible = (j <= i) if window is None else (j <= i) & (j > i - window)
-        scores = (qc @ kc.transpose(1, 2) * scale).masked_fill_(~visible, float("-inf"))
-        m = torch.maximum(scores.amax(-1), s[:, None])
-        lse = m + torch.log(torch.exp(scores - m[..., None]).sum(-1) + torch.exp(s[:, None] - m))  # [H, c]
-        p = torch.exp(scores - lse[..., None])
-        del scores
-        oc = p @ vc
-        delta = (doc * oc).sum(-1)
-        ds = p * (doc @ vc.transpose(1, 2) - delta[..., None])
-        out[r0:r1] = oc.transpose(0, 1)
-        dq[r0:r1] = (ds @ kc * scale).transpose(0, 1)
-        dk[lo:r1] += (ds.transpose(1, 2) @ qc * scale).transpose(0, 1)
-        dv[lo:r1] += (p.transpose(1, 2) @ doc).transpose(0, 1)
-        dsink -= (torch.exp(s[:, None] - lse) * delta).sum(-1)
-        del p, ds
-    hkv = k.shape[1]
-    return dict(out=out, dq=dq, dk=dk.view(S, hkv, group, D).sum(2), dv=dv.view(S, hkv, group, D).sum(2), dsink=dsink)
+        scores = (qc @ kc.transpose(1, 2) * D**-0.5).masked_fill(~visible, float("-inf"))
+        p = torch.cat([scores, s[:, None, None].expand(H, r1 - r0, 1)], dim=-1).softmax(-1)[..., :-1]
+        oc = (p @ vc).transpose(0, 1)
+        oc.backward(dout[r0:r1].double())
+        out[r0:r1] = oc.detach()
+    return dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad, dsink=s.grad)
 
 
 def parse_accuracy_cases(spec):
@@ -825,22 +813,16 @@ def write_markdown(result, path):
 
 def write_plot(result, path):
     rows = result["kernel_rows"]
-    keys = [
-        ("public_ms", "flash_attn_func"),
-        ("autograd_ms", "raw kernels in a bare autograd.Function"),
-        ("raw_ms", "raw kernels"),
-        ("fa4_ms", "FA4 + learnable_sink"),
-    ]
+    series = {"flash_attn_func": "public_ms", "raw kernels in a bare autograd.Function": "autograd_ms",
+              "raw kernels": "raw_ms", "FA4 + learnable_sink": "fa4_ms"}  # fmt: skip
+    nan = float("nan")
+    ratios = {label: [(r.get(key) or nan) / (r.get("fa4_ms") or nan) for r in rows] for label, key in series.items()}
     with figure(path) as (_, ax):
-        width = 0.8 / len(keys)
-        for i, (key, label) in enumerate(keys):
-            ratios = [(r.get(key) or float("nan")) / (r.get("fa4_ms") or float("nan")) for r in rows]
-            ax.bar([x + i * width for x in range(len(rows))], ratios, width, label=label)
+        grouped_bars(ax, [r["case"] for r in rows], ratios)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([x + width * (len(keys) - 1) / 2 for x in range(len(rows))], [r["case"] for r in rows])
         ax.set_ylabel("fwd+bwd time / FA4's")
         ax.set_title(f"Sink attention, GPT-OSS shapes, {result['env']['gpu']}")
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(keys))
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(series))
 
 
 def run_failures(result, accuracy_cases: int, gpu: bool) -> list[str]:
