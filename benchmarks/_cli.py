@@ -18,8 +18,8 @@ Header and cells: `environment()` (versions, device, source commit) heads every 
 command of a run is recorded as `command_line` writes it; `fmt` writes a table cell, `md_table` a table, `figure` a
 plot, `grouped_bars` its bars. GPU timings: `gpu_time_and_peak` (time and peak memory of a call), `rel_error`.
 
-SGLang: `add_server_args` gives the scripts that launch servers the same flags, and `server_manager` their servers
-(`trl_ext.sglang_serve.ServerManager`).
+SGLang: the scripts that launch servers take the flags of `trl_ext.sglang_serve.ServerManager.add_arguments` and
+build their servers' manager with `ServerManager.from_args`.
 """
 
 from __future__ import annotations
@@ -253,32 +253,3 @@ def machine() -> dict:
             versions[name] = None
     cpu = models[0] if models else platform.processor() or platform.machine()
     return {"cpu": cpu, "cores": cores, "python": platform.python_version(), **versions}
-
-
-def add_server_args(parser, *, server_cmd: str = "python3 -m sglang.launch_server", mem_fraction_static: float = 0.4,
-                    ready_timeout_s: float = 180.0) -> None:  # fmt: skip
-    """The flags of the SGLang servers a script launches (read by `server_manager`)."""
-    group = parser.add_argument_group("SGLang server")
-    group.add_argument("--server-cmd", default=server_cmd, help="how to start SGLang (its own environment)")
-    group.add_argument(
-        "--server-args", default="", help='extra flags for every server, e.g. "--chunked-prefill-size 8192"'
-    )
-    group.add_argument("--disable-cuda-graph", action="store_true", help="launch with SGLang's --disable-cuda-graph "
-                       "(faster starts, slower decoding; recorded); default: CUDA graphs on, as served")  # fmt: skip
-    group.add_argument(
-        "--mem-fraction-static", type=float, default=mem_fraction_static, help="SGLang's GPU memory share"
-    )
-    group.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
-    group.add_argument("--ready-timeout-s", type=float, default=ready_timeout_s, help="deadline of one server start")
-
-
-def server_manager(args, model_dir, logs_dir, launch_flags: list[str], log=print):
-    """The `trl_ext.sglang_serve.ServerManager` of a script's `add_server_args` flags (and its ``--url`` and
-    ``--server-start-lock`` where it has them)."""
-    from trl_ext.sglang_serve import ServerManager
-
-    return ServerManager(
-        args.server_cmd, model_dir, logs_dir, server_args=args.server_args, launch_flags=launch_flags,
-        url=getattr(args, "url", None), port=args.port, mem_fraction_static=args.mem_fraction_static,
-        disable_cuda_graph=args.disable_cuda_graph, log=log, start_lock=getattr(args, "server_start_lock", None),
-    )  # fmt: skip

@@ -36,14 +36,13 @@ import torch
 
 from benchmarks._cli import (
     OUT_HELP,
-    add_server_args,
     exit_if_failed,
     figure,
     md_table,
     output_dir,
-    server_manager,
     without_local_paths,
 )
+from trl_ext.sglang_serve import ServerManager
 
 NAMES = ("routing_replay.json", "routing_replay.md", "routing_replay.png")
 ROUTING_FLAGS = ["--enable-return-routed-experts", "--moe-runner-backend", "triton"]
@@ -54,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
     p.add_argument("--layers", type=int, default=4, help="layers of the model (of gpt-oss-20b's 24)")
-    add_server_args(p, ready_timeout_s=300.0)
+    ServerManager.add_arguments(p, ready_timeout_s=300.0)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="timed generations with and without the routing, each")
@@ -111,7 +110,7 @@ def run(args, work: Path) -> dict:
     shape = routing_shape(policy)
     result["routing_shape"] = dict(zip(("layers", "top_k", "experts"), shape))
     result["policy_dtype"] = str(next(policy.parameters()).dtype).removeprefix("torch.")
-    server = server_manager(args, args.model_dir, work / "logs", E2E_LAUNCH_FLAGS)
+    server = ServerManager.from_args(args, args.model_dir, work / "logs", E2E_LAUNCH_FLAGS)
     try:
         url = server.ensure("routing", ROUTING_FLAGS, args.ready_timeout_s)
         result["server_command"] = server.launches[-1]["command"]  # its local paths go in main()

@@ -51,19 +51,19 @@ if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstr
     import _bootstrap  # noqa: F401
 from benchmarks._cli import (
     OUT_HELP,
-    add_server_args,
     command_line,
     exit_if_failed,
     figure,
     md_table,
     output_dir,
-    server_manager,
     without_local_paths,
 )  # fmt: skip
+from trl_ext.sglang_serve import ServerManager
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
 PHASES = ("generate", "trainer", "mismatch", "sync_timing")
+
 TRAINER_MODES = ("disk", "tensor", "lora")
 # server configurations of the mismatch phase: name -> extra launch flags
 MISMATCH_CONFIGS = {
@@ -1002,7 +1002,7 @@ def parse_args(argv=None):
     p.add_argument("--keep-work-dir", action="store_true", help="keep the temporary work dir (default model dir, "
                    "synced weights, cold-start output); removed otherwise")  # fmt: skip
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    add_server_args(p)
+    ServerManager.add_arguments(p)
     p.add_argument("--url", default=None, help="use this running server instead of launching one")
     p.add_argument("--merge", nargs="+", type=Path, default=None,
                    help="no run: merge the sglang_e2e.json of earlier runs (same model) into one report in --out")  # fmt: skip
@@ -1114,7 +1114,7 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))
     if args.model_dir is None:
         args.model_dir = work / "model"
-    server = server_manager(args, Path(args.model_dir), args.out / "logs", E2E_LAUNCH_FLAGS, log=log)
+    server = ServerManager.from_args(args, Path(args.model_dir), args.out / "logs", E2E_LAUNCH_FLAGS, log=log)
     ctx = Context(args, device, server, work)
     results = ctx.results
     results["meta"] = {
