@@ -66,6 +66,7 @@ FLEX_CPU_NOTE = "skipped: flex refuses sinks on CPU"
 METRIC_KEYS = ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold")
 EXACT_KEYS = ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff")  # stored as exact_<key>
 ROLLOUT_LABEL = "rollout itself (eager, KV-cached decode)"
+RECORDED_ARGS = ("temperature", "max_new_tokens", "threshold", "sink_mean", "sink_std", "logit_std", "seed")
 CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_local_experts",
                "sliding_window", "vocab_size")  # fmt: skip
 
@@ -321,12 +322,7 @@ def parse_args(argv=None):
     p.add_argument("--logit-std", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
-    p.add_argument(
-        "--no-exact",
-        dest="exact",
-        action="store_false",
-        help="skip the fp32 exact reference (one more scoring pass, the weights upcast to fp32 in place)",
-    )
+    p.add_argument("--no-exact", dest="exact", action="store_false", help="skip the fp32 exact reference")
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--write-prompts", type=Path, default=None, help="render the prompts, save their ids, exit")
     args = p.parse_args(argv)
@@ -391,13 +387,7 @@ def main(argv=None) -> list[dict]:
         "project_attention": project_attn,
         "project_attention_how": how,
         "prompts_how": prompts_how,
-        "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens,
-        "threshold": args.threshold,
-        "sink_mean": args.sink_mean,
-        "sink_std": args.sink_std,
-        "logit_std": args.logit_std,
-        "seed": args.seed,
+        **{key: getattr(args, key) for key in RECORDED_ARGS},
         "exact_reference": args.exact,
         "png_name": "mismatch_study.png",
         "failed": failed,
