@@ -16,10 +16,10 @@ same for every reader.
 
 Header and cells: `environment()` (versions, device, source commit) heads every report, `machine()` a CPU run's; the
 command of a run is recorded as `command_line` writes it; `fmt` writes a table cell, `md_table` a table, `figure` a
-plot.
+plot, `grouped_bars` its bars. GPU timings: `gpu_time_and_peak` (time and peak memory of a call), `rel_error`.
 
-SGLang: `add_server_args` gives the scripts that launch servers the same flags, and `server_manager` their servers
-(`trl_ext.sglang_serve.ServerManager`).
+SGLang: the scripts that launch servers take the flags of `trl_ext.sglang_serve.ServerManager.add_arguments` and
+build their servers' manager with `ServerManager.from_args`.
 """
 
 from __future__ import annotations
@@ -158,15 +158,15 @@ def md_table(header: list[str], rows=()) -> list[str]:
 
 
 @contextlib.contextmanager
-def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dpi: int = 110):
-    """``(fig, axes)`` of a new matplotlib figure (Agg backend), laid out and saved to ``path`` at the end of the
-    ``with`` block, and closed in any case."""
+def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dpi: int = 110, **subplots):
+    """``(fig, axes)`` of a new matplotlib figure (Agg backend; ``subplots``: more arguments of `plt.subplots`), laid
+    out and saved to ``path`` at the end of the ``with`` block, and closed in any case."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize)
+    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, **subplots)
     try:
         yield fig, axes
         fig.tight_layout()
@@ -175,11 +175,66 @@ def figure(path: str | Path, nrows: int = 1, ncols: int = 1, figsize=(10, 4), dp
         plt.close(fig)
 
 
-def command_line(script: str, argv: list[str] | None) -> str:
-    """``python benchmarks/<script>.py ARGS`` as this run was started (``argv``: the arguments, None: `sys.argv`)."""
+def grouped_bars(ax, groups, series: dict) -> None:
+    """Bars on ``ax``: one group per entry of ``groups``, one bar per series in each (``series``: {label: one value
+    per group}; a value that is not a number, such as "OOM", drawn as 0), the groups named under their middles."""
+    width = 0.8 / max(len(series), 1)
+    for j, (label, values) in enumerate(series.items()):
+        heights = [v if isinstance(v, float) else 0.0 for v in values]
+        ax.bar([i + j * width for i in range(len(groups))], heights, width, label=label)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], [str(g) for g in groups])
+
+
+def gpu_time_and_peak(fn, reset=lambda: None, warmup: int = 25, rep: int = 100):
+    """(median ms of `triton.testing.do_bench`, peak GiB) of ``fn`` on the current GPU, after one warm-up call. Peak:
+    `max_memory_allocated` during one call minus what was allocated just before it; ``reset`` (dropping gradients)
+    runs before that baseline and at the end. Out of memory: ("OOM", "OOM"), the memory freed."""
+    import gc
+
+    import torch
+    from triton.testing import do_bench
+
+    try:
+        fn()  # warm-up / compile
+        torch.cuda.synchronize()
+        reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    except torch.OutOfMemoryError:
+        ms = peak = "OOM"
+    reset()
+    if ms == "OOM":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return ms, peak
+
+
+def command_line(script: str, argv: list[str] | None, *, omit_out: bool = False) -> str:
+    """``python benchmarks/<script>.py ARGS`` as this run was started (``argv``: the arguments, None: `sys.argv`;
+    ``omit_out``: without ``--out DIR``, where the report went)."""
     import sys
 
-    return f"python benchmarks/{script}.py {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if omit_out:
+        args = [
+            a
+            for i, a in enumerate(args)
+            if a != "--out" and not a.startswith("--out=") and args[i - 1 : i] != ["--out"]
+        ]
+    return f"python benchmarks/{script}.py {shlex.join(args)}".strip()
+
+
+def rel_error(x, ref) -> float:
+    """The relative L2 error of the tensor ``x`` against ``ref``, in float64."""
+    ref = ref.double()
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def machine() -> dict:
@@ -198,32 +253,3 @@ def machine() -> dict:
             versions[name] = None
     cpu = models[0] if models else platform.processor() or platform.machine()
     return {"cpu": cpu, "cores": cores, "python": platform.python_version(), **versions}
-
-
-def add_server_args(parser, *, server_cmd: str = "python3 -m sglang.launch_server", mem_fraction_static: float = 0.4,
-                    ready_timeout_s: float = 180.0) -> None:  # fmt: skip
-    """The flags of the SGLang servers a script launches (read by `server_manager`)."""
-    group = parser.add_argument_group("SGLang server")
-    group.add_argument("--server-cmd", default=server_cmd, help="how to start SGLang (its own environment)")
-    group.add_argument(
-        "--server-args", default="", help='extra flags for every server, e.g. "--chunked-prefill-size 8192"'
-    )
-    group.add_argument("--disable-cuda-graph", action="store_true", help="launch with SGLang's --disable-cuda-graph "
-                       "(faster starts, slower decoding; recorded); default: CUDA graphs on, as served")  # fmt: skip
-    group.add_argument(
-        "--mem-fraction-static", type=float, default=mem_fraction_static, help="SGLang's GPU memory share"
-    )
-    group.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
-    group.add_argument("--ready-timeout-s", type=float, default=ready_timeout_s, help="deadline of one server start")
-
-
-def server_manager(args, model_dir, logs_dir, launch_flags: list[str], log=print):
-    """The `trl_ext.sglang_serve.ServerManager` of a script's `add_server_args` flags (and its ``--url`` and
-    ``--server-start-lock`` where it has them)."""
-    from trl_ext.sglang_serve import ServerManager
-
-    return ServerManager(
-        args.server_cmd, model_dir, logs_dir, server_args=args.server_args, launch_flags=launch_flags,
-        url=getattr(args, "url", None), port=args.port, mem_fraction_static=args.mem_fraction_static,
-        disable_cuda_graph=args.disable_cuda_graph, log=log, start_lock=getattr(args, "server_start_lock", None),
-    )  # fmt: skip

@@ -1,38 +1,26 @@
 """Sink attention as users run it: this repo's kernel through its public API and through transformers, against
-FlashAttention-4 (``learnable_sink``) in the same process, GPT-OSS shapes.
+FlashAttention-4 (``learnable_sink``) in the same process, GPT-OSS shapes (B=1, 64 query / 8 KV heads, head_dim 64,
+bf16, forward + backward with the gradients of q, k, v and the sinks).
 
-Rows (B=1, 64 query / 8 KV heads, head_dim 64, bf16, forward + backward with the gradients of q, k, v and the sinks):
-
-- ``flash_attn_func``: the kernel's public entry point (autograd included), what transformers calls per layer;
-  ``flash_attn_varlen_func`` on the same tokens split into packed sequences;
-- raw kernels: ``triton_kernels.sink_attention_forward`` / ``sink_attention_backward`` called directly (a reference
-  row: the public path's overhead is the difference);
-- raw kernels in a bare ``torch.autograd.Function`` (forward and backward call them and do nothing else): the
-  floor of any autograd API around these kernels, so that public - raw splits into PyTorch's autograd and the
-  public interface's own argument checks and layout handling;
-- FA4: ``flash_attn.cute.flash_attn_func(..., learnable_sink=)`` on the same inputs, when importable;
-- a stack of layers: each implementation's calls for N layers (each its own q, k, v and sinks), then one backward
-  through all of them, as a model's forward and backward run its layers; per layer = the stack's time / N;
-- one GPT-OSS attention layer of transformers (``GptOssAttention``: projections, RoPE, sinks, attention) with
-  ``attn_implementation`` = this kernel's hub id (through ``kernels``), ``flash_attention_4`` and ``flex_attention``:
-  causal and window 128 from 4k to 32k, a packed row of ragged sequences (``position_ids`` restarting per sequence,
-  as the trainer packs them) and ``deterministic=True``; ours ÷ each peer, a peer that did not run named with why;
-- a mixed workload: 4k causal timed first in the process, then again after fp16, varlen, decode and fp32 calls;
-- accuracy: relative L2 errors of out, dq, dk, dv and dsink against an fp64 reference, this kernel and FA4 on the
-  same inputs, 8k-16k, with large sinks (logits x25) too.
+Sections (the report says how each is measured): the kernel's ``flash_attn_func`` (and ``flash_attn_varlen_func``)
+against the raw kernels called directly, the raw kernels in a bare ``torch.autograd.Function`` and FA4, per call and
+per layer of a stack of layers with one backward; one ``GptOssAttention`` layer of transformers with this kernel's hub
+id, ``flash_attention_4`` and ``flex_attention`` (causal, window 128, packed ragged sequences, ``deterministic=True``);
+a mixed workload; accuracy against fp64.
 
     python benchmarks/attention.py [--out DIR]        # writes DIR/attention.md, attention.json, attention.png
+    python benchmarks/attention.py --from-json docs/benchmarks/attention.json --out DIR   # re-render only
 
-The exit status is non-zero when a row or an accuracy case failed, or (on a GPU) a target is not met.
-
-Timings are medians of ``triton.testing.do_bench`` samples (milliseconds), the implementations of a row timed in
-interleaved rounds (``bench_interleaved``).  ``--device cpu`` runs the same code on tiny shapes (a smoke test of the
-script; its numbers mean nothing).
+The exit status is non-zero when a row or an accuracy case failed, or (on a GPU) a target is not met. Timings are
+medians of ``triton.testing.do_bench`` samples (ms), the implementations of a row timed in interleaved rounds
+(``bench_interleaved``). ``--device cpu`` runs the same code on tiny shapes (a smoke test; its numbers mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import inspect
 import json
 import statistics
@@ -43,11 +31,25 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, RATIO_RULE, exit_if_failed, output_dir, ratio, without_local_paths
+from benchmarks._cli import (
+    OUT_HELP,
+    RATIO_RULE,
+    command_line,
+    exit_if_failed,
+    figure,
+    grouped_bars,
+    md_table,
+    output_dir,
+    ratio,
+    rel_error,
+    without_local_paths,
+)
+from hf_gptoss_rl.attention import KERNEL_REPO_ID
+from hf_gptoss_rl.attention import import_kernel_sources as load_kernel
 
-KERNEL_REPO_ID = "hf-gptoss-rl/sink-flash-attn3"
 IMPL_OURS = "sink-flash-attn3"
 IMPL_FA4 = "FA4 + learnable_sink"
+FA4_LAYER = "FA4 (flash_attention_4)"
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -55,25 +57,15 @@ HEADS = (64, 8)
 HEAD_DIM = 64
 
 
-def load_kernel():
-    """The kernel package from this repository's sources (the same code `kernels` loads from the Hub build)."""
-    from hf_gptoss_rl.attention import import_kernel_sources  # noqa: PLC0415
-
-    return import_kernel_sources()
-
-
-FA4_MISSING = None  # why FA4 is not in this run (set by `load_fa4`): the layer table names it as a skipped peer
-
-
 def load_fa4():
-    global FA4_MISSING
+    """(FA4's ``flash_attn_func``, None), or (None, why it is not in this run)."""
     try:
         from flash_attn.cute import flash_attn_func  # noqa: PLC0415
     except ImportError as exc:
-        FA4_MISSING = f"flash_attn.cute not importable ({exc}); install flash-attn-4"
-        print(f"[fa4] {FA4_MISSING}: FA4 rows are left out")
-        return None
-    return flash_attn_func
+        why = f"flash_attn.cute not importable ({exc}); install flash-attn-4"
+        print(f"[fa4] {why}: FA4 rows are left out")
+        return None, why
+    return flash_attn_func, None
 
 
 def window_size(window):
@@ -81,36 +73,57 @@ def window_size(window):
     return (-1, -1) if window is None else (window - 1, 0)
 
 
-def make_inputs(S, seed=0, sink_scale=1.0, dtype=None, batch=1):
+def make_inputs(S, seed=0, sink_scale=1.0, dtype=None):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     hq, hkv = HEADS
-    dtype = dtype or DTYPE
 
-    def rand(*shape):
-        return torch.randn(*shape, device=DEVICE, generator=g).to(dtype)
+    def rand(heads):
+        return torch.randn(1, S, heads, HEAD_DIM, device=DEVICE, generator=g).to(dtype or DTYPE)
 
-    q, k, v = rand(batch, S, hq, HEAD_DIM), rand(batch, S, hkv, HEAD_DIM), rand(batch, S, hkv, HEAD_DIM)
-    dout = rand(batch, S, hq, HEAD_DIM)
-    sinks = torch.randn(hq, device=DEVICE, generator=g) * sink_scale
-    return q, k, v, dout, sinks
+    q, k, v, dout = rand(hq), rand(hkv), rand(hkv), rand(hq)
+    return q, k, v, dout, torch.randn(hq, device=DEVICE, generator=g) * sink_scale
 
 
 def leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the timed steps: each returns a closure running one forward + backward
-# ----------------------------------------------------------------------------------------------------------------
-def public_step(kernel, window, inputs, deterministic=False):
-    q, k, v, dout, sinks = inputs
-    q, k, v, sinks = leaves(q, k, v, sinks)
+def tokens_major(inputs):
+    """(q, k, v, dout, sinks) with the batch-1 tensors as the raw kernels' ``[S, heads, head_dim]``."""
+    return tuple(t[0] if t.dim() == 4 else t for t in inputs)
 
-    def step():
-        out = kernel.flash_attn_func(
+
+def error_text(exc, limit=300):
+    return f"{type(exc).__name__}: {str(exc)[:limit]}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the timed steps: each returns a closure running the forward + backward of a stack of layers (one set of inputs per
+# layer; a stack of one is a single call)
+# ----------------------------------------------------------------------------------------------------------------
+def fa4_call(fa4, q, k, v, sinks, window):
+    left = None if window is None else window - 1
+    out = fa4(q, k, v, causal=True, window_size=(left, None if window is None else 0), learnable_sink=sinks)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def public_step(kernel, window, stack, deterministic=False, fa4=None):
+    """The forward of every layer of ``stack``, then one backward through all of them (``torch.autograd.grad`` over
+    every output): autograd's device thread runs the layers' backwards in one go, as in a model's backward pass,
+    instead of one hand-off per call. ``fa4``: FA4's function instead of this kernel's ``flash_attn_func``."""
+    layers = [(*leaves(q, k, v, sinks), dout) for q, k, v, dout, sinks in stack]
+
+    def call(q, k, v, sinks):
+        if fa4 is not None:
+            return fa4_call(fa4, q, k, v, sinks, window)
+        return kernel.flash_attn_func(
             q, k, v, causal=True, window_size=window_size(window), s_aux=sinks, deterministic=deterministic
         )
-        return torch.autograd.grad(out, (q, k, v, sinks), dout)
+
+    def step():
+        outs = [call(q, k, v, sinks) for q, k, v, sinks, _ in layers]
+        inputs = [t for q, k, v, sinks, _ in layers for t in (q, k, v, sinks)]
+        return torch.autograd.grad(outs, inputs, [dout for *_, dout in layers])
 
     return step
 
@@ -131,11 +144,6 @@ def varlen_step(kernel, window, inputs, pieces=4):
     return step
 
 
-def tokens_major(inputs):
-    """(q, k, v, dout, sinks) with the batch-1 tensors as the raw kernels' ``[S, heads, head_dim]``."""
-    return tuple(t[0] if t.dim() == 4 else t for t in inputs)
-
-
 def raw_args(kernel, window, S):
     """The raw kernels' module and their arguments besides the tensors: (module, cu_seqlens, left, right, scale)."""
     tk = kernel.interface._backend_module("triton" if DEVICE == "cuda" else "torch")
@@ -143,14 +151,20 @@ def raw_args(kernel, window, S):
     return (tk, cu, *window_size(window), HEAD_DIM**-0.5)
 
 
-def raw_step(kernel, window, inputs):
-    q, k, v, dout, sinks = tokens_major(inputs)
-    S = q.shape[0]
+def raw_step(kernel, window, stack):
+    """The raw kernels in the order a model runs them: every layer's forward, then the backwards in reverse."""
+    layers = [tokens_major(inputs) for inputs in stack]
+    S = layers[0][0].shape[0]
     tk, cu, wl, wr, scale = raw_args(kernel, window, S)
 
     def step():
-        out, lse = tk.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, scale, True, wl, wr)
-        return tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, scale, True, wl, wr)
+        saved = [
+            tk.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, scale, True, wl, wr) for q, k, v, _, sinks in layers
+        ]
+        return [
+            tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, scale, True, wl, wr)
+            for (q, k, v, dout, sinks), (out, lse) in reversed(list(zip(layers, saved)))
+        ]
 
     return step
 
@@ -170,100 +184,17 @@ class _RawInAutograd(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         tk, cu, S, scale, wl, wr = ctx.args
-        dq, dk, dv, dsink = tk.sink_attention_backward(
-            dout, q, k, v, out, lse, sinks, cu, cu, S, S, scale, True, wl, wr
-        )
-        return None, dq, dk, dv, dsink, None, None, None, None, None
+        grads = tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, scale, True, wl, wr)
+        return None, *grads, None, None, None, None, None
 
 
-def bare_layers(kernel, window, stack):
-    """Per layer of ``stack``: the closure of one ``_RawInAutograd`` call on its own leaves, and those leaves."""
-    S = stack[0][0].shape[-3]
-    tk, cu, wl, wr, scale = raw_args(kernel, window, S)
-    layers = []
-    for q, k, v, dout, sinks in map(tokens_major, stack):
-        layers.append((tuple(leaves(q, k, v, sinks)), dout))
-
-    def call(q, k, v, sinks):
-        return _RawInAutograd.apply(tk, q, k, v, sinks, cu, S, scale, wl, wr)
-
-    return call, layers
-
-
-def bare_step(kernel, window, inputs):
-    """One layer's fwd+bwd through ``_RawInAutograd``, timed like ``public_step``."""
-    call, ((leaf, dout),) = bare_layers(kernel, window, [inputs])
+def bare_step(kernel, window, stack):
+    """``public_step`` through ``_RawInAutograd``: the floor of any autograd API around the raw kernels."""
+    tk, cu, wl, wr, scale = raw_args(kernel, window, stack[0][0].shape[-3])
+    layers = [(leaves(q, k, v, sinks), dout) for q, k, v, dout, sinks in map(tokens_major, stack)]
 
     def step():
-        return torch.autograd.grad(call(*leaf), leaf, dout)
-
-    return step
-
-
-def fa4_call(fa4, q, k, v, sinks, window):
-    left = None if window is None else window - 1
-    out = fa4(q, k, v, causal=True, window_size=(left, None if window is None else 0), learnable_sink=sinks)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def fa4_step(fa4, window, inputs):
-    q, k, v, dout, sinks = inputs
-    q, k, v, sinks = leaves(q, k, v, sinks)
-
-    def step():
-        return torch.autograd.grad(fa4_call(fa4, q, k, v, sinks, window), (q, k, v, sinks), dout)
-
-    return step
-
-
-def stack_inputs(S, layers):
-    """``layers`` independent sets of (q, k, v, dout, sinks), one per layer of a stack."""
-    return [make_inputs(S, seed=1000 * S + i) for i in range(layers)]
-
-
-def public_stack_step(kernel, window, stack, fa4=None):
-    """The forward of every layer of ``stack``, then one backward through all of them (``torch.autograd.grad`` over
-    every output): autograd's device thread runs the layers' backwards in one go, as in a model's backward pass,
-    instead of one hand-off per call. ``fa4``: FA4's function instead of this kernel's ``flash_attn_func``."""
-    layers = [(*leaves(q, k, v, sinks), dout) for q, k, v, dout, sinks in stack]
-
-    def step():
-        outs = []
-        for q, k, v, sinks, _ in layers:
-            if fa4 is None:
-                outs.append(kernel.flash_attn_func(q, k, v, causal=True, window_size=window_size(window), s_aux=sinks))
-            else:
-                outs.append(fa4_call(fa4, q, k, v, sinks, window))
-        inputs = [t for q, k, v, sinks, _ in layers for t in (q, k, v, sinks)]
-        return torch.autograd.grad(outs, inputs, [dout for *_, dout in layers])
-
-    return step
-
-
-def raw_stack_step(kernel, window, stack):
-    """The raw kernels in the order a model runs them: every layer's forward, then the backwards in reverse."""
-    layers = [tokens_major(inputs) for inputs in stack]
-    S = layers[0][0].shape[0]
-    tk, cu, wl, wr, scale = raw_args(kernel, window, S)
-
-    def step():
-        saved = [
-            tk.sink_attention_forward(q, k, v, sinks, cu, cu, S, S, scale, True, wl, wr) for q, k, v, _, sinks in layers
-        ]
-        return [
-            tk.sink_attention_backward(dout, q, k, v, out, lse, sinks, cu, cu, S, S, scale, True, wl, wr)
-            for (q, k, v, dout, sinks), (out, lse) in reversed(list(zip(layers, saved)))
-        ]
-
-    return step
-
-
-def bare_stack_step(kernel, window, stack):
-    """``public_stack_step`` through ``_RawInAutograd``."""
-    call, layers = bare_layers(kernel, window, stack)
-
-    def step():
-        outs = [call(*leaf) for leaf, _ in layers]
+        outs = [_RawInAutograd.apply(tk, *leaf, cu, leaf[0].shape[0], scale, wl, wr) for leaf, _ in layers]
         return torch.autograd.grad(outs, [t for leaf, _ in layers for t in leaf], [dout for _, dout in layers])
 
     return step
@@ -306,7 +237,7 @@ def bench_interleaved(steps, rounds=ROUNDS, min_calls=MIN_CALLS, rep=150):
                 call_ms = statistics.median_high(taken) if taken else 0.0
                 taken += triton.testing.do_bench(fn, warmup=25, rep=max(rep, min_calls * call_ms), return_mode="all")
             except Exception as exc:  # noqa: BLE001 - a failing implementation is a table entry, not a crash
-                errors[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                errors[key] = error_text(exc)
     medians = {key: (statistics.median_high(v) if v and key not in errors else None) for key, v in samples.items()}
     return medians, errors
 
@@ -336,59 +267,44 @@ def case_name(S, window):
     return f"{seq_name(S)} " + ("causal" if window is None else f"window {window}")
 
 
-def timed_row(row, steps, per=1):
-    """``row`` with the interleaved medians of ``steps`` ({column: fn}), their errors, and the host time per call of
-    the public path and FA4's, each divided by ``per`` (the calls one step makes)."""
-    medians, errors = bench_interleaved(steps)
-    row.update({key: None if ms is None else ms / per for key, ms in medians.items()})
-    if errors:
-        row["errors"] = errors
-    for key in ("public_ms", "fa4_ms"):
-        if row.get(key) is not None:
-            row[key.replace("_ms", "_host_ms")] = host_time(steps[key], calls=max(3, 20 // per)) / per
-    return row
+def parse_shapes(spec):
+    """``S`` (causal) or ``S/window``, comma-separated."""
+    return [(int(S), int(w) if w else None) for S, _, w in (item.partition("/") for item in spec.split(",") if item)]
 
 
-def time_kernels(kernel, fa4, shapes):
+def time_rows(kernel, fa4, shapes, layers=None):
+    """Per call (``layers`` None) or per layer of a stack of ``layers`` calls with one backward: what a layer costs
+    inside a model, where the per-call rows also time autograd's hand-off of every single backward. Each row holds
+    the interleaved medians and the host time per call of the public path and FA4's, divided by the layers."""
     rows = []
     for S, window in shapes:
-        inputs = make_inputs(S, seed=S + (window or 0))
         row = dict(case=case_name(S, window), S=S, window=window)
+        if layers is None:
+            stack = [make_inputs(S, seed=S + (window or 0))]
+        else:
+            stack = [make_inputs(S, seed=1000 * S + i) for i in range(layers)]
+            row["layers"] = layers
         steps = {
-            "public_ms": public_step(kernel, window, inputs),
-            "raw_ms": raw_step(kernel, window, inputs),
-            "autograd_ms": bare_step(kernel, window, inputs),
+            "public_ms": public_step(kernel, window, stack),
+            "raw_ms": raw_step(kernel, window, stack),
+            "autograd_ms": bare_step(kernel, window, stack),
         }
-        if S >= 4096 and S % 4096 == 0:
-            steps["varlen_ms"] = varlen_step(kernel, window, inputs)
-        if window is None:  # full layers: deterministic=False runs the one-kernel backward there (from 2k keys)
-            steps["deterministic_ms"] = public_step(kernel, window, inputs, deterministic=True)
+        if layers is None and S >= 4096 and S % 4096 == 0:
+            steps["varlen_ms"] = varlen_step(kernel, window, stack[0])
+        if layers is None and window is None:  # full layers: deterministic=False runs the one-kernel backward there
+            steps["deterministic_ms"] = public_step(kernel, window, stack, deterministic=True)
         if fa4 is not None:
-            steps["fa4_ms"] = fa4_step(fa4, window, inputs)
-        rows.append(timed_row(row, steps))
-        print("[time]", json.dumps(row), flush=True)
-        del inputs, steps
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def time_stacks(kernel, fa4, shapes, layers):
-    """Per-layer times of a stack of ``layers`` calls with one backward (``public_stack_step``): what a layer costs
-    inside a model, where the per-call rows above also time autograd's hand-off of every single backward."""
-    rows = []
-    for S, window in shapes:
-        stack = stack_inputs(S, layers)
-        row = dict(case=case_name(S, window), S=S, window=window, layers=layers)
-        steps = {
-            "public_ms": public_stack_step(kernel, window, stack),
-            "raw_ms": raw_stack_step(kernel, window, stack),
-            "autograd_ms": bare_stack_step(kernel, window, stack),
-        }
-        if fa4 is not None:
-            steps["fa4_ms"] = public_stack_step(kernel, window, stack, fa4=fa4)
-        rows.append(timed_row(row, steps, per=layers))
-        print("[stack]", json.dumps(row), flush=True)
+            steps["fa4_ms"] = public_step(kernel, window, stack, fa4=fa4)
+        per = layers or 1
+        medians, errors = bench_interleaved(steps)
+        row.update({key: None if ms is None else ms / per for key, ms in medians.items()})
+        if errors:
+            row["errors"] = errors
+        for key in ("public_ms", "fa4_ms"):
+            if row.get(key) is not None:
+                row[key.replace("_ms", "_host_ms")] = host_time(steps[key], calls=max(3, 20 // per)) / per
+        rows.append(row)
+        print("[time]" if layers is None else "[stack]", json.dumps(row), flush=True)
         del stack, steps
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -401,28 +317,20 @@ def time_stacks(kernel, fa4, shapes, layers):
 def mixed_workload(kernel, S):
     """Runs fp16 and fp32 fwd+bwd, packed varlen fwd+bwd and KV-cache decode steps through the public API."""
     q, k, v, dout, sinks = make_inputs(S, seed=7, dtype=torch.float16)
-    public_step(kernel, None, (q, k, v, dout, sinks))()
-    public_step(kernel, 128, (q, k, v, dout, sinks))()
+    public_step(kernel, None, [(q, k, v, dout, sinks)])()
+    public_step(kernel, 128, [(q, k, v, dout, sinks)])()
     lens = [S // 2 - 3, S // 4 + 1, S // 4 + 2]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
-    qv, kv, vv, sv = leaves(
-        q[0, : sum(lens)].bfloat16(), k[0, : sum(lens)].bfloat16(), v[0, : sum(lens)].bfloat16(), sinks
-    )
+    qv, kv, vv, sv = leaves(*(t[0, : sum(lens)].bfloat16() for t in (q, k, v)), sinks)
     out = kernel.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True, s_aux=sv)
     torch.autograd.grad(out.float().square().sum(), (qv, kv, vv, sv))
     with torch.no_grad():  # decode: one query per sequence against its KV cache
         kcache, vcache = k.bfloat16(), v.bfloat16()
         for step in range(8):
-            kernel.flash_attn_func(
-                q[:, -1 - step :][:, :1].bfloat16(),
-                kcache,
-                vcache,
-                causal=True,
-                s_aux=sinks,
-                window_size=window_size(128 if step % 2 else None),
-            )
-    small = make_inputs(256, seed=8, dtype=torch.float32)
-    public_step(kernel, None, small)()
+            query = q[:, -1 - step :][:, :1].bfloat16()
+            window = window_size(128 if step % 2 else None)
+            kernel.flash_attn_func(query, kcache, vcache, causal=True, s_aux=sinks, window_size=window)
+    public_step(kernel, None, [make_inputs(256, seed=8, dtype=torch.float32)])()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 
@@ -432,43 +340,35 @@ def mixed_workload(kernel, S):
 # ----------------------------------------------------------------------------------------------------------------
 def reference_fp64(q, k, v, sinks, dout, window, chunk=512):
     """Exact sink attention and its gradients in fp64 for ``q [S, Hq, D]``, ``k, v [S, Hkv, D]`` (causal, optional
-    sliding window), computed by query chunks so that 16k x 16k fits."""
+    sliding window): the softmax over the visible keys and the sink written out, differentiated by autograd one chunk
+    of queries at a time, so that 16k x 16k fits."""
     S, H, D = q.shape
     group = H // k.shape[1]
-    scale = D**-0.5
-    qd, dod, s = q.double(), dout.double(), sinks.double()
-    kd, vd = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-    out, dq = torch.empty_like(qd), torch.empty_like(qd)
-    dk, dv = torch.zeros_like(kd), torch.zeros_like(vd)
-    dsink = torch.zeros(H, dtype=torch.float64, device=q.device)
+    q, k, v, s = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
+    out = torch.empty(S, H, D, dtype=torch.float64, device=q.device)
     for r0 in range(0, S, chunk):
         r1 = min(S, r0 + chunk)
         lo = 0 if window is None else max(0, r0 - (window - 1))
-        qc, doc = qd[r0:r1].transpose(0, 1), dod[r0:r1].transpose(0, 1)  # [H, c, D]
-        kc, vc = kd[lo:r1].transpose(0, 1), vd[lo:r1].transpose(0, 1)  # [H, n, D]
+        qc = q[r0:r1].transpose(0, 1)  # [H, c, D]
+        kc, vc = (t[lo:r1].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, n, D]
         i = torch.arange(r0, r1, device=q.device)[:, None]
         j = torch.arange(lo, r1, device=q.device)[None, :]
         visible = (j <= i) if window is None else (j <= i) & (j > i - window)
-        scores = (qc @ kc.transpose(1, 2) * scale).masked_fill_(~visible, float("-inf"))
-        m = torch.maximum(scores.amax(-1), s[:, None])
-        lse = m + torch.log(torch.exp(scores - m[..., None]).sum(-1) + torch.exp(s[:, None] - m))  # [H, c]
-        p = torch.exp(scores - lse[..., None])
-        del scores
-        oc = p @ vc
-        delta = (doc * oc).sum(-1)
-        ds = p * (doc @ vc.transpose(1, 2) - delta[..., None])
-        out[r0:r1] = oc.transpose(0, 1)
-        dq[r0:r1] = (ds @ kc * scale).transpose(0, 1)
-        dk[lo:r1] += (ds.transpose(1, 2) @ qc * scale).transpose(0, 1)
-        dv[lo:r1] += (p.transpose(1, 2) @ doc).transpose(0, 1)
-        dsink -= (torch.exp(s[:, None] - lse) * delta).sum(-1)
-        del p, ds
-    hkv = k.shape[1]
-    return dict(out=out, dq=dq, dk=dk.view(S, hkv, group, D).sum(2), dv=dv.view(S, hkv, group, D).sum(2), dsink=dsink)
+        scores = (qc @ kc.transpose(1, 2) * D**-0.5).masked_fill(~visible, float("-inf"))
+        p = torch.cat([scores, s[:, None, None].expand(H, r1 - r0, 1)], dim=-1).softmax(-1)[..., :-1]
+        oc = (p @ vc).transpose(0, 1)
+        oc.backward(dout[r0:r1].double())
+        out[r0:r1] = oc.detach()
+    return dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad, dsink=s.grad)
 
 
-def rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
+def parse_accuracy_cases(spec):
+    """``S``, ``S/window`` or ``S/xSCALE`` (sink logits scaled), comma-separated: (S, window, scale)."""
+    cases = []
+    for S, _, extra in (item.partition("/") for item in spec.split(",") if item):
+        scaled = extra.startswith("x")
+        cases.append((int(S), int(extra) if extra and not scaled else None, float(extra[1:]) if scaled else 1.0))
+    return cases
 
 
 def accuracy(kernel, fa4, cases):
@@ -477,7 +377,7 @@ def accuracy(kernel, fa4, cases):
         try:
             results.append(accuracy_case(kernel, fa4, S, window, sink_scale))
         except Exception as exc:  # noqa: BLE001
-            print(f"[accuracy] {case_name(S, window)} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            print(f"[accuracy] {case_name(S, window)} failed: {error_text(exc)}", flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return results
@@ -487,26 +387,27 @@ def accuracy_case(kernel, fa4, S, window, sink_scale):
     q, k, v, dout, sinks = make_inputs(S, seed=100 + S // 1024 + int(sink_scale), sink_scale=sink_scale)
     ref = reference_fp64(q[0], k[0], v[0], sinks, dout[0], window)
     row = dict(case=case_name(S, window) + (f", sinks x{sink_scale:g}" if sink_scale != 1 else ""))
+
+    def errors(out, grads):
+        values = (out[0], grads[0][0], grads[1][0], grads[2][0], grads[3])
+        return {name: rel_error(t, ref[name]) for name, t in zip(("out", "dq", "dk", "dv", "dsink"), values)}
+
     ql, kl, vl, sl = leaves(q, k, v, sinks)
     out, lse = kernel.flash_attn_func(
         ql, kl, vl, causal=True, window_size=window_size(window), s_aux=sl, return_softmax_lse=True
     )
-    grads = torch.autograd.grad(out, (ql, kl, vl, sl), dout)
-    ours = dict(zip(("out", "dq", "dk", "dv", "dsink"), (out[0], grads[0][0], grads[1][0], grads[2][0], grads[3])))
-    row["ours"] = {name: rel(t, ref[name]) for name, t in ours.items()}
+    row["ours"] = errors(out, torch.autograd.grad(out, (ql, kl, vl, sl), dout))
     # dsink from this kernel's own out and LSE, summed in fp64: the error the out rounding alone leaves
     delta = (dout[0].double() * out[0].double()).sum(-1).transpose(0, 1)  # [H, S]
     dsink_own = -(torch.exp(sinks.double()[:, None] - lse[0].double()) * delta).sum(-1)
-    row["ours_dsink_from_own_out_fp64"] = rel(dsink_own, ref["dsink"])
+    row["ours_dsink_from_own_out_fp64"] = rel_error(dsink_own, ref["dsink"])
     if fa4 is not None:
         try:
             ql, kl, vl, sl = leaves(q, k, v, sinks)
             out4 = fa4_call(fa4, ql, kl, vl, sl, window)
-            g4 = torch.autograd.grad(out4, (ql, kl, vl, sl), dout)
-            theirs = dict(zip(("out", "dq", "dk", "dv", "dsink"), (out4[0], g4[0][0], g4[1][0], g4[2][0], g4[3])))
-            row["fa4"] = {name: rel(t, ref[name]) for name, t in theirs.items()}
+            row["fa4"] = errors(out4, torch.autograd.grad(out4, (ql, kl, vl, sl), dout))
         except Exception as exc:  # noqa: BLE001
-            row["fa4_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            row["fa4_error"] = error_text(exc)
     print("[accuracy]", json.dumps(row), flush=True)
     return row
 
@@ -531,6 +432,7 @@ def register_hub_kernel() -> tuple[str, str]:
 
 #: layer modes of ``--layer-shapes`` (``S`` alone is ``causal``)
 LAYER_MODES = ("causal", "sliding", "packed", "deterministic")
+LAYER_SHAPES = "4096,4096/sliding,16384,16384/sliding,32768,32768/sliding,16384/packed,16384/deterministic"
 #: the packed row's sequence lengths, in sixteenths of S: ragged, as the trainer packs RL trajectories of unequal length
 PACKED_SIXTEENTHS = (7, 3, 1, 4, 1)
 
@@ -580,22 +482,6 @@ def layer_skip_reason(impl: str, S: int, mode: str, flex_seqlens) -> str | None:
     return None
 
 
-def gptoss_layer_config(sliding: bool):
-    from transformers import GptOssConfig  # noqa: PLC0415
-
-    hq, hkv = HEADS
-    return GptOssConfig(
-        hidden_size=2880 if DEVICE == "cuda" else 64,
-        num_attention_heads=hq,
-        num_key_value_heads=hkv,
-        head_dim=HEAD_DIM,
-        sliding_window=128 if DEVICE == "cuda" else 16,
-        num_hidden_layers=1,
-        layer_types=["sliding_attention" if sliding else "full_attention"],
-        max_position_embeddings=131072,
-    )
-
-
 def layer_step(impl: str, S: int, mode: str, seed=0):
     """One ``GptOssAttention`` layer's fwd+bwd closure (and its forward) for ``impl``, ``mode`` in `LAYER_MODES`.
 
@@ -604,6 +490,7 @@ def layer_step(impl: str, S: int, mode: str, seed=0):
     path, the block-diagonal mask of `packed_attention_masks` for the mask-based ones (flex_attention).
     ``deterministic``: ``deterministic=True`` passed with the call, which transformers' flash path hands to the
     attention function."""
+    from transformers import GptOssConfig  # noqa: PLC0415
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: PLC0415
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding  # noqa: PLC0415
 
@@ -615,7 +502,11 @@ def layer_step(impl: str, S: int, mode: str, seed=0):
     )
 
     sliding = mode == "sliding"
-    config = gptoss_layer_config(sliding)
+    config = GptOssConfig(
+        hidden_size=2880 if DEVICE == "cuda" else 64, num_attention_heads=HEADS[0], num_key_value_heads=HEADS[1],
+        head_dim=HEAD_DIM, sliding_window=128 if DEVICE == "cuda" else 16, num_hidden_layers=1,
+        layer_types=["sliding_attention" if sliding else "full_attention"], max_position_embeddings=131072,
+    )  # fmt: skip
     config._attn_implementation = impl
     torch.manual_seed(seed)
     layer = GptOssAttention(config, layer_idx=0).to(device=DEVICE, dtype=DTYPE)
@@ -624,12 +515,10 @@ def layer_step(impl: str, S: int, mode: str, seed=0):
     rotary = GptOssRotaryEmbedding(config).to(DEVICE)
     hidden = torch.randn(1, S, config.hidden_size, device=DEVICE, dtype=DTYPE, requires_grad=True)
     grad_out = torch.randn_like(hidden)
-    if mode == "packed":
-        position_ids = torch.cat([torch.arange(n, device=DEVICE) for n in packed_lengths(S)])[None]
-    else:
-        position_ids = torch.arange(S, device=DEVICE)[None]
+    lengths = packed_lengths(S) if mode == "packed" else [S]
+    position_ids = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
     position_embeddings = rotary(hidden, position_ids)
-    extra = {}
+    extra = {"deterministic": True} if mode == "deterministic" else {}
     if mode == "packed" and impl in PACKED_MASK_ATTENTION:
         mask = packed_attention_masks(config, position_ids, DTYPE)["full_attention"]
     else:
@@ -643,8 +532,6 @@ def layer_step(impl: str, S: int, mode: str, seed=0):
         mask = make_mask(**mask_kwargs)
         if mode == "packed":
             extra = dict(position_ids=position_ids, **flash_varlen_kwargs(position_ids))
-    if mode == "deterministic":
-        extra["deterministic"] = True
     inputs = [hidden, *layer.parameters()]
 
     def forward():
@@ -669,7 +556,7 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
             try:
                 reason = layer_skip_reason(impl, S, mode, flex_seqlens)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot be inspected is a table entry
-                reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+                reason = error_text(exc, 200)
             if reason:
                 skipped[label] = reason
                 continue
@@ -677,16 +564,12 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
                 steps[label], forwards[label] = layer_step(impl, S, mode)
             except Exception as exc:  # noqa: BLE001 - a layer that cannot be built is a table entry
                 row[label] = None
-                errors[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                errors[label] = error_text(exc)
         medians, bench_errors = bench_interleaved(steps)
         row.update(medians)
         errors.update(bench_errors)
-        outputs = {}
-        for label, forward in forwards.items():
-            if label in errors:
-                continue
-            with torch.no_grad():
-                outputs[label] = forward().float()
+        with torch.no_grad():
+            outputs = {label: forward().float() for label, forward in forwards.items() if label not in errors}
         if errors:
             row["errors"] = errors
         if skipped:
@@ -697,7 +580,7 @@ def time_layers(layer_impls, shapes, flex_seqlens, budget_s=float("inf")):
         # the implementations compute the same layer: their outputs agree to bf16 precision
         base = outputs.get(IMPL_OURS)
         row["max_rel_diff_to_ours"] = {
-            k: rel(o, base.double()) for k, o in outputs.items() if base is not None and k != IMPL_OURS
+            k: rel_error(o, base.double()) for k, o in outputs.items() if base is not None and k != IMPL_OURS
         }
         rows.append(row)
         print("[layer]", json.dumps(row), flush=True)
@@ -711,25 +594,9 @@ def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
-def timing_how(result):
-    if "rounds" not in result:  # a json written before the interleaved rounds
-        return "medians of `triton.testing.do_bench`, ms."
-    return (
-        f"medians of `triton.testing.do_bench` samples over {result['rounds']} interleaved rounds of a row's "
-        f"implementations (at least {result['min_calls']} calls each per round), ms."
-    )
-
-
 def targets(result):
     """The targets this benchmark tracks, each with the measured value and whether it is met."""
     by_case = {r["case"]: r for r in result["kernel_rows"]}
-    out = []
-
-    def ratio(case):
-        r = by_case.get(case)
-        if r and r.get("public_ms") and r.get("fa4_ms"):
-            return r["public_ms"] / r["fa4_ms"]
-        return None
 
     def host_note(r, per="call"):
         # the raw kernels' time bounds the GPU time from above: a public call whose host time reaches it is timed by
@@ -738,6 +605,12 @@ def targets(result):
         if host and raw and host >= raw:
             return f"; host {host:.3f} ms per {per}: the host sets this row"
         return ""
+
+    def fa4_target(case, goal=""):
+        r = by_case.get(case, {})
+        x = r["public_ms"] / r["fa4_ms"] if r.get("public_ms") and r.get("fa4_ms") else None
+        value = fmt(x, ".3f") + "x" + host_note(r)
+        return dict(target=f"{case}: public path <= 1.10x FA4{goal}", value=value, met=None if x is None else x <= 1.10)
 
     def window_target(target, r, per="call"):
         pub, raw, fa, bare = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms"), r.get("autograd_ms")
@@ -749,43 +622,20 @@ def targets(result):
             met=None if None in (pub, raw, fa) else (pub < fa and pub - raw <= 0.1),
         )
 
-    for case in ("S=16k causal", "S=32k causal"):
-        x = ratio(case)
-        out.append(
-            dict(
-                target=f"{case}: public path <= 1.10x FA4 (goal 1.0x)",
-                value=fmt(x, ".3f") + "x" + host_note(by_case.get(case, {})),
-                met=None if x is None else x <= 1.10,
-            )
-        )
-    x = ratio("S=4k causal")
-    out.append(
-        dict(
-            target="S=4k causal: public path <= 1.10x FA4",
-            value=fmt(x, ".3f") + "x" + host_note(by_case.get("S=4k causal", {})),
-            met=None if x is None else x <= 1.10,
-        )
-    )
-    for case in ("S=4k window 128", "S=16k window 128"):
-        out.append(window_target(case, by_case.get(case, {})))
+    out = [fa4_target("S=16k causal", " (goal 1.0x)"), fa4_target("S=32k causal", " (goal 1.0x)")]
+    out.append(fa4_target("S=4k causal"))
+    out += [window_target(case, by_case.get(case, {})) for case in ("S=4k window 128", "S=16k window 128")]
     for r in result.get("stack_rows", []):
         name = f"{r['case']}, per layer of a {r['layers']}-layer stack with one backward (as in a model)"
         out.append(window_target(name, r, per="layer"))
     mixed = result.get("mixed")
     if mixed:
         x = mixed["after_ms"] / mixed["first_ms"]
-        out.append(
-            dict(
-                target="S=4k causal after a mixed workload: within 5% of the first run",
-                value=f"{x:.3f}x",
-                met=x <= 1.05,
-            )
-        )
-    worst = None
-    for row in result["accuracy"]:
-        if "fa4" in row:
-            x = row["ours"]["dsink"] / row["fa4"]["dsink"]
-            worst = x if worst is None else max(worst, x)
+        target = "S=4k causal after a mixed workload: within 5% of the first run"
+        out.append(dict(target=target, value=f"{x:.3f}x", met=x <= 1.05))
+    worst = max(
+        (row["ours"]["dsink"] / row["fa4"]["dsink"] for row in result["accuracy"] if "fa4" in row), default=None
+    )
     out.append(
         dict(
             target="dsink relative error <= 1.25x FA4's (8k-16k, large sinks included), worst case",
@@ -803,8 +653,7 @@ def layer_peers(result) -> list[str]:
 
 def layer_table_head(result) -> list[str]:
     peers = layer_peers(result)
-    cols = [IMPL_OURS, *peers, *(f"ours ÷ {p}" for p in peers), "max rel. output diff to ours"]
-    return ["| case | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    return md_table(["case", IMPL_OURS, *peers, *(f"ours ÷ {p}" for p in peers), "max rel. output diff to ours"])
 
 
 def layer_table_row(result, r, diffs) -> str:
@@ -837,24 +686,57 @@ def layer_skip_lines(result) -> list[str]:
     return lines
 
 
+def failed_rows(result) -> list[tuple[str, str, str]]:
+    """(case, implementation, error) of every timed row's implementation that raised."""
+    rows = result["kernel_rows"] + result.get("stack_rows", []) + result.get("layer_rows", [])
+    return [(r["case"], k, v) for r in rows for k, v in r.get("errors", {}).items()]
+
+
+def timing_table(rows, host: str, last=()) -> list[str]:
+    """The kernel and stack tables: ms per column, host time per ``host``, public / FA4 and the differences to the
+    raw kernels (``last``: extra (key, header) columns at the end)."""
+    columns = {"public_ms": "flash_attn_func", "public_host_ms": f"host per {host}", "varlen_ms": "varlen",
+               "raw_ms": "raw kernels", "autograd_ms": "raw in autograd", "fa4_ms": "FA4",
+               "fa4_host_ms": f"FA4 host per {host}"}  # fmt: skip
+    if host != "call":
+        del columns["varlen_ms"]
+    derived = ["public / FA4", "public - raw", "public - raw in autograd"]
+
+    def cells(r):
+        pub, raw, fa, bare = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms"), r.get("autograd_ms")
+        return [
+            r["case"],
+            *(fmt(r.get(key), ".3f") for key in columns),
+            f"{fmt(pub / fa if pub and fa else None)}x",
+            fmt(pub - raw if pub and raw else None, "+.3f"),
+            fmt(pub - bare if pub and bare else None, "+.3f"),
+            *(fmt(r.get(key), ".3f") for key, _ in last),
+        ]
+
+    return md_table(["case", *columns.values(), *derived, *(head for _, head in last)], map(cells, rows))
+
+
 def write_markdown(result, path):
     env = result["env"]
     lines = [
         "# Attention benchmark: sink attention where users call it",
         "",
-        f"`{result.get('command', 'python benchmarks/attention.py')}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, "
+        f"`{result['command']}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, "
         f"transformers {env['transformers']}, flash-attn-4 {env.get('flash_attn_4', 'not installed')}); all numbers "
         "below come from that one run. GPT-OSS shapes: B=1, 64 query / 8 KV heads, head_dim 64, bf16; "
-        "forward + backward with the gradients of q, k, v and the sinks; " + timing_how(result),
+        "forward + backward with the gradients of q, k, v and the sinks; medians of `triton.testing.do_bench` "
+        f"samples over {result['rounds']} interleaved rounds of a row's implementations (at least "
+        f"{result['min_calls']} calls each per round), ms.",
         "",
         "## Targets",
         "",
-        "| target | measured | met |",
-        "|---|---|---|",
-    ]
-    for t in result["targets"]:
-        lines.append(f"| {t['target']} | {t['value']} | {'-' if t['met'] is None else ('yes' if t['met'] else 'no')} |")
-    lines += [
+        *md_table(
+            ["target", "measured", "met"],
+            [
+                [t["target"], t["value"], "-" if t["met"] is None else "yes" if t["met"] else "no"]
+                for t in result["targets"]
+            ],
+        ),
         "",
         "## Kernel: public API against FA4",
         "",
@@ -871,23 +753,8 @@ def write_markdown(result, path):
         "it reaches the raw kernels' time (an upper bound on the GPU time), the host (Python per call) rather than "
         "the kernels sets that row, and the targets table says so.",
         "",
-        "| case | flash_attn_func | host per call | varlen | raw kernels | raw in autograd | FA4 | FA4 host per call "
-        "| public / FA4 | public - raw | public - raw in autograd | deterministic=True |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *timing_table(result["kernel_rows"], "call", last=[("deterministic_ms", "deterministic=True")]),
     ]
-
-    def cells(r, *keys):
-        pub, raw, fa, bare = r.get("public_ms"), r.get("raw_ms"), r.get("fa4_ms"), r.get("autograd_ms")
-        derived = (
-            f"{fmt(pub / fa if pub and fa else None)}x",
-            fmt(pub - raw if pub and raw else None, "+.3f"),
-            fmt(pub - bare if pub and bare else None, "+.3f"),
-        )
-        return " | ".join((r["case"], *(fmt(r.get(key), ".3f") for key in keys), *derived))
-
-    for r in result["kernel_rows"]:
-        timed = ("public_ms", "public_host_ms", "varlen_ms", "raw_ms", "autograd_ms", "fa4_ms", "fa4_host_ms")
-        lines.append(f"| {cells(r, *timed)} | {fmt(r.get('deterministic_ms'), '.3f')} |")
     if result.get("stack_rows"):
         layers = result["stack_rows"][0]["layers"]
         lines += [
@@ -903,15 +770,9 @@ def write_markdown(result, path):
             f"median / {layers}; host per layer: the host's time to issue the stack (no wait for the GPU, best of 3) "
             f"/ {layers}.",
             "",
-            "| case | flash_attn_func | host per layer | raw kernels | raw in autograd | FA4 | FA4 host per layer "
-            "| public / FA4 | public - raw | public - raw in autograd |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            *timing_table(result["stack_rows"], "layer"),
         ]
-        for r in result["stack_rows"]:
-            keys = ("public_ms", "public_host_ms", "raw_ms", "autograd_ms", "fa4_ms", "fa4_host_ms")
-            lines.append(f"| {cells(r, *keys)} |")
     if result.get("layer_rows"):
-        impls = list(result["layer_impls"])
         lines += [
             "",
             "## One GPT-OSS attention layer of transformers",
@@ -919,19 +780,12 @@ def write_markdown(result, path):
             "`GptOssAttention` (q/k/v/o projections, RoPE, attention; hidden 2880) forward + backward, "
             f"`attn_implementation` per column; ours: {result['layer_how']}.",
             "",
-            "| case | " + " | ".join(impls) + " | max rel. output diff to ours |",
-            "|---|" + "---|" * len(impls) + "---|",
+            *layer_table_head(result),
         ]
-        if "layer_skipped" in result:  # reports from before the ratio columns render as they were
-            lines[-2:] = layer_table_head(result)
         for r in result["layer_rows"]:
             diffs = ", ".join(f"{k} {v:.1e}" for k, v in r["max_rel_diff_to_ours"].items()) or "-"
-            if "layer_skipped" in result:
-                lines.append(layer_table_row(result, r, diffs))
-                continue
-            lines.append(f"| {r['case']} | " + " | ".join(fmt(r.get(i), ".3f") for i in impls) + f" | {diffs} |")
-        if "layer_skipped" in result:
-            lines += layer_skip_lines(result)
+            lines.append(layer_table_row(result, r, diffs))
+        lines += layer_skip_lines(result)
     mixed = result.get("mixed")
     if mixed:
         lines += [
@@ -942,72 +796,39 @@ def write_markdown(result, path):
             f"process, {mixed['after_ms']:.3f} ms after fp16, fp32, packed-varlen and KV-cache decode calls "
             f"(and every other row above) in the same process ({mixed['after_ms'] / mixed['first_ms']:.3f}x).",
         ]
-    lines += [
-        "",
-        "## Accuracy against fp64 (relative L2 error, same inputs)",
-        "",
-        "| case | impl | out | dq | dk | dv | dsink |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines += ["", "## Accuracy against fp64 (relative L2 error, same inputs)", ""]
+    lines += md_table(["case", "impl", "out", "dq", "dk", "dv", "dsink"])
     for r in result["accuracy"]:
         for label, key in ((IMPL_OURS, "ours"), (IMPL_FA4, "fa4")):
             if key in r:
-                e = r[key]
-                lines.append(
-                    f"| {r['case']} | {label} | {e['out']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | "
-                    f"{e['dv']:.2e} | {e['dsink']:.2e} |"
-                )
-        lines.append(
-            f"| {r['case']} | dsink from {IMPL_OURS}'s own bf16 out and LSE, summed in fp64 | | | | | "
-            f"{r['ours_dsink_from_own_out_fp64']:.2e} |"
-        )
-    errors = [
-        (r["case"], k, v)
-        for r in result["kernel_rows"] + result.get("stack_rows", []) + result.get("layer_rows", [])
-        for k, v in r.get("errors", {}).items()
-    ]
-    if errors:
-        lines += ["", "## Failures in this run", ""] + [f"- {c}, {k}: `{v}`" for c, k, v in errors]
+                errors = " | ".join(f"{r[key][k]:.2e}" for k in ("out", "dq", "dk", "dv", "dsink"))
+                lines.append(f"| {r['case']} | {label} | {errors} |")
+        own = f"dsink from {IMPL_OURS}'s own bf16 out and LSE, summed in fp64"
+        lines.append(f"| {r['case']} | {own} | | | | | {r['ours_dsink_from_own_out_fp64']:.2e} |")
+    if failed_rows(result):
+        lines += ["", "## Failures in this run", ""] + [f"- {c}, {k}: `{v}`" for c, k, v in failed_rows(result)]
     lines += ["", f"Launch configurations: `{json.dumps(result['configs'])}`", ""]
     path.write_text("\n".join(lines))
 
 
 def write_plot(result, path):
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
     rows = result["kernel_rows"]
-    keys = [
-        ("public_ms", "flash_attn_func"),
-        ("autograd_ms", "raw kernels in a bare autograd.Function"),
-        ("raw_ms", "raw kernels"),
-        ("fa4_ms", "FA4 + learnable_sink"),
-    ]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(keys)
-    for i, (key, label) in enumerate(keys):
-        base = [r.get("fa4_ms") or float("nan") for r in rows]
-        ratios = [(r.get(key) or float("nan")) / b for r, b in zip(rows, base)]
-        ax.bar([x + i * width for x in range(len(rows))], ratios, width, label=label)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([x + width * (len(keys) - 1) / 2 for x in range(len(rows))], [r["case"] for r in rows])
-    ax.set_ylabel("fwd+bwd time / FA4's")
-    ax.set_title(f"Sink attention, GPT-OSS shapes, {result['env']['gpu']}")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(keys))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    series = {"flash_attn_func": "public_ms", "raw kernels in a bare autograd.Function": "autograd_ms",
+              "raw kernels": "raw_ms", "FA4 + learnable_sink": "fa4_ms"}  # fmt: skip
+    nan = float("nan")
+    ratios = {label: [(r.get(key) or nan) / (r.get("fa4_ms") or nan) for r in rows] for label, key in series.items()}
+    with figure(path) as (_, ax):
+        grouped_bars(ax, [r["case"] for r in rows], ratios)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel("fwd+bwd time / FA4's")
+        ax.set_title(f"Sink attention, GPT-OSS shapes, {result['env']['gpu']}")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(series))
 
 
 def run_failures(result, accuracy_cases: int, gpu: bool) -> list[str]:
     """What fails a run: a row's implementation that raised, an accuracy case that did not finish, and on a GPU a
     target not met (the CPU run is a smoke test of the script: its timings mean nothing)."""
-    failures = [
-        f"{r['case']}, {k}: {v}"
-        for r in result["kernel_rows"] + result.get("stack_rows", []) + result.get("layer_rows", [])
-        for k, v in r.get("errors", {}).items()
-    ]
+    failures = [f"{case}, {k}: {v}" for case, k, v in failed_rows(result)]
     failures += [f"{r['case']}, FA4: {r['fa4_error']}" for r in result.get("accuracy", []) if r.get("fa4_error")]
     if result.get("mixed_error"):
         failures.append(f"mixed workload: {result['mixed_error']}")
@@ -1020,62 +841,27 @@ def run_failures(result, accuracy_cases: int, gpu: bool) -> list[str]:
     return failures
 
 
-def _flags_as_run() -> list[str]:
-    """The command-line flags of this run, without --out (where the report went), quoted for a shell."""
-    import shlex  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help=OUT_HELP)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--shapes", default="4096,4096/128,16384,16384/128,32768", help="kernel rows: S (causal), S/window")
+    p.add_argument("--stack-shapes", default="4096/128,16384/128", help="rows timed as a stack of layers: S, S/window")
+    p.add_argument("--stack-layers", type=int, default=12, help="layers per stack (GPT-OSS-20B: 12 window-128)")
+    p.add_argument(
+        "--layer-shapes", default=LAYER_SHAPES, help=f"GptOssAttention rows: S or S/MODE ({', '.join(LAYER_MODES)})"
+    )
+    p.add_argument("--flex-seqlens", default="4096", help="layer rows that also time flex_attention (slow compiles)")
+    p.add_argument("--layer-budget-s", type=float, default=300.0, help="no new layer row after this many seconds")
+    p.add_argument("--accuracy", default="8192,16384,16384/128,8192/x25", help="accuracy cases: S, S/window, S/xSCALE")
+    p.add_argument("--mixed-seqlen", type=int, default=4096)
+    p.add_argument("--from-json", help="only re-render attention.md / .png from a saved attention.json")
+    return p.parse_args(argv)
 
-    flags, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--out":
-            skip = True
-        elif not arg.startswith("--out="):
-            flags.append(shlex.quote(arg))
-    return flags
 
-
-def main():
+def main(argv=None):
     global DEVICE, DTYPE, HEADS
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help=OUT_HELP)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument(
-        "--shapes",
-        default="4096,4096/128,16384,16384/128,32768",
-        help="kernel rows: S (causal) or S/window, comma-separated",
-    )
-    parser.add_argument(
-        "--stack-shapes",
-        default="4096/128,16384/128",
-        help="rows timed as a stack of layers with one backward: S (causal) or S/window, comma-separated",
-    )
-    parser.add_argument("--stack-layers", type=int, default=12, help="layers per stack (GPT-OSS-20B: 12 window-128)")
-    parser.add_argument(
-        "--layer-shapes",
-        default="4096,4096/sliding,16384,16384/sliding,32768,32768/sliding,16384/packed,16384/deterministic",
-        help=f"GptOssAttention rows: S (causal) or S/MODE, MODE one of {', '.join(LAYER_MODES)}, comma-separated",
-    )
-    parser.add_argument(
-        "--flex-seqlens",
-        default="4096",
-        help="layer rows that also time flex_attention (each shape compiles for a minute or more)",
-    )
-    parser.add_argument(
-        "--layer-budget-s",
-        type=float,
-        default=300.0,
-        help="stop starting layer rows after this many seconds in that section",
-    )
-    parser.add_argument(
-        "--accuracy",
-        default="8192,16384,16384/128,8192/x25",
-        help="accuracy cases: S, S/window or S/xSCALE (sink logits scaled)",
-    )
-    parser.add_argument("--mixed-seqlen", type=int, default=4096)
-    parser.add_argument("--from-json", help="only re-render attention.md / .png from a saved attention.json")
-    args = parser.parse_args()
+    args = parse_args(argv)
     out_dir = output_dir(args.out, "attention.json", "attention.md", "attention.png")
     layer_shapes = parse_layer_shapes(args.layer_shapes)  # a bad spec stops the run before anything is measured
     if args.from_json:
@@ -1091,48 +877,21 @@ def main():
         DTYPE, HEADS = torch.float32, (4, 2)
     out_dir.mkdir(parents=True, exist_ok=True)
     kernel = load_kernel()
-    fa4 = load_fa4() if DEVICE == "cuda" else None
+    fa4, fa4_missing = load_fa4() if DEVICE == "cuda" else (None, "not run on CPU (FA4 needs a CUDA GPU)")
     import transformers  # noqa: PLC0415
     import triton  # noqa: PLC0415
 
-    env = dict(
-        gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)",
-        torch=torch.__version__,
-        triton=triton.__version__,
-        transformers=transformers.__version__,
-    )
-    try:
-        import importlib.metadata as md  # noqa: PLC0415
-
-        env["flash_attn_4"] = md.version("flash-attn-4") if fa4 is not None else "not installed"
-    except Exception:  # noqa: BLE001
-        pass
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)"
+    env = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__)
+    with contextlib.suppress(Exception):
+        env["flash_attn_4"] = importlib.metadata.version("flash-attn-4") if fa4 is not None else "not installed"
     print(env, flush=True)
     t0 = time.time()
-
-    def parse_shapes(spec):
-        shapes = []
-        for item in filter(None, spec.split(",")):
-            S, _, window = item.partition("/")
-            shapes.append((int(S), int(window) if window else None))
-        return shapes
-
     tk = kernel.interface._backend_module("triton")
     configs = {f"{name}/{d}": dict(cfg) for (name, d), cfg in tk.CONFIGS.items()}  # (read-only mappings in the kernel)
-    result = dict(
-        env=env,
-        command=" ".join(["python benchmarks/attention.py", *_flags_as_run()]),
-        kernel_rows=[],
-        stack_rows=[],
-        layer_impls={},
-        layer_how=None,
-        layer_rows=[],
-        mixed=None,
-        accuracy=[],
-        configs=configs,
-        rounds=ROUNDS,
-        min_calls=MIN_CALLS,
-    )
+    result = dict(env=env, command=command_line("attention", argv, omit_out=True), kernel_rows=[], stack_rows=[],
+                  layer_impls={}, layer_how=None, layer_rows=[], mixed=None, accuracy=[], configs=configs,
+                  rounds=ROUNDS, min_calls=MIN_CALLS)  # fmt: skip
 
     def save():  # after every section: a run stopped at a time limit still leaves what it measured
         result["wall_s"] = time.time() - t0
@@ -1142,42 +901,33 @@ def main():
         write_markdown(report, out_dir / "attention.md")
 
     # the mixed-workload baseline first: nothing else has run in this process yet
-    first = bench(public_step(kernel, None, make_inputs(args.mixed_seqlen, seed=3)))
-    result["kernel_rows"] = time_kernels(kernel, fa4, parse_shapes(args.shapes))
+    first = bench(public_step(kernel, None, [make_inputs(args.mixed_seqlen, seed=3)]))
+    result["kernel_rows"] = time_rows(kernel, fa4, parse_shapes(args.shapes))
     save()
-    result["stack_rows"] = time_stacks(kernel, fa4, parse_shapes(args.stack_shapes), args.stack_layers)
+    result["stack_rows"] = time_rows(kernel, fa4, parse_shapes(args.stack_shapes), args.stack_layers)
     save()
-
     try:
         mixed_workload(kernel, args.mixed_seqlen)
-        after = bench(public_step(kernel, None, make_inputs(args.mixed_seqlen, seed=3)))
+        after = bench(public_step(kernel, None, [make_inputs(args.mixed_seqlen, seed=3)]))
         result["mixed"] = dict(first_ms=first, after_ms=after)
     except Exception as exc:  # noqa: BLE001
-        result["mixed"] = None
-        result["mixed_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        result["mixed_error"] = error_text(exc, 500)
         print("[mixed] failed:", result["mixed_error"], flush=True)
     print("[mixed]", json.dumps(result["mixed"]), flush=True)
     save()
-
-    cases = []
-    for item in filter(None, args.accuracy.split(",")):
-        S, _, extra = item.partition("/")
-        scale = float(extra[1:]) if extra.startswith("x") else 1.0
-        window = int(extra) if extra and not extra.startswith("x") else None
-        cases.append((int(S), window, scale))
+    cases = parse_accuracy_cases(args.accuracy)
     result["accuracy"] = accuracy(kernel, fa4, cases)
     save()
 
-    layer_impls, layer_how = {}, None
+    layer_impls, layer_how, layer_skipped = {}, None, {}  # skipped peers, with the reason: a table entry
     try:
         layer_impls[IMPL_OURS], layer_how = register_hub_kernel()
     except Exception as exc:  # noqa: BLE001
         print(f"[layer] the hub id could not be registered ({type(exc).__name__}: {exc}); layer rows left out")
-    layer_skipped = {}  # peers not in this run, with the reason: a table entry, not a silently missing column
     if layer_impls and fa4 is not None:
-        layer_impls["FA4 (flash_attention_4)"] = "flash_attention_4"
+        layer_impls[FA4_LAYER] = "flash_attention_4"
     elif layer_impls:
-        layer_skipped["FA4 (flash_attention_4)"] = FA4_MISSING or "not run on CPU (FA4 needs a CUDA GPU)"
+        layer_skipped[FA4_LAYER] = fa4_missing
     if layer_impls:
         layer_impls["flex_attention"] = "flex_attention"
     flex_seqlens = {int(s) for s in args.flex_seqlens.split(",") if s}
@@ -1188,7 +938,7 @@ def main():
 
     try:
         write_plot(result, out_dir / "attention.png")
-    except Exception as exc:  # noqa: BLE001 - matplotlib missing: the table and json are still written
+    except ImportError as exc:  # matplotlib missing: the table and json are still written
         print(f"[plot] not written: {exc!r}")
     for t in result["targets"]:
         print(f"[target] {t['target']}: {t['value']} ({'-' if t['met'] is None else 'met' if t['met'] else 'NOT met'})")

@@ -38,16 +38,15 @@ if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstr
     import _bootstrap  # noqa: F401
 from benchmarks._cli import (
     OUT_HELP,
-    add_server_args,
     command_line,
     exit_if_failed,
     figure,
     fmt,
     md_table,
     output_dir,
-    server_manager,
     without_local_paths,
 )
+from trl_ext.sglang_serve import ServerManager
 
 REPO = Path(__file__).resolve().parents[1]
 # the reward columns compare the mean of the first and of the last REWARD_WINDOW logged steps: with fewer than twice
@@ -158,7 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--require-reward-signal", action=argparse.BooleanOptionalAction, default=True,
                    help="fail a run in which no group ever had reward variance (every advantage zero: nothing to learn)")  # fmt: skip
     p.add_argument("--rollout-backend", default="embedded", choices=BACKENDS)
-    add_server_args(p, server_cmd="/opt/sglang/bin/python -m sglang.launch_server", mem_fraction_static=0.5,
+    ServerManager.add_arguments(p, server_cmd="/opt/sglang/bin/python -m sglang.launch_server", mem_fraction_static=0.5,
                     ready_timeout_s=600.0)  # fmt: skip
     p.add_argument("--server-start-lock", default=None,
                    help="a file locked while this script's server starts: processes that share a GPU start their "
@@ -225,7 +224,7 @@ class Rollouts:
         model_dir = self.work_dir / "served_model"
         write_served_model(warm_model, model_dir, self.dtype)  # SGLang builds its layers in config.json's dtype
         dtype = str(self.dtype).removeprefix("torch.")
-        self.server = server_manager(self.args, model_dir, self.work_dir / "logs", ["--dtype", dtype])
+        self.server = ServerManager.from_args(self.args, model_dir, self.work_dir / "logs", ["--dtype", dtype])
         url = self.server.ensure("learning_run", [], self.args.ready_timeout_s)
         launch = self.server.launches[-1]
         self.info.update(

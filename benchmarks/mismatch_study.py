@@ -1,33 +1,21 @@
 """Rollout/training mismatch of GPT-OSS by training attention.
 
-One policy, one set of sampled trajectories, several ways of scoring them:
+One random-weight policy (`hf_gptoss_rl.model_builders.build_random_gptoss`: sinks ~ N(--sink-mean, --sink-std),
+logits with std ~ --logit-std), one set of sampled trajectories, several ways of scoring them (docs/results.md,
+section 1, says why and how to read the tables):
 
-1. Rollouts: `trl_ext.rollout.EmbeddedEngine` samples completions (temperature 1, no top-k/top-p) for GSM8K
-   prompts (`data/gsm8k_train_mini.jsonl`, rendered in harmony by `hf_gptoss_rl.harmony.render_prompt`) with
-   transformers' eager attention, i.e. exact sinks, batched and KV-cached like an inference server. The engine's
-   per-token log-probs are the "rollout" distribution.
-2. Scoring: the trainer's log-prob path (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one full-sequence forward
-   of the right-padded batch, chunked log-softmax) with the training attention switched to
-   - `eager`: the rollout's own attention (the bf16 noise floor: incremental decode vs one full forward);
-   - `eager_without_sinks`: eager math with the sink column removed (what a sink-dropping kernel computes);
-   - `flex_attention`: transformers' flex + sink renormalisation (CUDA only: flex refuses sinks on CPU);
-   - the project's kernel (`hf-gptoss-rl/sink-flash-attn3`, or its sources registered directly when `kernels`
-     is missing, see `hf_gptoss_rl.attention_variants.setup_project_attention`).
+1. Rollouts: `trl_ext.rollout.EmbeddedEngine` samples completions (temperature 1) for GSM8K prompts
+   (`data/gsm8k_train_mini.jsonl`, rendered in harmony) with transformers' eager attention, i.e. exact sinks, batched
+   and KV-cached like an inference server; its per-token log-probs are the "rollout" distribution.
+2. Scoring: the trainer's log-prob path (`trl_ext.mismatch.completion_logprobs`) with the training attention
+   switched to `eager`, `eager_without_sinks` (what a sink-dropping kernel computes), `flex_attention` (CUDA only:
+   flex refuses sinks on CPU) and the project's kernel (`hf_gptoss_rl.attention_variants.setup_project_attention`).
    Experts, weights, dtype and tokens are identical across rows: only attention changes.
-3. Metrics: `trl_ext.mismatch.mismatch_metrics` (the trainer's own numbers): mean/max |p_rollout - p_train|,
-   k3 KL(rollout ‖ train), log-perplexity difference, share of tokens with |Δp| > threshold.
-4. Exact reference (skip with `--no-exact`): after the rows above, the same policy upcast to fp32 in place (bf16
-   weights are exact in fp32; same experts implementation) scores the same tokens with eager attention and
-   TF32 off. Every row, the rollout's own log-probs included, is then also compared with that exact
-   distribution (`exact_*` keys in the json, a second table in the report). This separates "far from the rollout"
-   from "far from the true distribution": eager rounds its scores and softmax to bf16, an implementation that
-   keeps them in fp32 can be closer to exact yet further from an eager bf16 rollout.
+3. Metrics: `trl_ext.mismatch.mismatch_metrics`, the trainer's own numbers.
+4. Exact reference (skip with `--no-exact`): the same policy upcast to fp32 in place scores the same tokens with
+   eager attention and TF32 off; every row, the rollout's own log-probs included, is compared with it too.
 
-Models: a tiny GPT-OSS (`hf_gptoss_rl.model_builders.tiny_gptoss_config`, real 201,088-id vocabulary) and a
-gpt-oss-20b-shaped one (`gptoss_20b_config`, `--layers` to keep fewer of its 24 layers). Weights are random
-(`hf_gptoss_rl.model_builders.build_random_gptoss`: sinks ~ N(--sink-mean, --sink-std), logits with std ~ --logit-std), so
-completions are gibberish; that is fine for a mismatch study, which compares two computations of the same
-distribution on the same tokens.
+Models: a tiny GPT-OSS (real 201,088-id vocabulary) and a gpt-oss-20b-shaped one (`--layers` keeps fewer of its 24).
 
     python benchmarks/mismatch_study.py --out docs/benchmarks   # GPU: tiny + 20b-shaped, replaces the report
     python -m benchmarks.mismatch_study --model tiny --device cpu --num-prompts 2 --max-new-tokens 8 --out /tmp/x
@@ -41,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -49,14 +36,25 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, environment, exit_if_failed, fmt, output_dir, without_local_paths
+from benchmarks._cli import (
+    OUT_HELP,
+    command_line,
+    environment,
+    exit_if_failed,
+    figure,
+    fmt,
+    md_table,
+    output_dir,
+    without_local_paths,
+)
 from hf_gptoss_rl.attention_variants import (
     SINK_DROPPING_ATTENTION,
     register_sink_dropping_attention,
     set_project_attention,
     setup_project_attention,
 )
-from hf_gptoss_rl.model_builders import build_random_gptoss
+from hf_gptoss_rl.model_builders import build_random_gptoss, gptoss_config
+from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS_SOURCE = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -68,6 +66,9 @@ FLEX_CPU_NOTE = "skipped: flex refuses sinks on CPU"
 METRIC_KEYS = ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold")
 EXACT_KEYS = ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff")  # stored as exact_<key>
 ROLLOUT_LABEL = "rollout itself (eager, KV-cached decode)"
+RECORDED_ARGS = ("temperature", "max_new_tokens", "threshold", "sink_mean", "sink_std", "logit_std", "seed")
+CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_local_experts",
+               "sliding_window", "vocab_size")  # fmt: skip
 
 
 def render_gsm8k_prompts(n: int) -> list[list[int]]:
@@ -95,16 +96,6 @@ def load_prompts(n: int) -> tuple[list[list[int]], str]:
         return saved["prompts"][:n], how
 
 
-def model_config(kind: str, layers: int | None):
-    from hf_gptoss_rl.model_builders import gptoss_20b_config, tiny_gptoss_config
-
-    if kind == "tiny":
-        return tiny_gptoss_config(num_hidden_layers=layers or 2)
-    if kind == "20b":
-        return gptoss_20b_config(num_hidden_layers=layers or 24)
-    raise ValueError(f"unknown model {kind!r} (tiny | 20b)")
-
-
 def rollout(model, prompts: list[list[int]], args) -> list:
     """Sample one completion per prompt with the embedded engine (exact eager sink attention)."""
     from trl_ext.rollout import EmbeddedEngine, SamplingParams
@@ -119,39 +110,6 @@ def rollout(model, prompts: list[list[int]], args) -> list:
         engine.shutdown()
 
 
-def score_batch(prompts, outputs, pad_id: int, device):
-    """Right-padded `prompt + completion` ids, their mask, and where each completion token sits in the scores."""
-    seqs = [list(p) + list(o.output_ids) for p, o in zip(prompts, outputs)]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(ids)
-    t_max = max(len(o.output_ids) for o in outputs)
-    rollout_logps = torch.zeros(len(seqs), t_max, dtype=torch.float32)
-    completion_mask = torch.zeros(len(seqs), t_max, dtype=torch.long)
-    for b, (seq, _prompt, o) in enumerate(zip(seqs, prompts, outputs)):
-        ids[b, : len(seq)] = torch.tensor(seq)
-        attention_mask[b, : len(seq)] = 1
-        rollout_logps[b, : len(o.logprobs)] = torch.tensor(o.logprobs, dtype=torch.float32)
-        completion_mask[b, : len(o.output_ids)] = 1
-    return ids.to(device), attention_mask.to(device), rollout_logps, completion_mask
-
-
-@torch.no_grad()
-def train_logps(model, ids, attention_mask, prompt_lens, t_max: int, temperature: float) -> torch.Tensor:
-    """The trainer's per-token log-probs of every completion token, aligned `[B, t_max]` like the rollout's."""
-    from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
-
-    logps, _ = causal_lm_token_logprobs(
-        model, ids, attention_mask, logits_to_keep=ids.shape[1] - 1, temperature=temperature
-    )  # position j scores token j + 1
-    logps = logps.float().cpu()
-    out = torch.zeros(ids.shape[0], t_max, dtype=torch.float32)
-    for b, p in enumerate(prompt_lens):
-        n = min(t_max, logps.shape[1] - (p - 1))
-        out[b, :n] = logps[b, p - 1 : p - 1 + n]
-    return out
-
-
 @torch.no_grad()
 def exact_logps(model, ids, attention_mask, prompt_lens, t_max: int, temperature: float) -> torch.Tensor:
     """The policy's log-probs in fp32 with eager attention: `model` is upcast in place (no second copy, so the 20b
@@ -163,16 +121,14 @@ def exact_logps(model, ids, attention_mask, prompt_lens, t_max: int, temperature
     torch.set_float32_matmul_precision("highest")  # TF32 would make "exact" a 10-bit-mantissa computation
     torch.backends.cudnn.allow_tf32 = False
     try:
-        return train_logps(model, ids, attention_mask, prompt_lens, t_max, temperature)
+        return completion_logprobs(model, ids, attention_mask, prompt_lens, t_max, temperature)
     finally:
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = tf32_cudnn
 
 
 def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
-    from trl_ext.mismatch import mismatch_metrics
-
-    config = model_config(kind, args.layers if kind == "20b" else None)
+    config = gptoss_config(kind, args.layers if kind == "20b" else None)
     t0 = time.perf_counter()
     model = build_random_gptoss(
         config,
@@ -189,7 +145,9 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
     rollout_s = time.perf_counter() - t0
     if not all(o.output_ids for o in outputs):
         raise RuntimeError("a rollout came back empty (aborted?)")
-    ids, attention_mask, rollout_logps, completion_mask = score_batch(prompts, outputs, config.pad_token_id, device)
+    ids, attention_mask, rollout_logps, completion_mask = rollout_scoring_batch(
+        prompts, outputs, config.pad_token_id, device
+    )
     prompt_lens = [len(p) for p in prompts]
 
     variants = [
@@ -214,7 +172,7 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
                 row["attn_implementation"] = impl
             else:
                 model.set_attn_implementation(impl)
-            lt = train_logps(model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], args.temperature)
+            lt = completion_logprobs(model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], args.temperature)
         except Exception as e:  # report, keep the other rows
             row["note"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)
@@ -250,15 +208,7 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
         torch.cuda.empty_cache()
     return {
         "model": kind,
-        "config": {
-            "num_hidden_layers": config.num_hidden_layers,
-            "hidden_size": config.hidden_size,
-            "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_key_value_heads,
-            "num_local_experts": config.num_local_experts,
-            "sliding_window": config.sliding_window,
-            "vocab_size": config.vocab_size,
-        },
+        "config": {key: getattr(config, key) for key in CONFIG_KEYS},
         "num_sequences": len(outputs),
         "completion_tokens": int(sum(lengths)),
         "completion_len_min_max": [min(lengths), max(lengths)],
@@ -289,6 +239,13 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     ]
     for res in results:
         c = res["config"]
+        table = md_table(
+            ["training attention", "mean abs Δp", "max abs Δp", "k3 KL(rollout‖train)", "log-PPL diff",
+             "tokens over threshold", "note"],
+            [[row["attention"], fmt(row.get("prob_diff_mean")), fmt(row.get("prob_diff_max")), fmt(row.get("k3_kl")),
+              fmt(row.get("log_ppl_diff"), "+.3g"), fmt(row.get("frac_tokens_over_threshold"), ".2%"),
+              row.get("note", "")] for row in res["rows"]],
+        )  # fmt: skip
         lines += [
             f"## {res['model']}: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, {c['num_local_experts']} experts, "
@@ -299,18 +256,9 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
             f"{res['completion_len_min_max'][0]}-{res['completion_len_min_max'][1]} tokens); build "
             f"{res['build_s']:.1f} s, rollout {res['rollout_s']:.1f} s.",
             "",
-            "| training attention | mean abs Δp | max abs Δp | k3 KL(rollout‖train) | log-PPL diff "
-            "| tokens over threshold | note |",
-            "|---|---|---|---|---|---|---|",
+            *table,
+            "",
         ]
-        for row in res["rows"]:
-            lines.append(
-                f"| {row['attention']} | {fmt(row.get('prob_diff_mean'))} | {fmt(row.get('prob_diff_max'))} | "
-                f"{fmt(row.get('k3_kl'))} | {fmt(row.get('log_ppl_diff'), '+.3g')} | "
-                f"{fmt(row.get('frac_tokens_over_threshold'), '.2%')} | "
-                f"{row.get('note', '')} |"
-            )
-        lines.append("")
         lines += exact_table(res)
     for fail in meta["failed"]:
         lines += [f"## {fail['model']}: failed", "", f"`{fail['error']}`", ""]
@@ -329,44 +277,34 @@ def exact_table(res: dict) -> list[str]:
     head = [f"Against the exact distribution ({exact['reference']}; k3 KL(exact ‖ row) on the rollout's tokens):", ""]
     if "note" in exact:
         return head + [f"exact scoring failed: `{exact['note']}`", ""]
-    lines = head + [
-        "| scored by | mean abs Δp vs exact | max abs Δp vs exact | k3 KL(exact‖row) | log-PPL diff vs exact |",
-        "|---|---|---|---|---|",
-    ]
     entries = [(ROLLOUT_LABEL, {f"exact_{k}": v for k, v in exact["rollout"].items()})] + [
         (row["attention"], row) for row in res["rows"] if "exact_k3_kl" in row
     ]
-    for label, vals in entries:
-        lines.append(
-            f"| {label} | {fmt(vals['exact_prob_diff_mean'])} | {fmt(vals['exact_prob_diff_max'])} | "
-            f"{fmt(vals['exact_k3_kl'])} | {fmt(vals['exact_log_ppl_diff'], '+.3g')} |"
-        )
-    return lines + ["", f"Exact scoring took {exact['score_s']:.1f} s.", ""]
+    table = md_table(
+        ["scored by", "mean abs Δp vs exact", "max abs Δp vs exact", "k3 KL(exact‖row)", "log-PPL diff vs exact"],
+        [[label, fmt(vals["exact_prob_diff_mean"]), fmt(vals["exact_prob_diff_max"]), fmt(vals["exact_k3_kl"]),
+          fmt(vals["exact_log_ppl_diff"], "+.3g")] for label, vals in entries],
+    )  # fmt: skip
+    return head + table + ["", f"Exact scoring took {exact['score_s']:.1f} s.", ""]
 
 
 def plot(path: Path, results: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, max(len(results), 1), figsize=(6.5 * max(len(results), 1), 4.2), squeeze=False)
-    for ax, res in zip(axes[0], results):
-        for label, values in res["abs_prob_diff"].items():
-            v = np.sort(np.maximum(np.asarray(values, dtype=np.float64), 1e-12))
-            ax.plot(v, 1.0 - np.arange(len(v)) / max(len(v), 1), label=label.split(" (")[0])
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("|p_rollout - p_train| per token")
-        ax.set_ylabel("share of tokens ≥ x")
-        ax.set_title(f"{res['model']} GPT-OSS ({res['completion_tokens']} tokens)")
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    panels = max(len(results), 1)
+    with figure(path, 1, panels, figsize=(6.5 * panels, 4.2), dpi=120, squeeze=False) as (_, axes):
+        for ax, res in zip(axes[0], results):
+            for label, values in res["abs_prob_diff"].items():
+                v = np.sort(np.maximum(np.asarray(values, dtype=np.float64), 1e-12))
+                ax.plot(v, 1.0 - np.arange(len(v)) / max(len(v), 1), label=label.split(" (")[0])
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("|p_rollout - p_train| per token")
+            ax.set_ylabel("share of tokens ≥ x")
+            ax.set_title(f"{res['model']} GPT-OSS ({res['completion_tokens']} tokens)")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
 
 
 def parse_args(argv=None):
@@ -384,12 +322,7 @@ def parse_args(argv=None):
     p.add_argument("--logit-std", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
-    p.add_argument(
-        "--no-exact",
-        dest="exact",
-        action="store_false",
-        help="skip the fp32 exact reference (one more scoring pass, the weights upcast to fp32 in place)",
-    )
+    p.add_argument("--no-exact", dest="exact", action="store_false", help="skip the fp32 exact reference")
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--write-prompts", type=Path, default=None, help="render the prompts, save their ids, exit")
     args = p.parse_args(argv)
@@ -449,18 +382,12 @@ def main(argv=None) -> list[dict]:
         print(f"[mismatch] {kind} done in {time.perf_counter() - t0:.1f} s", flush=True)
     meta = {
         "env": environment(),
-        "command": "python benchmarks/mismatch_study.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("mismatch_study", argv),
         "dtype": str(args.dtype).replace("torch.", ""),
         "project_attention": project_attn,
         "project_attention_how": how,
         "prompts_how": prompts_how,
-        "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens,
-        "threshold": args.threshold,
-        "sink_mean": args.sink_mean,
-        "sink_std": args.sink_std,
-        "logit_std": args.logit_std,
-        "seed": args.seed,
+        **{key: getattr(args, key) for key in RECORDED_ARGS},
         "exact_reference": args.exact,
         "png_name": "mismatch_study.png",
         "failed": failed,

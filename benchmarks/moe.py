@@ -1,23 +1,16 @@
 """One gpt-oss-20b MoE layer on one GPU: `eager`, `grouped_mm` and `memory_efficient` experts side by side.
 
-What runs (one process, same weights, same routing):
+One process, same weights, same routing (random router weights with a per-expert bias, so the load is uneven as in
+a trained model):
 
-1. Correctness at T=2048: every implementation, bf16, against an fp64 copy of the layer run with the same
-   routing (relative L2 error of the output, the input gradient, the routing-weight gradient and the four
-   expert weight/bias gradients). The memory-efficient experts are also run with their PyTorch gate path
-   (`use_backends(experts="torch")`) to cross-check the Triton kernels.
-2. Timing and memory for T in {4096, 32768, 65536}: the experts module (`GptOssExperts`, dispatched through
-   transformers' `ALL_EXPERTS_FUNCTIONS`) called with fixed routing from the layer's router (random router
-   weights with a per-expert bias, so the load is uneven as in a trained model). `train` = forward + backward
-   (input, routing-weight and expert weight/bias gradients); `no-grad` = forward under `torch.no_grad()`.
-   Times are medians of `triton.testing.do_bench`. Peak memory is `max_memory_allocated` minus the memory
-   allocated just before the call (resident weights, inputs, routing, upstream gradient), with `.grad` set to
-   None first — so the train peak INCLUDES the freshly allocated expert weight/bias gradients (1.48 GiB).
-   TFLOP/s counts the model's matmul FLOPs (fwd 6·S·H·I with S = T·top_k, train 3× fwd), the same for every
-   implementation (recomputation is not credited).
+1. Correctness at T=2048: every implementation, bf16, against an fp64 copy of the layer (relative L2 error of the
+   output, the input, routing-weight and expert weight/bias gradients); the memory-efficient experts also with their
+   PyTorch gate path (`use_backends(experts="torch")`) to cross-check the Triton kernels.
+2. Time, TFLOP/s and peak memory of the experts module for T in {4096, 32768, 65536}, `train` (forward + backward)
+   and `no-grad`; the report says how each is measured.
 
 Usage: python benchmarks/moe.py [--out DIR] [--tokens 4096 32768 65536] [--profile]   (or python -m benchmarks.moe)
-       python benchmarks/moe.py --report-from DIR/moe.json   (re-render the table and plot, no GPU)
+       python benchmarks/moe.py --from-json DIR/moe.json --out DIR   (re-render the table and plot, no GPU)
 Writes DIR/moe.md, DIR/moe.png, DIR/moe.json (default DIR = docs/benchmarks).
 """
 
@@ -27,7 +20,6 @@ import argparse
 import copy
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -35,12 +27,28 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, RATIO_RULE, git_commit, output_dir, ratio, without_local_paths
+from benchmarks._cli import (
+    OUT_HELP,
+    RATIO_RULE,
+    command_line,
+    figure,
+    git_commit,
+    gpu_time_and_peak,
+    grouped_bars,
+    md_table,
+    output_dir,
+    ratio,
+    rel_error,
+    without_local_paths,
+)
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+VARIANTS = {
+    # label: (experts_implementation, module attributes)
+    "eager": ("eager", {}),
+    "grouped_mm": ("grouped_mm", {}),
+    "memory_efficient": ("memory_efficient", {}),
+    "memory_efficient (recompute)": ("memory_efficient", {"experts_recompute_gate_up": True}),
+}
 
 
 def build_layer(device):
@@ -65,10 +73,6 @@ def build_layer(device):
     return mlp.to(torch.bfloat16), config
 
 
-def set_impl(experts_module, name: str):
-    experts_module.config._experts_implementation = name
-
-
 def make_inputs(mlp, tokens: int, device, seed: int):
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, mlp.experts.hidden_size, device=device, dtype=torch.bfloat16, generator=g)
@@ -86,18 +90,9 @@ def train_step(module, x, scores, index, grad_out):
     return out, xr.grad, wr.grad
 
 
-VARIANTS = {
-    # label: (experts_implementation, module attributes)
-    "eager": ("eager", {}),
-    "grouped_mm": ("grouped_mm", {}),
-    "memory_efficient": ("memory_efficient", {}),
-    "memory_efficient (recompute)": ("memory_efficient", {"experts_recompute_gate_up": True}),
-}
-
-
 def configure(module, variant: str, chunk_rows: int | None = None):
     impl, attrs = VARIANTS[variant]
-    set_impl(module, impl)
+    module.config._experts_implementation = impl
     for attr in ("experts_recompute_gate_up", "experts_chunk_rows"):
         if hasattr(module, attr):
             delattr(module, attr)
@@ -112,13 +107,12 @@ def correctness(mlp, device, tokens=2048):
 
     experts = mlp.experts
     ref = copy.deepcopy(experts).double()
-    set_impl(ref, "eager")
+    ref.config._experts_implementation = "eager"
     x, scores, index, grad_out = make_inputs(mlp, tokens, device, seed=1)
     out_ref, dx_ref, dw_ref = train_step(ref, x.double(), scores.double(), index, grad_out.double())
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     rows = []
-    cases = [(v, None) for v in VARIANTS] + [("memory_efficient", "torch")]
-    for variant, backend in cases:
+    for variant, backend in [(v, None) for v in VARIANTS] + [("memory_efficient", "torch")]:
         configure(experts, variant)
         experts.zero_grad(set_to_none=True)
         with use_backends(**({"experts": backend} if backend else {})):
@@ -127,63 +121,44 @@ def correctness(mlp, device, tokens=2048):
                 out_ng = experts(x, index, scores)
         row = {
             "variant": variant + (" [torch gate]" if backend else ""),
-            "out": rel(out, out_ref),
-            "out_no_grad": rel(out_ng, out_ref),
-            "dx": rel(dx, dx_ref),
-            "d_routing_w": rel(dw, dw_ref),
+            "out": rel_error(out, out_ref),
+            "out_no_grad": rel_error(out_ng, out_ref),
+            "dx": rel_error(dx, dx_ref),
+            "d_routing_w": rel_error(dw, dw_ref),
         }
-        for n, p in experts.named_parameters():
-            row["d_" + n] = rel(p.grad, ref_grads[n])
+        row.update({"d_" + n: rel_error(p.grad, ref_grads[n]) for n, p in experts.named_parameters()})
         rows.append(row)
         print("  " + "  ".join(f"{k}={v:.2e}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
     experts.zero_grad(set_to_none=True)
-    del ref
     return rows
 
 
 def measure(module, x, scores, index, grad_out, mode):
-    from triton.testing import do_bench
-
+    """(ms, peak GiB) of the experts module, ``mode`` "train" (forward + backward) or "no-grad"."""
     params = list(module.parameters())
     xr = x.detach().requires_grad_()
     wr = scores.detach().requires_grad_()
 
+    def reset():
+        for t in (*params, xr, wr):
+            t.grad = None
+
     def run_train():
-        for p in params:
-            p.grad = None
-        xr.grad = None
-        wr.grad = None
+        reset()
         module(xr, index, wr).backward(grad_out)
 
     def run_no_grad():
         with torch.no_grad():
             module(x, index, scores)
 
-    fn = run_train if mode == "train" else run_no_grad
-    fn()  # warm-up / compile
-    torch.cuda.synchronize()
-    for p in params:
-        p.grad = None
-    xr.grad = wr.grad = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = do_bench(fn, warmup=30, rep=150, return_mode="median")
-    for p in params:
-        p.grad = None
-    return ms, peak
+    return gpu_time_and_peak(run_train if mode == "train" else run_no_grad, reset, warmup=30, rep=150)
 
 
 def profile_top(module, x, scores, index, grad_out, n=14):
+    """The top CUDA kernels of one forward + backward of ``module`` (after two warm-up steps), as a table."""
     from torch.profiler import ProfilerActivity, profile
 
-    xr = x.detach().requires_grad_()
-    wr = scores.detach().requires_grad_()
+    xr, wr = x.detach().requires_grad_(), scores.detach().requires_grad_()
     for _ in range(2):
         module(xr, index, wr).backward(grad_out)
     torch.cuda.synchronize()
@@ -197,6 +172,25 @@ def profile_top(module, x, scores, index, grad_out, n=14):
 
 def write_report(out_dir: Path, results, corr, meta):
     meta = without_local_paths(meta)  # a report names no local folder
+
+    def cells(t, name, r, base):
+        def fmt(key, spec):
+            v = r.get(key)
+            return "OOM" if v == "OOM" else ("" if v is None else format(v, spec))
+
+        def vs_base(key):
+            a, b = r.get(key), base.get(key)
+            return ratio(a, b) if isinstance(a, float) and isinstance(b, float) else ""
+
+        return [t, name, fmt("train_ms", ".1f"), fmt("train_tflops", ".0f"), fmt("train_peak", ".2f"),
+                fmt("nograd_ms", ".1f"), fmt("nograd_tflops", ".0f"), fmt("nograd_peak", ".2f"),
+                vs_base("train_ms"), vs_base("nograd_ms")]  # fmt: skip
+
+    table = md_table(
+        ["T", "implementation", "train ms", "train TFLOP/s", "train peak GiB", "no-grad ms", "no-grad TFLOP/s",
+         "no-grad peak GiB", "train time ÷ grouped_mm's", "no-grad time ÷ grouped_mm's"],
+        [cells(t, name, r, v.get("grouped_mm", {})) for t, v in results.items() for name, r in v.items()],
+    )  # fmt: skip
     lines = [
         "# MoE experts: one gpt-oss-20b layer (32 experts, top-4, H = I = 2880, bf16)",
         "",
@@ -213,90 +207,53 @@ def write_report(out_dir: Path, results, corr, meta):
         "newly allocated expert gradients (1.48 GiB). TFLOP/s counts the layer's matmul FLOPs (fwd 6·S·H·I, "
         "S = T·top_k; train 3× fwd) for every implementation alike.",
         "",
-        "| T | implementation | train ms | train TFLOP/s | train peak GiB | no-grad ms | no-grad TFLOP/s | no-grad peak GiB | train time ÷ grouped_mm's | no-grad time ÷ grouped_mm's |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *table,
+        "",
+        f"The last two columns: {RATIO_RULE}.",
+        "",
     ]
-    for t, variants in results.items():
-        base = variants.get("grouped_mm", {})
-        for name, r in variants.items():
-
-            def fmt(key, spec):
-                v = r.get(key)
-                return "OOM" if v == "OOM" else ("" if v is None else format(v, spec))
-
-            def vs_base(key):
-                a, b = r.get(key), base.get(key)
-                return ratio(a, b) if isinstance(a, float) and isinstance(b, float) else ""
-
-            lines.append(
-                f"| {t} | {name} | {fmt('train_ms', '.1f')} | {fmt('train_tflops', '.0f')} | {fmt('train_peak', '.2f')} | "
-                f"{fmt('nograd_ms', '.1f')} | {fmt('nograd_tflops', '.0f')} | {fmt('nograd_peak', '.2f')} | "
-                f"{vs_base('train_ms')} | {vs_base('nograd_ms')} |"
-            )
-    lines += ["", f"The last two columns: {RATIO_RULE}.", ""]
-    at32 = results.get(32768) or results.get("32768")
-    if at32 and "grouped_mm" in at32 and "memory_efficient" in at32:
-        g, m = at32["grouped_mm"], at32["memory_efficient"]
-        if all(
-            isinstance(d.get(k), float) for d in (g, m) for k in ("train_ms", "train_peak", "nograd_ms", "nograd_peak")
-        ):
-            checks = [
-                ("training time ≤ grouped_mm's / 1.3", ratio(m["train_ms"], g["train_ms"]), m["train_ms"] * 1.3 <= g["train_ms"]),
-                ("training peak ≤ ½ of grouped_mm's", f"{m['train_peak']:.2f} / {g['train_peak']:.2f} GiB = {m['train_peak'] / g['train_peak']:.2f}", m["train_peak"] <= g["train_peak"] / 2),
-                ("no-grad peak ≤ 1 GiB", f"{m['nograd_peak']:.2f} GiB (grouped_mm {g['nograd_peak']:.2f})", m["nograd_peak"] <= 1.0),
-                ("no-grad not slower than grouped_mm", f"{m['nograd_ms']:.1f} vs {g['nograd_ms']:.1f} ms", m["nograd_ms"] <= g["nograd_ms"]),
-            ]  # fmt: skip
-            chunk = meta.get("default_chunk_rows", 8192)  # runs before the field was recorded used 8192
-            lines += [f"## Targets at T=32768 (default `memory_efficient`, chunk {chunk} pairs)", "",
-                      "| target | measured | met |", "|---|---|---|"]  # fmt: skip
-            lines += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in checks]
-            lines.append("")
+    at32 = results.get(32768, {})
+    g, m = at32.get("grouped_mm", {}), at32.get("memory_efficient", {})
+    if all(isinstance(d.get(k), float) for d in (g, m) for k in ("train_ms", "train_peak", "nograd_ms", "nograd_peak")):
+        checks = [
+            ("training time ≤ grouped_mm's / 1.3", ratio(m["train_ms"], g["train_ms"]), m["train_ms"] * 1.3 <= g["train_ms"]),
+            ("training peak ≤ ½ of grouped_mm's", f"{m['train_peak']:.2f} / {g['train_peak']:.2f} GiB = {m['train_peak'] / g['train_peak']:.2f}", m["train_peak"] <= g["train_peak"] / 2),
+            ("no-grad peak ≤ 1 GiB", f"{m['nograd_peak']:.2f} GiB (grouped_mm {g['nograd_peak']:.2f})", m["nograd_peak"] <= 1.0),
+            ("no-grad not slower than grouped_mm", f"{m['nograd_ms']:.1f} vs {g['nograd_ms']:.1f} ms", m["nograd_ms"] <= g["nograd_ms"]),
+        ]  # fmt: skip
+        lines += [f"## Targets at T=32768 (default `memory_efficient`, chunk {meta['default_chunk_rows']} pairs)", ""]
+        lines += md_table(["target", "measured", "met"], [[n, v, "yes" if ok else "NO"] for n, v, ok in checks])
+        lines.append("")
+    keys = [k for k in corr[0] if k != "variant"]
     lines += [
-        f"Command: `{meta.get('command', 'python benchmarks/moe.py')}`",
+        f"Command: `{meta['command']}`",
         "",
         f"Expert load at T=32768: max/mean tokens per expert = {meta.get('load_imbalance', 'n/a')}.",
         "",
         "## Correctness (T=2048, bf16 vs an fp64 copy of the layer, same routing; relative L2 error)",
         "",
+        *md_table(["implementation", *keys], [[row["variant"], *(f"{row[k]:.1e}" for k in keys)] for row in corr]),
+        "",
+        "![MoE benchmark](moe.png)",
+        "",
     ]
-    keys = [k for k in corr[0] if k != "variant"]
-    lines.append("| implementation | " + " | ".join(keys) + " |")
-    lines.append("|---" * (len(keys) + 1) + "|")
-    for row in corr:
-        lines.append(f"| {row['variant']} | " + " | ".join(f"{row[k]:.1e}" for k in keys) + " |")
-    lines += ["", "![MoE benchmark](moe.png)", ""]
     (out_dir / "moe.md").write_text("\n".join(lines))
-
+    panels = [("train_ms", "train fwd+bwd ms"), ("train_peak", "train peak GiB"),
+              ("nograd_ms", "no-grad fwd ms"), ("nograd_peak", "no-grad peak GiB")]  # fmt: skip
+    names = [n for n in VARIANTS if any(n in v for v in results.values())]
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-        panels = [("train_ms", "train fwd+bwd ms"), ("train_peak", "train peak GiB"),
-                  ("nograd_ms", "no-grad fwd ms"), ("nograd_peak", "no-grad peak GiB")]  # fmt: skip
-        names = [n for n in VARIANTS if any(n in v for v in results.values())]
-        ts = list(results)
-        width = 0.8 / max(len(names), 1)
-        for ax, (key, title) in zip(axes, panels):
-            for j, name in enumerate(names):
-                vals = [results[t].get(name, {}).get(key) for t in ts]
-                vals = [v if isinstance(v, float) else 0.0 for v in vals]
-                ax.bar([k + j * width for k in range(len(ts))], vals, width, label=name)
-            ax.set_xticks([k + width * (len(names) - 1) / 2 for k in range(len(ts))])
-            ax.set_xticklabels([str(t) for t in ts])
-            ax.set_xlabel("tokens T")
-            ax.set_title(title)
-        axes[0].legend(fontsize=8)
-        fig.suptitle("gpt-oss-20b MoE layer on " + meta["device"])
-        fig.tight_layout()
-        fig.savefig(out_dir / "moe.png", dpi=110)
-    except Exception as exc:  # the table is the result; the plot is a convenience
-        print(f"[moe bench] plot failed: {exc!r}")
+        with figure(out_dir / "moe.png", 1, 4, figsize=(20, 4.5)) as (fig, axes):
+            for ax, (key, title) in zip(axes, panels):
+                grouped_bars(ax, list(results), {n: [results[t].get(n, {}).get(key) for t in results] for n in names})
+                ax.set_xlabel("tokens T")
+                ax.set_title(title)
+            axes[0].legend(fontsize=8)
+            fig.suptitle("gpt-oss-20b MoE layer on " + meta["device"])
+    except ImportError as exc:  # the table is the result; the plot is a convenience
+        print(f"[moe bench] plot not written: {exc!r}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help=OUT_HELP)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 65536])
@@ -304,14 +261,12 @@ def main():
         "--chunk-sweep", type=int, nargs="*", default=[4096, 16384, 32768], help="extra chunk sizes at 32k"
     )
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of memory_efficient train")
-    parser.add_argument(
-        "--from-json", "--report-from", dest="report_from", help="no run: re-render moe.md / moe.png from a moe.json"
-    )
-    args = parser.parse_args()
+    parser.add_argument("--from-json", help="no run: re-render moe.md / moe.png from a moe.json")
+    args = parser.parse_args(argv)
     out_dir = output_dir(args.out, "moe.json", "moe.md", "moe.png")
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.report_from:
-        saved = json.loads(Path(args.report_from).read_text())
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
         results = {int(t): v for t, v in saved["results"].items()}
         write_report(out_dir, results, saved["correctness"], saved["meta"])
         (out_dir / "moe.json").write_text(json.dumps(saved, indent=1))
@@ -332,7 +287,7 @@ def main():
         "transformers": transformers.__version__,
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
+        "command": command_line("moe", argv),
         "commit": git_commit(),
         "default_chunk_rows": experts_mod.DEFAULT_CHUNK_ROWS,
     }
@@ -363,17 +318,10 @@ def main():
             label = variant if chunk is None else f"memory_efficient (chunk {chunk})"
             configure(experts, variant, chunk)
             r = {}
-            for mode in ("train", "no-grad"):
-                key = "train" if mode == "train" else "nograd"
-                try:
-                    ms, peak = measure(experts, x, scores, index, grad_out, mode)
-                    r[f"{key}_ms"], r[f"{key}_peak"] = ms, peak
-                    r[f"{key}_tflops"] = (3 if mode == "train" else 1) * fwd_flops / ms / 1e9
-                except torch.OutOfMemoryError:
-                    r[f"{key}_ms"] = r[f"{key}_peak"] = "OOM"
-                    experts.zero_grad(set_to_none=True)
-                    gc.collect()
-                    torch.cuda.empty_cache()
+            for mode, key in (("train", "train"), ("no-grad", "nograd")):
+                r[f"{key}_ms"], r[f"{key}_peak"] = measure(experts, x, scores, index, grad_out, mode)
+                if r[f"{key}_ms"] != "OOM":
+                    r[f"{key}_tflops"] = (3 if mode == "train" else 1) * fwd_flops / r[f"{key}_ms"] / 1e9
             results[t][label] = r
             print(f"T={t:6d} {label:34s} " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                                      for k, v in r.items()), flush=True)  # fmt: skip

@@ -36,14 +36,13 @@ import torch
 
 from benchmarks._cli import (
     OUT_HELP,
-    add_server_args,
     exit_if_failed,
     figure,
     md_table,
     output_dir,
-    server_manager,
     without_local_paths,
 )
+from trl_ext.sglang_serve import ServerManager
 
 NAMES = ("routing_replay.json", "routing_replay.md", "routing_replay.png")
 ROUTING_FLAGS = ["--enable-return-routed-experts", "--moe-runner-backend", "triton"]
@@ -54,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     p.add_argument("--model", choices=("20b", "tiny"), default="20b", help="20b: gpt-oss-20b layer shapes; tiny: tests")
     p.add_argument("--layers", type=int, default=4, help="layers of the model (of gpt-oss-20b's 24)")
-    add_server_args(p, ready_timeout_s=300.0)
+    ServerManager.add_arguments(p, ready_timeout_s=300.0)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="timed generations with and without the routing, each")
@@ -70,7 +69,7 @@ def parse_args(argv=None):
 
 
 def routing_plan(prompts, outputs, width: int, shape) -> torch.Tensor:
-    """`[B, width, layers, top_k]` of the engine's records in `score_batch`'s right-padded layout."""
+    """`[B, width, layers, top_k]` of the engine's records in `rollout_scoring_batch`'s right-padded layout."""
     from hf_gptoss_rl.routing import no_route, routing_dtype
 
     layers, top_k, experts = shape
@@ -98,10 +97,10 @@ def timed_generation(engine, prompts, sampling, record, repeats: int) -> list[fl
 
 
 def run(args, work: Path) -> dict:
-    from benchmarks.mismatch_study import METRIC_KEYS, load_prompts, score_batch, train_logps
+    from benchmarks.mismatch_study import METRIC_KEYS, load_prompts
     from benchmarks.sglang_e2e import E2E_LAUNCH_FLAGS, build_model, load_policy
     from hf_gptoss_rl.routing import RoutingReplay, routing_shape
-    from trl_ext.mismatch import mismatch_metrics
+    from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
     from trl_ext.rollout import SamplingParams, SGLangEngine, run_sync
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -111,7 +110,7 @@ def run(args, work: Path) -> dict:
     shape = routing_shape(policy)
     result["routing_shape"] = dict(zip(("layers", "top_k", "experts"), shape))
     result["policy_dtype"] = str(next(policy.parameters()).dtype).removeprefix("torch.")
-    server = server_manager(args, args.model_dir, work / "logs", E2E_LAUNCH_FLAGS)
+    server = ServerManager.from_args(args, args.model_dir, work / "logs", E2E_LAUNCH_FLAGS)
     try:
         url = server.ensure("routing", ROUTING_FLAGS, args.ready_timeout_s)
         result["server_command"] = server.launches[-1]["command"]  # its local paths go in main()
@@ -145,16 +144,16 @@ def run(args, work: Path) -> dict:
     per_round: dict[str, list[dict]] = {"own routing": [], "replayed engine routing": []}
     tokens_scored = 0
     for outs_r in rounds:
-        ids, mask, rollout_lp, cmask = score_batch(prompts, outs_r, policy.config.pad_token_id or 0, device)
+        ids, mask, rollout_lp, cmask = rollout_scoring_batch(prompts, outs_r, policy.config.pad_token_id or 0, device)
         plan = routing_plan(prompts, outs_r, ids.shape[1], shape)
         tokens_scored += int(cmask.sum())
-        train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)  # warm-up, untimed
+        completion_logprobs(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)  # warm-up, untimed
         for name, replayed in (("own routing", False), ("replayed engine routing", True)):
             replay.set_plan(plan, replay=replayed, device=device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            logps = train_logps(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)
+            logps = completion_logprobs(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)
             elapsed = time.perf_counter() - start
             agreement = replay.take_agreement()
             stats = mismatch_metrics(logps, rollout_lp, cmask, threshold=args.threshold)
@@ -191,6 +190,12 @@ def render(result: dict) -> str:
         return f"{rows[name][key]:{spec}} [{min(values):{spec}}, {max(values):{spec}}]"
 
     ratios = [r["k3_kl"] / o["k3_kl"] for o, r in zip(rounds["own routing"], rounds["replayed engine routing"])]
+    cells = (("agreement", ".4f"), ("agreement_min_layer", ".4f"), ("k3_kl", ".3g"), ("prob_diff_max", ".3g"),
+             ("prob_diff_mean", ".3g"))  # fmt: skip
+    table = md_table(
+        ["trainer forward", "routing agreement", "worst layer", "k3", "max abs dp", "mean abs dp"],
+        [[name, *(cell(name, key, spec) for key, spec in cells)] for name in rows],
+    )
     lines = [
         "# Routing replay against SGLang",
         "",
@@ -205,20 +210,7 @@ def render(result: dict) -> str:
         f"forward. Rounds: {len(rounds['own routing'])}, each a batch of the {result['num_prompts']} prompts sampled "
         "anew and scored both ways; the table gives the median of the rounds and, in brackets, their range.",
         "",
-        *md_table(
-            ["trainer forward", "routing agreement", "worst layer", "k3", "max abs dp", "mean abs dp"],
-            [
-                [
-                    name,
-                    cell(name, "agreement", ".4f"),
-                    cell(name, "agreement_min_layer", ".4f"),
-                    cell(name, "k3_kl", ".3g"),
-                    cell(name, "prob_diff_max", ".3g"),
-                    cell(name, "prob_diff_mean", ".3g"),
-                ]
-                for name in rows
-            ],
-        ),  # fmt: skip
+        *table,
         "",
         "k3 with replay / without, per round: " + ", ".join(f"{x:.3f}" for x in ratios) + ".",
         "",

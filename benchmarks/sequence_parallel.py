@@ -1,19 +1,13 @@
 """Sink-aware Ulysses sequence parallelism on 1/2/4/8 GPUs: the longest GPT-OSS-20B training sequence, and step time.
 
-Setup (the whole-model step of ``benchmarks/full_step.py``'s plain step, so the P=1 ``stock`` row is what stock
-transformers fits on one GPU): a GPT-OSS-20B-shaped model with random bf16 weights, LoRA r=16 on q/k/v/o, gradient
-checkpointing, one sequence of S tokens, one training step = forward + backward of the mean token NLL. Peers, side by side:
-
-- ``stock``  (P=1 only): ``model(input_ids, labels=input_ids)``, full-vocabulary logits, no SP;
-- ``sp``     (P=1,2,4,8): ``enable_sequence_parallel`` + ``sequence_parallel_logprobs`` (backbone on S/P tokens per
-  GPU, LM head chunked over tokens). P=1 isolates what the chunked head alone buys.
-
-Inner attention: the project's sink kernel on GPUs (eager on CPU); ``--attn`` forces another (``flex_attention``,
-``eager``).
-
-For each P the sequence length doubles (from the largest S the previous P fitted) until a run fails (OOM, or
-the per-run timeout). Every (P, S) runs in its own ``torchrun`` job, so an OOM on one rank cannot hang the others.
-Results: median step time of ``--steps`` timed steps after one warm-up, tokens/s, peak memory (max over ranks).
+A GPT-OSS-20B-shaped model with random bf16 weights, LoRA r=16 on q/k/v/o, gradient checkpointing, one sequence of S
+tokens; one training step = forward + backward of the mean token NLL. Peers: ``stock`` (P=1 only:
+``model(input_ids, labels=input_ids)``, full-vocabulary logits) and ``sp`` (P=1,2,4,8: ``enable_sequence_parallel`` +
+``sequence_parallel_logprobs``, the LM head chunked over tokens; P=1 isolates what the chunked head alone buys). Inner
+attention: the project's sink kernel on GPUs, eager on CPU (``--attn`` forces another). For each P, S doubles from the
+largest S the previous P fitted until a run fails (OOM or ``--timeout``); every (P, S) is its own ``torchrun`` job, so
+an OOM on one rank cannot hang the others. Results: median step time of ``--steps`` steps after one warm-up, tokens/s,
+peak memory (max over ranks).
 
     python benchmarks/sequence_parallel.py                       # every GPU count the machine has (1, 2, 4, 8)
     python benchmarks/sequence_parallel.py --gpus 8 --seq-lens 65536,131072,262144
@@ -21,8 +15,8 @@ Results: median step time of ``--steps`` timed steps after one warm-up, tokens/s
         # CPU/gloo dry run of the whole pipeline (no memory numbers)
 
 Writes OUT/sequence_parallel.md, .png and .json (``--out OUT``; by default docs/benchmarks/, only while no report is
-there: name the folder to replace one). The exit status is non-zero when a run failed otherwise than by an OOM or the
-timeout (which end the search for that P).
+there). The exit status is non-zero when a run failed otherwise than by an OOM or the timeout (which end the search
+for that P).
 """
 
 from __future__ import annotations
@@ -57,21 +51,13 @@ RESULT_TAG = "SP_BENCH_RESULT "
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _pick_attention(requested: str) -> str:
-    """`auto`: the project's sink kernel on GPUs, eager on CPU (the CPU run only checks the pipeline)."""
-    if requested != "auto":
-        return requested
-    import torch
-
-    from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
-
-    return ATTN_IMPLEMENTATION if torch.cuda.is_available() else "eager"
-
-
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from transformers import GptOssForCausalLM
 
+    from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
     from hf_gptoss_rl.model_builders import gptoss_20b_config, tiny_gptoss_config
     from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel, sequence_parallel_logprobs
 
@@ -84,33 +70,28 @@ def worker(args) -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import GptOssForCausalLM
-
     config = gptoss_20b_config() if args.model == "20b" else tiny_gptoss_config(vocab_size=1024)
-    attn = _pick_attention(args.attn)
+    # auto: the project's sink kernel on GPUs, eager on CPU (the CPU run only checks the pipeline)
+    attn = args.attn if args.attn != "auto" else ATTN_IMPLEMENTATION if torch.cuda.is_available() else "eager"
     torch.manual_seed(0)
     with torch.device(device):
-        model = GptOssForCausalLM(config).to(dtype)
+        model = GptOssForCausalLM(config).to(torch.bfloat16 if on_gpu else torch.float32)
     model.set_attn_implementation(attn)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    model = get_peft_model(model, lora)
+    model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
     model.train()
     if args.mode == "sp":
         enable_sequence_parallel(model, None)
     elif world != 1:
         raise ValueError("the stock peer runs on one GPU")
-
-    gen = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, config.vocab_size, (1, args.seq_len), generator=gen).to(device)
+    input_ids = torch.randint(0, config.vocab_size, (1, args.seq_len), generator=torch.Generator().manual_seed(1))
+    input_ids = input_ids.to(device)
 
     def step():
         if args.mode == "sp":
-            logps = sequence_parallel_logprobs(model, {"input_ids": input_ids}, None)
-            loss = -logps.mean()
+            loss = -sequence_parallel_logprobs(model, {"input_ids": input_ids}, None).mean()
         else:
             loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
@@ -135,22 +116,9 @@ def worker(args) -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         median = statistics.median(times)
-        print(
-            RESULT_TAG
-            + json.dumps(
-                dict(
-                    mode=args.mode,
-                    gpus=world,
-                    seq_len=args.seq_len,
-                    attn=attn,
-                    step_s=median,
-                    tokens_per_s=args.seq_len / median,
-                    peak_gib=peak.item(),
-                    loss=loss.item(),
-                )
-            ),
-            flush=True,
-        )
+        result = dict(mode=args.mode, gpus=world, seq_len=args.seq_len, attn=attn, step_s=median,
+                      tokens_per_s=args.seq_len / median, peak_gib=peak.item(), loss=loss.item())  # fmt: skip
+        print(RESULT_TAG + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
@@ -168,18 +136,14 @@ def run_point(args, mode: str, gpus: int, seq_len: int) -> dict:
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        output = proc.stdout + proc.stderr
+        output, reason = proc.stdout + proc.stderr, "failed"
     except subprocess.TimeoutExpired as err:
-        output = f"timeout after {args.timeout}s\n{err.stdout or ''}{err.stderr or ''}"
-        proc = None
+        output, reason = f"timeout after {args.timeout}s\n{err.stdout or ''}{err.stderr or ''}", "timeout"
     for line in output.splitlines():
         if line.startswith(RESULT_TAG):
-            result = json.loads(line[len(RESULT_TAG) :])
-            result["ok"], result["wall_s"] = True, time.perf_counter() - start
-            return result
-    reason = "OOM" if "OutOfMemoryError" in output or "out of memory" in output else "failed"
-    if proc is None:
-        reason = "timeout"
+            return {**json.loads(line[len(RESULT_TAG) :]), "ok": True, "wall_s": time.perf_counter() - start}
+    if reason == "failed" and ("OutOfMemoryError" in output or "out of memory" in output):
+        reason = "OOM"
     tail = "\n".join(output.strip().splitlines()[-6:])
     print(f"  [{mode} P={gpus} S={seq_len}] {reason}:\n{tail}", flush=True)
     return dict(mode=mode, gpus=gpus, seq_len=seq_len, ok=False, reason=reason)
@@ -188,20 +152,14 @@ def run_point(args, mode: str, gpus: int, seq_len: int) -> dict:
 def search(args) -> list[dict]:
     results, start_len = [], args.seq_lens[0]
     plan = [("stock", 1)] if 1 in args.gpus and not args.no_stock else []
-    plan += [("sp", g) for g in args.gpus]
-    for mode, gpus in plan:
-        lens = [s for s in args.seq_lens if s >= (start_len if mode == "sp" else args.seq_lens[0])]
-        for seq_len in lens:
+    for mode, gpus in plan + [("sp", g) for g in args.gpus]:
+        for seq_len in [s for s in args.seq_lens if s >= (start_len if mode == "sp" else args.seq_lens[0])]:
             res = run_point(args, mode, gpus, seq_len)
             results.append(res)
-            if res["ok"]:
-                print(
-                    f"{mode:5s} P={gpus} S={seq_len:7d}: {res['step_s']:.2f} s/step  {res['tokens_per_s']:9.0f} tok/s  "
-                    f"peak {res['peak_gib']:.1f} GiB  ({res['attn']})",
-                    flush=True,
-                )
-            else:
+            if not res["ok"]:
                 break
+            print(f"{mode:5s} P={gpus} S={seq_len:7d}: {res['step_s']:.2f} s/step  {res['tokens_per_s']:9.0f} tok/s  "
+                  f"peak {res['peak_gib']:.1f} GiB  ({res['attn']})", flush=True)  # fmt: skip
         fitted = [r["seq_len"] for r in results if r["mode"] == mode and r["gpus"] == gpus and r["ok"]]
         if mode == "sp" and fitted:
             start_len = max(fitted)  # more GPUs fit at least as long a sequence: skip the short ones
@@ -215,26 +173,12 @@ def write_report(results: list[dict], args) -> None:
     (out / "sequence_parallel.json").write_text(json.dumps(results, indent=1))
     peers = sorted({(r["mode"], r["gpus"]) for r in results}, key=lambda p: (p[0] != "stock", p[1]))
     ok = [r for r in results if r["ok"]]
-    lines = [
-        "# Sequence parallelism: longest GPT-OSS-20B training sequence and step time",
-        "",
-        f"Generated by `benchmarks/sequence_parallel.py` (device {args.device}, model {args.model}). One training step"
-        " = forward + backward, LoRA r=16 on q/k/v/o, gradient checkpointing, batch 1; median of"
-        f" {args.steps} steps after one warm-up; peak = max over ranks of `torch.cuda.max_memory_allocated`.",
-        "",
-    ]
     fits = []
     for mode, gpus in peers:
         runs = [r for r in results if r["mode"] == mode and r["gpus"] == gpus]
-        fit = max((r["seq_len"] for r in runs if r["ok"]), default=None)
         fail = [f"{r['seq_len']} ({r['reason']})" for r in runs if not r["ok"]]
-        fits.append([mode, gpus, fit or "none tried fit", fail[0] if fail else "not reached"])
-    lines += md_table(["peer", "GPUs", "max S that fits", "first S that failed"], fits) + [""]
-    lines += md_table(
-        ["peer", "GPUs", "S", "attention", "step s", "tokens/s", "peak GiB"],
-        [[r["mode"], r["gpus"], r["seq_len"], r["attn"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
-          f"{r['peak_gib']:.1f}"] for r in ok],
-    )  # fmt: skip
+        fits.append([mode, gpus, max((r["seq_len"] for r in runs if r["ok"]), default="none tried fit"),
+                     fail[0] if fail else "not reached"])  # fmt: skip
     common = {}
     for r in ok:
         common.setdefault(r["seq_len"], {})[(r["mode"], r["gpus"])] = r["step_s"]
@@ -244,9 +188,26 @@ def write_report(results: list[dict], args) -> None:
         if base and len(by_peer) > 1:
             ordered = sorted(by_peer.items(), key=lambda item: item[0][1])
             ratio_rows.append([seq_len, ", ".join(f"{m} P={g}: {ratio(t, base)}" for (m, g), t in ordered)])
+    runs = [[r["mode"], r["gpus"], r["seq_len"], r["attn"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
+             f"{r['peak_gib']:.1f}"] for r in ok]  # fmt: skip
+    lines = [
+        "# Sequence parallelism: longest GPT-OSS-20B training sequence and step time",
+        "",
+        f"Generated by `benchmarks/sequence_parallel.py` (device {args.device}, model {args.model}). One training step"
+        " = forward + backward, LoRA r=16 on q/k/v/o, gradient checkpointing, batch 1; median of"
+        f" {args.steps} steps after one warm-up; peak = max over ranks of `torch.cuda.max_memory_allocated`.",
+        "",
+        *md_table(["peer", "GPUs", "max S that fits", "first S that failed"], fits),
+        "",
+        *md_table(["peer", "GPUs", "S", "attention", "step s", "tokens/s", "peak GiB"], runs),
+    ]
     if ratio_rows:
-        lines += ["", f"Step time ÷ one GPU's at the same S ({RATIO_RULE}):", ""]
-        lines += md_table(["S", "time ratio"], ratio_rows)
+        lines += [
+            "",
+            f"Step time ÷ one GPU's at the same S ({RATIO_RULE}):",
+            "",
+            *md_table(["S", "time ratio"], ratio_rows),
+        ]
     (out / "sequence_parallel.md").write_text("\n".join(lines) + "\n")
     try:
         with figure(out / "sequence_parallel.png", 1, 2, figsize=(11, 4), dpi=120) as (fig, (ax1, ax2)):

@@ -51,19 +51,19 @@ if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstr
     import _bootstrap  # noqa: F401
 from benchmarks._cli import (
     OUT_HELP,
-    add_server_args,
     command_line,
     exit_if_failed,
     figure,
     md_table,
     output_dir,
-    server_manager,
     without_local_paths,
 )  # fmt: skip
+from trl_ext.sglang_serve import ServerManager
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DATA = REPO / "data" / "gsm8k_train_mini.jsonl"
 PHASES = ("generate", "trainer", "mismatch", "sync_timing")
+
 TRAINER_MODES = ("disk", "tensor", "lora")
 # server configurations of the mismatch phase: name -> extra launch flags
 MISMATCH_CONFIGS = {
@@ -189,13 +189,12 @@ def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
 def build_model(args, device: torch.device, work_dir: Path | None = None) -> dict:
     """Build the random GPT-OSS, cold-start it (``--cold-start-steps``) and save it in bf16 into ``args.model_dir``
     as SGLang reads it (`trl_ext.weight_sync.write_served_model`)."""
-    from benchmarks.mismatch_study import model_config
-    from hf_gptoss_rl.model_builders import build_random_gptoss
+    from hf_gptoss_rl.model_builders import build_random_gptoss, gptoss_config
     from trl_ext.weight_sync import write_served_model
 
     steps = getattr(args, "cold_start_steps", 0)
     model = build_random_gptoss(
-        model_config(args.model, args.layers), device=device,
+        gptoss_config(args.model, args.layers), device=device,
         # the cold start on a CPU trains in float32 (as the CPU demo does); saved in bf16 in any case
         dtype=torch.float32 if steps and device.type != "cuda" else torch.bfloat16,
         seed=args.seed, sink_mean=args.sink_mean, sink_std=args.sink_std, logit_std=args.logit_std,
@@ -548,14 +547,14 @@ def phase_trainer(ctx, results: dict) -> None:
 
 
 def phase_mismatch(ctx, result: dict) -> None:
-    from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts, score_batch, train_logps
+    from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts
     from hf_gptoss_rl.attention_variants import (
         SINK_DROPPING_ATTENTION,
         register_sink_dropping_attention,
         set_project_attention,
         setup_project_attention,
     )  # fmt: skip
-    from trl_ext.mismatch import mismatch_metrics
+    from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
     from trl_ext.rollout import SamplingParams, run_sync
     from trl_ext.weight_sync import WeightSyncConfig
 
@@ -589,7 +588,7 @@ def phase_mismatch(ctx, result: dict) -> None:
                 close_engine(engine)
             if not all(o.output_ids for o in outs):
                 raise RuntimeError("a completion came back empty (aborted?)")
-            ids, mask, rollout_lp, cmask = score_batch(prompts, outs, pad_id, device)
+            ids, mask, rollout_lp, cmask = rollout_scoring_batch(prompts, outs, pad_id, device)
             rec["completion_tokens"] = int(cmask.sum())
             rec["finish_reasons"] = _count(o.finish_reason for o in outs)
             rec["rows"] = []
@@ -606,7 +605,7 @@ def phase_mismatch(ctx, result: dict) -> None:
                         )
                     else:
                         model.set_attn_implementation(impl)
-                    lt = train_logps(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
+                    lt = completion_logprobs(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
                 except Exception as exc:  # noqa: BLE001 - recorded, the other rows go on
                     row["note"] = f"error: {error_text(exc)[:300]}"
                     continue
@@ -1003,7 +1002,7 @@ def parse_args(argv=None):
     p.add_argument("--keep-work-dir", action="store_true", help="keep the temporary work dir (default model dir, "
                    "synced weights, cold-start output); removed otherwise")  # fmt: skip
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    add_server_args(p)
+    ServerManager.add_arguments(p)
     p.add_argument("--url", default=None, help="use this running server instead of launching one")
     p.add_argument("--merge", nargs="+", type=Path, default=None,
                    help="no run: merge the sglang_e2e.json of earlier runs (same model) into one report in --out")  # fmt: skip
@@ -1115,7 +1114,7 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sglang_e2e_"))
     if args.model_dir is None:
         args.model_dir = work / "model"
-    server = server_manager(args, Path(args.model_dir), args.out / "logs", E2E_LAUNCH_FLAGS, log=log)
+    server = ServerManager.from_args(args, Path(args.model_dir), args.out / "logs", E2E_LAUNCH_FLAGS, log=log)
     ctx = Context(args, device, server, work)
     results = ctx.results
     results["meta"] = {

@@ -1,7 +1,8 @@
 """GPT-OSS configurations and random-weight models, built without downloading anything.
 
 - `tiny_gptoss_config()` / `gptoss_20b_config()`: configurations with every GPT-OSS feature (sinks, alternating
-  sliding/full layers, GQA, clamped-SwiGLU experts), tiny enough for a CPU or shaped like gpt-oss-20b.
+  sliding/full layers, GQA, clamped-SwiGLU experts), tiny enough for a CPU or shaped like gpt-oss-20b;
+  `gptoss_config("tiny" | "20b")` picks one by name, as the benchmarks' `--model` does.
 - `build_random_gptoss()`: a model with random weights made directly on the target device in its dtype (a
   20B-shaped bf16 model is ready in seconds on a GPU), with sink logits drawn from a chosen spread.
 
@@ -105,6 +106,16 @@ def gptoss_20b_config(num_hidden_layers: int = 24, **overrides) -> GptOssConfig:
     )
     kwargs.update(overrides)
     return GptOssConfig(**kwargs)
+
+
+def gptoss_config(model: str, num_hidden_layers: int | None = None) -> GptOssConfig:
+    """The configuration named `model`: "tiny" (`tiny_gptoss_config`, 2 layers by default) or "20b"
+    (`gptoss_20b_config`, 24 layers by default)."""
+    if model == "tiny":
+        return tiny_gptoss_config(num_hidden_layers=num_hidden_layers or 2)
+    if model == "20b":
+        return gptoss_20b_config(num_hidden_layers or 24)
+    raise ValueError(f"unknown model {model!r} (tiny | 20b)")
 
 
 def build_random_gptoss(

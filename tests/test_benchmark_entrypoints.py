@@ -83,11 +83,11 @@ def test_sglang_e2e_run_failures():
 
 
 def test_sglang_e2e_cuda_graphs_are_on_unless_disabled(tmp_path):
-    from benchmarks._cli import server_manager
     from benchmarks.sglang_e2e import E2E_LAUNCH_FLAGS, cuda_graph_disabled, parse_args
+    from trl_ext.sglang_serve import ServerManager
 
     def command(args, flags):
-        return server_manager(args, tmp_path, tmp_path, E2E_LAUNCH_FLAGS).command(flags, 1234)
+        return ServerManager.from_args(args, tmp_path, tmp_path, E2E_LAUNCH_FLAGS).command(flags, 1234)
 
     args = parse_args(["--server-cmd", "python -m sglang.launch_server"])
     assert "--disable-cuda-graph" not in command(args, [])

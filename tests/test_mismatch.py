@@ -1,11 +1,18 @@
-"""trl_ext.mismatch: metrics and importance-sampling ratios against hand computations and TRL's formulas."""
+"""trl_ext.mismatch: metrics and importance-sampling ratios against hand computations and TRL's formulas; an engine's
+rollouts scored by the policy in their layout."""
 
 import math
 
 import pytest
 import torch
 
-from trl_ext.mismatch import IMPORTANCE_SAMPLING_MODES, importance_sampling_ratio, mismatch_metrics
+from trl_ext.mismatch import (
+    IMPORTANCE_SAMPLING_MODES,
+    completion_logprobs,
+    importance_sampling_ratio,
+    mismatch_metrics,
+    rollout_scoring_batch,
+)
 
 
 def _case():
@@ -111,3 +118,30 @@ def test_bad_mode_bounds_and_shapes_raise():
         importance_sampling_ratio(t, t, t, "token_truncate", clip_max=None)
     with pytest.raises(ValueError, match="shapes differ"):
         importance_sampling_ratio(t, torch.zeros(2, 4), t, "token_truncate")
+
+
+def test_rollouts_of_unequal_length_are_scored_as_each_alone():
+    """`rollout_scoring_batch` right-pads prompt + completion rows of unequal length; `completion_logprobs` scores them
+    in one forward and puts each completion token's log-prob where the engine's is: the values one row alone gets."""
+    from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
+    from hf_gptoss_rl.model_builders import build_random_gptoss, tiny_gptoss_config
+    from trl_ext.rollout import GenerationOutput
+
+    model = build_random_gptoss(tiny_gptoss_config(vocab_size=128), device="cpu", dtype=torch.float32)
+    model.set_attn_implementation("eager")
+    prompts = [[1, 2, 3], [4, 5]]
+    outputs = [GenerationOutput([9, 10, 11, 12], [-1.0, -2.0, -3.0, -4.0], "length"),
+               GenerationOutput([13, 14], [-0.5, -0.25], "stop")]  # fmt: skip
+    ids, mask, rollout, completion_mask = rollout_scoring_batch(prompts, outputs, pad_id=0)
+    assert ids.tolist() == [[1, 2, 3, 9, 10, 11, 12], [4, 5, 13, 14, 0, 0, 0]]
+    assert mask.tolist() == [[1] * 7, [1] * 4 + [0] * 3]
+    assert rollout.tolist() == [[-1.0, -2.0, -3.0, -4.0], [-0.5, -0.25, 0.0, 0.0]]
+    assert completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    logps = completion_logprobs(model, ids, mask, [len(p) for p in prompts], width=4, temperature=0.7)
+    for row, prompt, out in zip(logps, prompts, outputs):
+        n = len(out.output_ids)
+        alone, _ = causal_lm_token_logprobs(
+            model, torch.tensor([prompt + out.output_ids]), logits_to_keep=n, temperature=0.7
+        )
+        torch.testing.assert_close(row[:n], alone[0], rtol=1e-5, atol=1e-5)
+        assert (row[n:] == 0).all()

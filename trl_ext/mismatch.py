@@ -19,6 +19,10 @@ multi-turn trajectories.
 All functions take `[B, T]` tensors aligned on completion tokens and a `[B, T]` mask that is 1 exactly on the tokens
 the policy sampled (tool output and padding are 0). Rollout log-probs that the engine could not provide are NaN and
 count as "no evidence": a zero log-ratio (ratio 1, as in TRL), and they are left out of the metrics.
+
+To measure an engine against a policy outside the trainer, `rollout_scoring_batch` lays out an engine's
+`GenerationOutput`s as such tensors and `completion_logprobs` scores the same tokens with the policy, the trainer's
+way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ __all__ = [
     "IMPORTANCE_SAMPLING_MODES",
     "SEQUENCE_LEVEL_MODES",
     "TRL_IMPORTANCE_SAMPLING_MODES",
+    "completion_logprobs",
     "importance_sampling_ratio",
     "mismatch_metrics",
+    "rollout_scoring_batch",
 ]
 
 TRL_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -148,3 +154,38 @@ def mismatch_metrics(
         "is_weight_std": log_w.exp().std(correction=0),
         "num_tokens": n.float(),
     }
+
+
+def rollout_scoring_batch(prompts: list[list[int]], outputs: list, pad_id: int, device=None):
+    """`(input_ids, attention_mask, rollout_logps, completion_mask)` of the prompts and an engine's `GenerationOutput`s
+    for them: right-padded `[B, S]` `prompt + completion` ids and their mask (on `device`), and the engine's log-probs
+    `[B, T]` with the mask of the completion tokens (T = the longest completion; on the CPU)."""
+    seqs = [list(p) + list(o.output_ids) for p, o in zip(prompts, outputs, strict=True)]
+    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(ids)
+    t_max = max(len(o.output_ids) for o in outputs)
+    rollout_logps = torch.zeros(len(seqs), t_max, dtype=torch.float32)
+    completion_mask = torch.zeros(len(seqs), t_max, dtype=torch.long)
+    for b, (seq, o) in enumerate(zip(seqs, outputs)):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        attention_mask[b, : len(seq)] = 1
+        rollout_logps[b, : len(o.logprobs)] = torch.tensor(o.logprobs, dtype=torch.float32)
+        completion_mask[b, : len(o.output_ids)] = 1
+    return ids.to(device), attention_mask.to(device), rollout_logps, completion_mask
+
+
+@torch.no_grad()
+def completion_logprobs(model, input_ids, attention_mask, prompt_lens: list[int], width: int, temperature: float = 1.0):
+    """The policy's log-probs of every completion token of `rollout_scoring_batch`'s right-padded rows, `[B, width]`
+    float32 on the CPU, aligned with the engine's (`prompt_lens`: each row's prompt length; 0 past a completion)."""
+    from hf_gptoss_rl.logprobs import causal_lm_token_logprobs
+
+    logps, _ = causal_lm_token_logprobs(
+        model, input_ids, attention_mask, logits_to_keep=input_ids.shape[1] - 1, temperature=temperature
+    )  # position j scores token j + 1
+    logps = logps.float().cpu()
+    out = torch.zeros(input_ids.shape[0], width, dtype=torch.float32)
+    for b, (p, length) in enumerate(zip(prompt_lens, attention_mask.sum(-1).tolist())):
+        n = min(width, length - p)
+        out[b, :n] = logps[b, p - 1 : p - 1 + n]
+    return out

@@ -13,7 +13,8 @@ server's whole process group). Flags after ``--`` go to SGLang unchanged.
 `ServerProcess` is the one launcher of an SGLang server process in this project (this command, the benchmarks and
 the tests use it): a session of its own that dies with its parent, SGLang's own environment, the readiness wait of
 `SGLangEngine` with a deadline, an optional log file, and a stop of the whole process group. `ServerManager` keeps one
-such server at a time for a run that needs several server configurations (the benchmarks against SGLang).
+such server at a time for a run that needs several server configurations (the benchmarks against SGLang, which take
+its flags from `ServerManager.add_arguments`).
 
 The server's environment is its own: the trainer's ``PYTHONPATH`` (and ``PYTHONHOME``) are not passed on
 (`server_environment`), so packages of the trainer's environment cannot shadow the versions SGLang pins. A
@@ -305,6 +306,35 @@ class ServerManager:
         self.launches: list[dict] = []
         self.version: str | None = None  # the SGLang version the server reports (/server_info)
         self.dirty = False  # the server's weights differ from model_dir's (a trainer synced into it)
+
+    @staticmethod
+    def add_arguments(parser, *, server_cmd: str = "python3 -m sglang.launch_server", mem_fraction_static: float = 0.4,
+                      ready_timeout_s: float = 180.0) -> None:  # fmt: skip
+        """The flags of a `from_args` manager, as the group "SGLang server" of ``parser`` (a benchmark's command line;
+        ``--ready-timeout-s`` is for the caller's `ensure` calls)."""
+        group = parser.add_argument_group("SGLang server")
+        group.add_argument("--server-cmd", default=server_cmd, help="how to start SGLang (its own environment)")
+        group.add_argument(
+            "--server-args", default="", help='extra flags for every server, e.g. "--chunked-prefill-size 8192"'
+        )
+        group.add_argument("--disable-cuda-graph", action="store_true", help="launch with SGLang's --disable-cuda-graph "
+                           "(faster starts, slower decoding; recorded); default: CUDA graphs on, as served")  # fmt: skip
+        group.add_argument(
+            "--mem-fraction-static", type=float, default=mem_fraction_static, help="SGLang's GPU memory share"
+        )
+        group.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+        group.add_argument(
+            "--ready-timeout-s", type=float, default=ready_timeout_s, help="deadline of one server start"
+        )
+
+    @classmethod
+    def from_args(cls, args, model_dir, logs_dir, launch_flags=(), log=print) -> ServerManager:
+        """The manager of `add_arguments`' flags (and of ``--url`` and ``--server-start-lock`` where ``args`` has them)."""
+        return cls(
+            args.server_cmd, model_dir, logs_dir, server_args=args.server_args, launch_flags=launch_flags,
+            url=getattr(args, "url", None), port=args.port, mem_fraction_static=args.mem_fraction_static,
+            disable_cuda_graph=args.disable_cuda_graph, log=log, start_lock=getattr(args, "server_start_lock", None),
+        )  # fmt: skip
 
     def command(self, flags: list[str], port: int) -> list[str]:
         extra = shlex.split(self.server_args)
