@@ -938,10 +938,9 @@ def warm_up(args, device, tokenizer, train_dataset, tool):
     ``--warm-start`` saved). Returns ``(model, practised rows, seconds)``."""
     import torch
     from transformers import GptOssForCausalLM
-    from trl import SFTConfig
 
     from hf_gptoss_rl.model_builders import tiny_gptoss_config
-    from trl_ext.cold_start import StopAtLoss, cold_start
+    from trl_ext.cold_start import StopAtLoss, cold_start, cosine_cold_start_config
 
     torch.manual_seed(args.init_seed)
     model_config = tiny_gptoss_config(**MODEL_SIZES[args.model_size])
@@ -957,14 +956,10 @@ def warm_up(args, device, tokenizer, train_dataset, tool):
     start = time.perf_counter()
     practised = []
     if args.cold_start_steps > 0:
-        sft_args = SFTConfig(
-            output_dir=tempfile.mkdtemp(prefix="learning_run_cold_start_"),  # nothing is saved
-            max_steps=args.cold_start_steps, per_device_train_batch_size=args.cold_start_batch,
-            learning_rate=args.cold_start_lr,
-            # short warm-up, then cosine decay: a constant high rate plateaus before the trajectories are learnt
-            lr_scheduler_type="cosine", warmup_steps=max(1, args.cold_start_steps // 20), logging_steps=1,
-            save_strategy="no", report_to="none", seed=args.init_seed, use_cpu=device.type == "cpu", bf16=False,
-            gradient_checkpointing=False, max_length=None, router_aux_loss_coef=0.0, disable_tqdm=True,
+        sft_args = cosine_cold_start_config(
+            tempfile.mkdtemp(prefix="learning_run_cold_start_"), max_steps=args.cold_start_steps,  # nothing is saved
+            batch_size=args.cold_start_batch, learning_rate=args.cold_start_lr, seed=args.init_seed,
+            use_cpu=device.type == "cpu",
         )  # fmt: skip
         stop = [StopAtLoss(args.cold_start_target_nll)] if args.cold_start_target_nll else None
         practised = cold_start(model, tokenizer, train_dataset, tool, args=sft_args, max_rows=args.cold_start_problems,

@@ -49,15 +49,7 @@ import torch
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import (
-    OUT_HELP,
-    command_line,
-    exit_if_failed,
-    figure,
-    md_table,
-    output_dir,
-    without_local_paths,
-)  # fmt: skip
+from benchmarks._cli import OUT_HELP, command_line, exit_if_failed, figure, md_table, output_dir, without_local_paths
 from trl_ext.sglang_serve import ServerManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,10 +127,9 @@ def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
     (`examples/grpo_retool.py`) data, tool, tokenizer and SFT settings, with this script's step count, learning rate,
     batch size and problem count; bf16 mixed precision on CUDA. Returns what it did and measured."""
     from transformers import TrainerCallback
-    from trl import SFTConfig
 
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-    from trl_ext.cold_start import cold_start
+    from trl_ext.cold_start import cold_start, cosine_cold_start_config
     from trl_ext.recipes import load_math_dataset
     from trl_ext.tools import CodeInterpreterTool
 
@@ -153,15 +144,9 @@ def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
                                      "grad_norm": None if norm is None else float(norm)})  # fmt: skip
 
     steps, cuda = args.cold_start_steps, device.type == "cuda"
-    sft_args = SFTConfig(
-        output_dir=str(work_dir / "cold_start"),  # nothing is saved there (save_strategy="no")
-        use_cpu=not cuda,  # the first trainer fixes accelerate's process state; the trainer phase uses the same
-        max_steps=steps, per_device_train_batch_size=args.cold_start_batch, learning_rate=args.cold_start_lr,
-        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=1, save_strategy="no",
-        gradient_checkpointing=False, bf16=cuda, report_to="none", seed=args.seed, max_length=None,
-        router_aux_loss_coef=0.0,  # the logged loss is the demonstrations' negative log-likelihood alone
-        disable_tqdm=True,
-    )  # fmt: skip
+    # use_cpu: the first trainer fixes accelerate's process state; the trainer phase uses the same
+    sft_args = cosine_cold_start_config(str(work_dir / "cold_start"), max_steps=steps, batch_size=args.cold_start_batch,
+                                        learning_rate=args.cold_start_lr, seed=args.seed, use_cpu=not cuda, bf16=cuda)  # fmt: skip
     recorder = LossRecorder()
     model.set_attn_implementation("eager")  # exact sink attention: the sinks get their gradient
     model.train()

@@ -39,6 +39,7 @@ __all__ = [
     "StopAtLoss",
     "annotation_program",
     "cold_start",
+    "cosine_cold_start_config",
     "run_programs",
     "tool_call_demonstrations",
 ]
@@ -202,6 +203,22 @@ class StopAtLoss(TrainerCallback):
             self.recent = (self.recent + [float(logs["loss"])])[-self.window :]
             if len(self.recent) == self.window and sum(self.recent) / self.window < self.target:
                 control.should_training_stop = True
+
+
+def cosine_cold_start_config(output_dir: str, *, max_steps: int, batch_size: int, learning_rate: float, seed: int = 0,
+                             use_cpu: bool = False, bf16: bool = False):  # fmt: skip
+    """A `trl.SFTConfig` for `cold_start` with a fixed step count: a linear warm-up over the first 5 % of
+    ``max_steps``, then cosine decay (a constant high rate plateaus before the trajectories are learnt); the loss
+    logged every step (`StopAtLoss` reads it), nothing saved, no gradient checkpointing, no length cut, and
+    ``router_aux_loss_coef=0.0``, so that the logged loss is the demonstrations' negative log-likelihood alone."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=batch_size, learning_rate=learning_rate,
+        lr_scheduler_type="cosine", warmup_steps=max(1, max_steps // 20), logging_steps=1, save_strategy="no",
+        report_to="none", seed=seed, use_cpu=use_cpu, bf16=bf16, gradient_checkpointing=False, max_length=None,
+        router_aux_loss_coef=0.0, disable_tqdm=True,
+    )  # fmt: skip
 
 
 def _lean_sft_trainer_class():
