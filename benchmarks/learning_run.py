@@ -462,21 +462,6 @@ def merge_reports(parts: list[dict], args) -> dict:
 
 
 # %% One run ------------------------------------------------------------------------------------------------------------
-def time_limit_callback(seconds: float):
-    """A `TrainerCallback` that stops training once `seconds` of wall time have passed (the step in flight ends)."""
-    from transformers import TrainerCallback
-
-    class TimeLimit(TrainerCallback):
-        def on_train_begin(self, train_args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, train_args, state, control, **kwargs):
-            if time.perf_counter() - self.start > seconds:
-                control.should_training_stop = True
-
-    return TimeLimit()
-
-
 def sampled_accuracy_callback(trainer, measure, every: int):
     """Every ``every`` optimizer steps, after the step's weight sync (added after the trainer's own callbacks),
     ``measure()["accuracy"]`` goes into the trainer's metrics, so it is logged with that step."""
@@ -522,7 +507,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
 
     from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
-    from trl_ext.recipes import boxed_format_reward_func, retool_reward_func
+    from trl_ext.recipes import WallClockLimit, boxed_format_reward_func, retool_reward_func
 
     args, device, rollouts, tool = ctx["args"], ctx["device"], ctx["rollouts"], ctx["tool"]
     torch.manual_seed(seed)
@@ -560,7 +545,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
     trainer = AgenticGRPOTrainer(
         model=model, reward_funcs=[retool_reward_func, boxed_format_reward_func], args=config,
         train_dataset=ctx["train_dataset"], processing_class=ctx["tokenizer"], tools=[tool], rollout_engine=engine,
-        callbacks=[time_limit_callback(args.max_seconds)],
+        callbacks=[WallClockLimit(args.max_seconds)],
     )  # fmt: skip
     measure = lambda: agent_accuracy(engine, tool, slice_rows, args, temperature=1.0)  # noqa: E731
     trainer.add_callback(sampled_accuracy_callback(trainer, measure, args.eval_every))

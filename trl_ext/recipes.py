@@ -8,7 +8,8 @@ evaluation and a one-line-per-step progress printer.
   `num_tool_calls`, ...): `retool_reward_func`, `correctness_reward_func`, `boxed_format_reward_func`.
 * `evaluate_tool_use`: agent rollouts on a rollout engine (greedy, or sampled as training does), scored by
   math-verify, with the tool-call rate and the share of tool calls that ran without error.
-* `StepSummaryCallback`: prints `step N | reward ... | tool_calls ... | ...` from the trainer's logs.
+* `StepSummaryCallback`: prints `step N | reward ... | tool_calls ... | ...` from the trainer's logs;
+  `WallClockLimit` stops training after a number of seconds.
 * `policy_from_model_config`: the policy, its LoRA config and its quantization config from TRL's `ModelConfig`
   (`--model_name_or_path`, `--dtype`, `--attn_implementation`, `--use_peft`, `--lora_*`, `--load_in_4bit`, ...), as
   TRL's example scripts pass them to the trainer; `DEMO_MODEL_DEFAULTS` are the CPU demos' values.
@@ -17,6 +18,7 @@ evaluation and a one-line-per-step progress printer.
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -27,6 +29,7 @@ __all__ = [
     "ANSWER_FORMAT",
     "DEMO_MODEL_DEFAULTS",
     "StepSummaryCallback",
+    "WallClockLimit",
     "boxed_format_reward_func",
     "correctness_reward_func",
     "evaluate_tool_use",
@@ -258,3 +261,18 @@ class StepSummaryCallback(TrainerCallback):
         parts = [f"step {state.global_step}"]
         parts += [f"{short} {logs[key]:.4g}" for key, short in self.KEYS if logs.get(key) is not None]
         print(" | ".join(parts), flush=True)
+
+
+class WallClockLimit(TrainerCallback):
+    """Stops training once ``seconds`` of wall time have passed since `on_train_begin` (the step in flight ends, so
+    a run stops at a step boundary with every metric of its last step logged)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.perf_counter() - self.start > self.seconds:
+            control.should_training_stop = True
