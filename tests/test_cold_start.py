@@ -181,3 +181,29 @@ def test_evaluate_tool_use_samples_at_the_temperature_asked(monkeypatch):
     greedy = recipes.evaluate_tool_use(None, [], rows, max_completion_length=8, max_turns=1)
     sampled = recipes.evaluate_tool_use(None, [], rows, max_completion_length=8, max_turns=1, temperature=1.0)
     assert temperatures == [0.0, 1.0] and greedy["accuracy"] == sampled["accuracy"] == 0.5
+
+
+def test_cosine_cold_start_config_warms_up_then_decays_and_logs_the_nll_alone(tmp_path):
+    from trl_ext.cold_start import cosine_cold_start_config
+
+    config = cosine_cold_start_config(str(tmp_path), max_steps=40, batch_size=2, learning_rate=1e-3, use_cpu=True)
+    assert (config.lr_scheduler_type, config.warmup_steps, config.max_steps) == ("cosine", 2, 40)
+    assert config.router_aux_loss_coef == 0.0 and config.logging_steps == 1 and config.save_strategy == "no"
+    assert cosine_cold_start_config(str(tmp_path), max_steps=10, batch_size=1, learning_rate=1e-3).warmup_steps == 1
+
+
+def test_wall_clock_limit_stops_at_the_first_step_end_past_its_budget(monkeypatch):
+    import types
+
+    from trl_ext import recipes
+
+    now = [100.0]
+    monkeypatch.setattr(recipes.time, "perf_counter", lambda: now[0])
+    limit, control = recipes.WallClockLimit(seconds=30.0), types.SimpleNamespace(should_training_stop=False)
+    limit.on_train_begin(None, None, control)
+    now[0] = 129.0
+    limit.on_step_end(None, None, control)
+    assert control.should_training_stop is False  # 29 s: within the budget
+    now[0] = 131.0
+    limit.on_step_end(None, None, control)
+    assert control.should_training_stop is True
