@@ -37,6 +37,7 @@ from benchmarks._cli import (
     command_line,
     exit_if_failed,
     figure,
+    git_commit,
     grouped_bars,
     md_table,
     output_dir,
@@ -883,6 +884,7 @@ def main(argv=None):
 
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)"
     env = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__)
+    env["commit"] = git_commit()  # the README's sources name it
     with contextlib.suppress(Exception):
         env["flash_attn_4"] = importlib.metadata.version("flash-attn-4") if fa4 is not None else "not installed"
     print(env, flush=True)

@@ -212,6 +212,9 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
         timeout=600,
     )
     res = json.loads((tmp_path / "attention.json").read_text())
+    from benchmarks._cli import git_commit
+
+    assert res["env"]["commit"] == git_commit()  # the source commit the README's sources name
     assert [r["case"] for r in res["kernel_rows"]] == ["S=64 causal", "S=64 window 16"]
     assert all(
         r["public_ms"] > 0 and r["raw_ms"] > 0 and r["autograd_ms"] > 0 and r["public_host_ms"] > 0
