@@ -65,10 +65,10 @@ from pathlib import Path
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
 from benchmarks._cli import OUT_HELP, RATIO_RULE, environment, exit_if_failed, output_dir, ratio, without_local_paths
+from hf_gptoss_rl.attention import KERNEL_REPO_ID as KERNEL
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "TRAINER_STEP_RESULT "
-KERNEL = "hf-gptoss-rl/sink-flash-attn3"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 STOCK = {  # the trainer configured as stock TRL + transformers run it
     "experts": "grouped_mm",
