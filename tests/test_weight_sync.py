@@ -178,3 +178,28 @@ def test_a_served_model_is_stored_in_the_dtype_it_is_served_in(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="output folder is the input folder"):
         convert_checkpoint(tmp_path / "plain", tmp_path / "plain", torch.bfloat16)
+
+
+def test_an_abandoned_group_join_ends_its_thread_without_an_error(monkeypatch):
+    """The awaiting side gives up on a rendezvous (its deadline, a refused join) while the join thread still runs:
+    the thread's outcome must not raise in that thread (InvalidStateError on a cancelled future)."""
+    import threading
+
+    from trl_ext.weight_sync.sglang import _in_daemon_thread
+
+    errors, started, release = [], threading.Event(), threading.Event()
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+
+    def join():
+        started.set()
+        release.wait(5)
+        raise TimeoutError("rendezvous timed out")
+
+    done = _in_daemon_thread(join)
+    assert started.wait(5)
+    done.cancel()  # the awaiting side gives up
+    release.set()
+    for thread in [t for t in threading.enumerate() if t.name == "weight-update-group-join"]:
+        thread.join(5)
+    assert errors == []
+    assert isinstance(done.exception(timeout=5), TimeoutError)  # the outcome is kept on the future

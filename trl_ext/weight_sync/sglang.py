@@ -155,6 +155,10 @@ def _in_daemon_thread(fn, /, **kwargs) -> concurrent.futures.Future:
     done: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
+        # running from here on: an awaiting side that gives up can no longer cancel the future, so the outcome is
+        # always set on a live one (setting it on a cancelled future raised InvalidStateError in this thread)
+        if not done.set_running_or_notify_cancel():
+            return
         try:
             done.set_result(fn(**kwargs))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
