@@ -13,7 +13,8 @@
 #
 # `run` order (what the performance claims rest on first) and time boxes (seconds; env BOX_<NAME> overrides):
 # trainer_step (2 x 32k tokens, project default vs stock FA4, profiled), attention, trainer_step_ragged, moe,
-# logprobs, mismatch_study. ONLY=name1,name2 runs a subset. PYTHON (default python3) runs them.
+# logprobs, mismatch_study. ONLY=name1,name2 runs a subset. PYTHON (default python3) runs them. Every benchmark
+# runs whatever the others did; `run` exits 1 if any of them exited non-zero (a missed target included).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -77,6 +78,7 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
     out=${2:?usage: benchmarks_gpu.sh run OUT}
     mkdir -p "$out"
     only=",${ONLY:-all},"
+    failed=()
     bench() {  # NAME BOX SCRIPT ARGS...
       local name=$1 box=$2 start rc
       shift 2
@@ -87,6 +89,7 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
       timeout --signal=INT --kill-after=30 "$box" "$PYTHON" "$@" --out "$out/$name" > "$out/$name.log" 2>&1
       rc=$?
       echo "$name rc=$rc $(($(date +%s) - start))s (box ${box}s)" | tee -a "$out/status.txt"
+      [ "$rc" -eq 0 ] || failed+=("$name")
     }
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     bench trainer_step 600 benchmarks/trainer_step.py --profile --timeout 290
@@ -96,9 +99,13 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
     bench logprobs 240 benchmarks/logprobs.py
     bench mismatch_study 420 benchmarks/mismatch_study.py
     echo "done" >> "$out/status.txt"
+    if [ "${#failed[@]}" -gt 0 ]; then
+      echo "failed (exit status not 0; each log is in $out): ${failed[*]}" >&2
+      exit 1
+    fi
     ;;
   *)
-    sed -n 2,17p "$0"
+    sed -n 2,18p "$0"
     exit 2
     ;;
 esac
