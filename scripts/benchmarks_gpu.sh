@@ -105,7 +105,7 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
     fi
     ;;
   *)
-    sed -n 2,18p "$0"
+    sed -n 2,17p "$0"
     exit 2
     ;;
 esac
