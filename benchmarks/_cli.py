@@ -122,8 +122,11 @@ def git_commit() -> str | None:
     return proc.stdout.strip() or None
 
 
-def environment() -> dict:
-    """Versions, device and source commit, for the report header."""
+def environment(*distributions: str) -> dict:
+    """Versions, device and source commit, for the report header; then the installed version (None if absent) of
+    each of ``distributions``, named as pip names it, keyed with underscores (``flash-attn-4`` -> ``flash_attn_4``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
     import transformers
 
@@ -140,6 +143,11 @@ def environment() -> dict:
             info[name] = None
     info["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
     info["commit"] = git_commit()
+    for dist in distributions:
+        try:
+            info[dist.replace("-", "_")] = version(dist)
+        except PackageNotFoundError:
+            info[dist.replace("-", "_")] = None
     return info
 
 

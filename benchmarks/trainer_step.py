@@ -581,18 +581,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for dist in ("trl", "flash-attn-4", "liger-kernel"):
-        try:
-            found[dist.replace("-", "_")] = version(dist)
-        except PackageNotFoundError:
-            found[dist.replace("-", "_")] = None
-    return found
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.worker is not None:
@@ -621,7 +609,7 @@ def main(argv=None) -> dict:
     stem = "trainer_step_ragged" if args.ragged else "trainer_step"
     out = output_dir(args.out, f"{stem}.json", f"{stem}.md", f"{stem}.png")
     config = gptoss_20b_config(layers) if args.model == "20b" else tiny_gptoss_config(num_hidden_layers=layers)
-    env = {**environment(), **versions()}
+    env = environment("trl", "flash-attn-4", "liger-kernel")
     peak = dense_bf16_peak(env["device"] if device.startswith("cuda") else None)
     spec = {
         "model": args.model, "layers": layers, "device": device, "seq_len": args.seq_len,

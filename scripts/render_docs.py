@@ -530,7 +530,7 @@ def _stock_step(data: Data) -> tuple[dict, dict]:
 
 
 def sp_stock_peak_32k(data: Data) -> str:
-    meta, peer = _stock_step(data)
+    _, peer = _stock_step(data)
     return f"{peer['summary']['peak_gib']:.1f} GiB"
 
 

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 from resume_worker import build_trainer, tiny_model  # noqa: E402
+from test_sglang_client import stop_process  # noqa: E402  (SIGTERM, then SIGKILL after 20 s)
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
 # parameters of a recovered or resumed run against the straight run's: CPU float32 rounding only (tests/test_resume.py
@@ -97,13 +98,7 @@ class ServerProcesses:
 
     def close(self):
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc)
             proc.stdout.close()
         self.log.close()
 
