@@ -53,7 +53,7 @@ def measure(args) -> dict:
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
 
     class TimedTrainer(AgenticGRPOTrainer):
-        """Times the diagnostic's pass (`_replay_flip` set) and each `training_step` without its `_prepare_inputs`."""
+        """Times the diagnostic's pass (`flip_replay=True`) and each `training_step` without its `_prepare_inputs`."""
 
         extra: list[float]
         training_steps: list[float]
@@ -63,7 +63,7 @@ def measure(args) -> dict:
             try:
                 return super()._dispatch_logps(*a, **kw)
             finally:
-                if self._replay_flip:
+                if kw.get("flip_replay"):
                     self.extra[-1] += time.perf_counter() - start
 
         def _prepare_inputs(self, *a, **kw):  # generation and scoring, inside TRL's `training_step`

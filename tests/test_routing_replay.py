@@ -530,7 +530,7 @@ def test_differentiated_replayed_pass_over_several_chunks_is_refused_on_every_pa
 
     def fake_trainer(packed):
         return SimpleNamespace(
-            resolved=SimpleNamespace(padding_free=packed), args=SimpleNamespace(routing_replay=True), _replay_flip=False,
+            resolved=SimpleNamespace(padding_free=packed), args=SimpleNamespace(routing_replay=True),
             accelerator=SimpleNamespace(device=torch.device("cpu")),
             routing_replay=SimpleNamespace(set_plan=lambda plan, **kw: plans.append(plan), clear=lambda: None),
         )  # fmt: skip

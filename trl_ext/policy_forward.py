@@ -23,18 +23,19 @@ PACKED_KWARGS = frozenset({"batch_size", "compute_entropy", "compute_aux_loss"})
 
 def policy_logps_and_entropies(
     trainer, trl_forward: Callable, model, input_ids, attention_mask, logits_to_keep, routing, *a,
-    sequence_parallel: bool = False, **kw,
+    sequence_parallel: bool = False, flip_replay: bool = False, **kw,
 ):  # fmt: skip
     """One log-prob pass: `(per_token_logps, entropies, aux_loss)` in TRL's `[B, T]` layout.
 
     `trl_forward` is TRL's `_get_per_token_logps_and_entropies` (bound to the trainer); `routing` the rows' routing
     record `[B, T, layers, top_k]` or None; `sequence_parallel` runs this pass sequence-parallel (the loss forward,
-    on the group's pooled batch).
+    on the group's pooled batch); `flip_replay` routes the other way than `routing_replay` says (the extra pass of
+    `routing_mismatch_every`).
     """
     if sequence_parallel:
         return _sequence_parallel_logps_and_entropies(
             trainer, model, input_ids, attention_mask, logits_to_keep,
-            compute_aux_loss=kw.get("compute_aux_loss", False), routing=routing,
+            compute_aux_loss=kw.get("compute_aux_loss", False), routing=routing, flip_replay=flip_replay,
         )  # fmt: skip
     packed = trainer.resolved.padding_free and not a and all(kw.get(k) is None for k in kw if k not in PACKED_KWARGS)
     if not packed and routing is None:
@@ -57,7 +58,7 @@ def policy_logps_and_entropies(
         contiguous = packed and rows_are_contiguous(mask)
         if routing is not None:  # packed: the records of the real tokens, as `pack_rows` packs the ids
             rows = routing[start : start + batch_size]
-            replay_routing(trainer, rows[mask.bool()] if contiguous else rows)
+            replay_routing(trainer, rows[mask.bool()] if contiguous else rows, flip=flip_replay)
         if contiguous:
             outs.append(
                 packed_completion_logprobs(
@@ -84,16 +85,16 @@ def policy_logps_and_entropies(
     return logps, entropies, aux_loss
 
 
-def replay_routing(trainer, routing: torch.Tensor) -> None:
+def replay_routing(trainer, routing: torch.Tensor, *, flip: bool = False) -> None:
     """Install `routing` (`[B, T, ...]` or `[N, ...]` of the next forward's tokens) on the policy's routers."""
-    # None (auto) replays whenever the engine recorded routing; False only measures the agreement; the extra
-    # pass of `routing_mismatch_every` runs the other way
-    replay = (trainer.args.routing_replay is not False) != trainer._replay_flip
+    # None (auto) replays whenever the engine recorded routing; False only measures the agreement; `flip` (the extra
+    # pass of `routing_mismatch_every`) runs the other way
+    replay = (trainer.args.routing_replay is not False) != flip
     trainer.routing_replay.set_plan(routing, replay=replay, device=trainer.accelerator.device)
 
 
 def _sequence_parallel_logps_and_entropies(
-    trainer, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False, routing=None
+    trainer, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False, routing=None, flip_replay=False
 ):
     from hf_gptoss_rl.sequence_parallel import gather_outputs, shard_inputs
 
@@ -106,7 +107,7 @@ def _sequence_parallel_logps_and_entropies(
         batch["routed_experts"] = routing  # sharded with its tokens
     shard = shard_inputs(batch, group, pad_token_id=trainer._tokenizer.pad_token_id)
     if routing is not None:
-        replay_routing(trainer, shard["routed_experts"])
+        replay_routing(trainer, shard["routed_experts"], flip=flip_replay)
     extra = {"output_router_logits": True} if compute_aux_loss else {}
     with trainer.accelerator.autocast():
         out = model(

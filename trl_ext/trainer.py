@@ -218,7 +218,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.rollout_engine = rollout_engine if rollout_engine is not None else self._build_rollout_engine()
         # after the engine's copy of the policy: the hooks serve the trainer's routers only
         self.routing_replay = None
-        self._replay_flip = False  # True during the extra pass of `routing_mismatch_every`
         self._rollout_batch: RolloutBatch | None = None  # the generation in flight, from `_rollout` to the loss
         if self.resolved.routing_shape is not None:
             from hf_gptoss_rl.routing import RoutingReplay
@@ -488,14 +487,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if routing is not None and inputs is not None and self._routing_mismatch_step():
             # before the loss forward, whose plan the checkpoint recompute of its backward replays
             with torch.no_grad():
-                self._replay_flip = True
                 try:
                     kw_other = {**kw, **{k: False for k in ("compute_entropy", "compute_aux_loss") if k in kw}}
                     other_logps = self._dispatch_logps(
-                        model, input_ids, attention_mask, logits_to_keep, routing, *a, **kw_other
+                        model, input_ids, attention_mask, logits_to_keep, routing, *a, flip_replay=True, **kw_other
                     )[0]
                 finally:
-                    self._replay_flip = False
                     self.routing_replay.clear()
                     self.routing_replay.take_agreement()  # the agreement of record is the loss forward's
         logps, entropies, aux_loss = self._dispatch_logps(
