@@ -456,8 +456,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return (*output[:3], completions, *output[4:])
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        batch, self._rollout_batch = self._rollout_batch, None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            batch = self._rollout_batch
+        finally:  # one generation's batch: never seen by the next one, even after an error
+            self._rollout_batch = None
         if batch is not None and batch.routing is not None:  # shuffled and split with the rest of the batch by TRL
             output.update(batch.routing)
         return output
