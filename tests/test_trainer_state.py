@@ -104,3 +104,38 @@ def test_an_attribute_set_in_a_hook_is_found(tmp_path):
         "        self.count = 1\n"
     )
     assert sorted(attr for _, attr, _ in _assigned_attributes(planted)) == ["_flag", "_other", "_third"]
+
+
+def test_a_failed_generation_leaves_no_rollout_batch(tmp_path):
+    """A generation that fails after its rollouts (here in a reward function) drops its batch with it: the next
+    generation's log-prob passes never see this one's routing."""
+    import pytest
+    import torch
+    from datasets import Dataset
+    from transformers import GptOssForCausalLM
+
+    from hf_gptoss_rl.harmony import load_gptoss_tokenizer
+    from hf_gptoss_rl.model_builders import tiny_gptoss_config
+    from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
+
+    def failing_reward(completions, **kwargs):
+        raise RuntimeError("reward failed")
+
+    torch.manual_seed(0)
+    model_config = tiny_gptoss_config(num_hidden_layers=1, hidden_size=32, intermediate_size=32, head_dim=8)
+    model_config._attn_implementation = "eager"
+    trainer = AgenticGRPOTrainer(
+        model=GptOssForCausalLM(model_config), reward_funcs=failing_reward,
+        args=AgenticGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                               max_completion_length=8, max_steps=1, use_cpu=True, bf16=False, report_to="none",
+                               save_strategy="no", disable_tqdm=True, seed=0),
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 2 + 2?"}]}] * 2),
+        processing_class=load_gptoss_tokenizer(),
+    )  # fmt: skip
+    rollouts = []
+    rollout = trainer._rollout
+    trainer._rollout = lambda prompts: rollouts.append(len(prompts)) or rollout(prompts)
+    with pytest.raises(RuntimeError, match="reward failed"):
+        trainer.train()
+    assert rollouts == [2]  # the rollout ran, then the reward failed
+    assert trainer._rollout_batch is None
