@@ -126,28 +126,16 @@ def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
     """``--cold-start-steps`` of `trl_ext.cold_start.cold_start` on ``model`` (in place): the CPU demo's
     (`examples/grpo_retool.py`) data, tool, tokenizer and SFT settings, with this script's step count, learning rate,
     batch size and problem count; bf16 mixed precision on CUDA. Returns what it did and measured."""
-    from transformers import TrainerCallback
-
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-    from trl_ext.cold_start import cold_start, cosine_cold_start_config
+    from trl_ext.cold_start import LossHistory, cold_start, cosine_cold_start_config
     from trl_ext.recipes import load_math_dataset
     from trl_ext.tools import CodeInterpreterTool
-
-    class LossRecorder(TrainerCallback):  # logging_steps=1: one entry per step
-        def __init__(self):
-            self.history: list[dict] = []
-
-        def on_log(self, train_args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                norm = logs.get("grad_norm")
-                self.history.append({"step": state.global_step, "loss": float(logs["loss"]),
-                                     "grad_norm": None if norm is None else float(norm)})  # fmt: skip
 
     steps, cuda = args.cold_start_steps, device.type == "cuda"
     # use_cpu: the first trainer fixes accelerate's process state; the trainer phase uses the same
     sft_args = cosine_cold_start_config(str(work_dir / "cold_start"), max_steps=steps, batch_size=args.cold_start_batch,
                                         learning_rate=args.cold_start_lr, seed=args.seed, use_cpu=not cuda, bf16=cuda)  # fmt: skip
-    recorder = LossRecorder()
+    recorder = LossHistory()  # logging_steps=1: one entry per step
     model.set_attn_implementation("eager")  # exact sink attention: the sinks get their gradient
     model.train()
     t0 = time.perf_counter()
