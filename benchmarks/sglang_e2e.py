@@ -126,28 +126,16 @@ def run_cold_start(model, args, device: torch.device, work_dir: Path) -> dict:
     """``--cold-start-steps`` of `trl_ext.cold_start.cold_start` on ``model`` (in place): the CPU demo's
     (`examples/grpo_retool.py`) data, tool, tokenizer and SFT settings, with this script's step count, learning rate,
     batch size and problem count; bf16 mixed precision on CUDA. Returns what it did and measured."""
-    from transformers import TrainerCallback
-
     from hf_gptoss_rl.harmony import load_gptoss_tokenizer
-    from trl_ext.cold_start import cold_start, cosine_cold_start_config
+    from trl_ext.cold_start import LossHistory, cold_start, cosine_cold_start_config
     from trl_ext.recipes import load_math_dataset
     from trl_ext.tools import CodeInterpreterTool
-
-    class LossRecorder(TrainerCallback):  # logging_steps=1: one entry per step
-        def __init__(self):
-            self.history: list[dict] = []
-
-        def on_log(self, train_args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                norm = logs.get("grad_norm")
-                self.history.append({"step": state.global_step, "loss": float(logs["loss"]),
-                                     "grad_norm": None if norm is None else float(norm)})  # fmt: skip
 
     steps, cuda = args.cold_start_steps, device.type == "cuda"
     # use_cpu: the first trainer fixes accelerate's process state; the trainer phase uses the same
     sft_args = cosine_cold_start_config(str(work_dir / "cold_start"), max_steps=steps, batch_size=args.cold_start_batch,
                                         learning_rate=args.cold_start_lr, seed=args.seed, use_cpu=not cuda, bf16=cuda)  # fmt: skip
-    recorder = LossRecorder()
+    recorder = LossHistory()  # logging_steps=1: one entry per step
     model.set_attn_implementation("eager")  # exact sink attention: the sinks get their gradient
     model.train()
     t0 = time.perf_counter()
@@ -379,53 +367,6 @@ def _count(items) -> dict:
     return dict(Counter(str(x) for x in items))
 
 
-def instrument_engine(engine, records: list[dict]) -> None:
-    """Time `update_weights` / `update_lora_adapter` / `verify_logprobs` on this engine instance, and record the
-    probe's |Δ logprob| as the check measured it (``engine.last_logprob_probe``)."""
-    update, update_lora, verify = engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs
-
-    async def update_weights(named_tensors, *, version):
-        named = list(named_tensors)
-        rec = {"version": version, "kind": "merged", "bytes": sum(t.numel() * t.element_size() for _, t in named)}
-        records.append(rec)
-        await _timed(rec, update(named, version=version))
-
-    async def update_lora_adapter(adapter, *, version):
-        rec = {"version": version, "kind": "lora", "bytes": adapter.nbytes, "lora_tensors": len(adapter.named_tensors)}
-        records.append(rec)
-        await _timed(rec, update_lora(adapter, version=version))
-
-    async def verify_logprobs(probe_ids, reference):
-        rec = records[-1] if records else {}
-        try:
-            await _timed(rec, verify(probe_ids, reference), ok_key="probe_pass", seconds_key="verify_s")
-        finally:
-            probe = engine.last_logprob_probe.get(engine.base_urls[0])  # what the check itself measured
-            if probe:
-                rec.update(
-                    probe_tokens=probe["tokens"], probe_dlogp_mean=probe["mean_abs"], probe_dlogp_max=probe["max_abs"],
-                    probe_mean_abs_logp=probe.get("mean_abs_reference"), probe_tolerance=probe.get("tolerance"),
-                )  # fmt: skip
-
-    engine.update_weights, engine.update_lora_adapter, engine.verify_logprobs = (
-        update_weights, update_lora_adapter, verify_logprobs,
-    )  # fmt: skip
-
-
-async def _timed(rec: dict, coro, *, ok_key: str = "ok", seconds_key: str = "transfer_s") -> None:
-    """Await ``coro``; record in ``rec`` whether it succeeded (``ok_key``), its error, and its seconds."""
-    t0 = time.perf_counter()
-    try:
-        await coro
-        rec[ok_key] = True
-    except BaseException as exc:
-        rec[ok_key] = False
-        rec["error"] = error_text(exc)
-        raise
-    finally:
-        rec[seconds_key] = time.perf_counter() - t0
-
-
 def start_trainer_server(ctx, mode: str, out: dict) -> str:
     """The server a trainer mode runs against (LoRA: relaunched with ``--enable-lora``); returns its URL."""
     args, lora = ctx.args, mode == "lora"
@@ -446,10 +387,8 @@ def start_trainer_server(ctx, mode: str, out: dict) -> str:
 
 
 def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
-    """One trainer run against the server at ``url``; fills ``out`` as it goes (a failure keeps the syncs measured
+    """One trainer run against the server at ``url``; fills ``out`` (a failure keeps the syncs and steps measured
     before it)."""
-    from transformers import TrainerCallback
-
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
     from trl_ext.recipes import load_math_dataset, retool_reward_func
     from trl_ext.tools import CodeInterpreterTool
@@ -473,32 +412,13 @@ def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
 
         peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS)
 
-    class StepTimer(TrainerCallback):  # runs before the trainer's own sync callback (added last)
-        def on_step_begin(self, a, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            out["steps"].append({"step": state.global_step, "step_s_without_sync": time.perf_counter() - self.t0})
-
     trainer = AgenticGRPOTrainer(
         model=model, reward_funcs=[retool_reward_func], args=config,
-        train_dataset=load_math_dataset(str(TRAIN_DATA), limit=args.train_rows), callbacks=[StepTimer()],
-        peft_config=peft_config, tools=[CodeInterpreterTool(timeout_s=10.0)],
+        train_dataset=load_math_dataset(str(TRAIN_DATA), limit=args.train_rows), peft_config=peft_config,
+        tools=[CodeInterpreterTool(timeout_s=10.0)],
     )  # fmt: skip
     engine = trainer.rollout_engine
-    instrument_engine(engine, out["syncs"])
     ctx.server.dirty = True
-    push = trainer._push_weights
-
-    def timed_push(eng, version):  # the trainer's whole sync: export, transfer, probe reference, check
-        t0 = time.perf_counter()
-        try:
-            push(eng, version)
-        finally:
-            if out["syncs"]:
-                out["syncs"][-1]["sync_total_s"] = time.perf_counter() - t0
-
-    trainer._push_weights = timed_push
     out["attn_implementation"] = trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation
     try:
         trainer.sync_rollout_weights()  # version 0: the server gets the trainer's starting weights (the first sync)
@@ -513,6 +433,14 @@ def run_trainer(ctx, mode: str, out: dict, url: str) -> None:
         out["served_weight_version"] = engine.weight_version
         out["engine_stats"] = dict(engine.stats)
     finally:
+        # each sync as the weight sync recorded it (`trl_ext.weight_sync.SyncRecord`: bytes, outcome, transfer, the
+        # log-prob probe, the trainer's whole push), and each step's time before its sync (`timing/step_s`)
+        out["syncs"] = [record.as_dict() for record in engine.weight_sync.sync_history]
+        out["steps"] = [
+            {"step": h["step"], "step_s_without_sync": h["timing/step_s"]}
+            for h in trainer.state.log_history
+            if "timing/step_s" in h
+        ]
         close_engine(engine)
         del trainer, model
         free_memory(device)

@@ -136,12 +136,16 @@ def test_cold_start_sft_learns_the_demonstrations(tmp_path):
         disable_tqdm=True,
     )  # fmt: skip
     stop = cs.StopAtLoss(target=1e-9, window=12)  # never reached: all 12 steps run, their losses are kept
-    practised = cs.cold_start(model, tokenizer, dataset, CodeInterpreterTool(), args=args, max_rows=4, callbacks=[stop])
+    history = cs.LossHistory()
+    practised = cs.cold_start(model, tokenizer, dataset, CodeInterpreterTool(), args=args, max_rows=4,
+                              callbacks=[stop, history])  # fmt: skip
     assert len(practised) == 4 and all(0 <= i < len(dataset) for i in practised)
     assert not model.training
     losses = stop.recent
     assert len(losses) == 12 and abs(losses[0] - 12.2) < 0.3  # ln(201088): uniform at random init
     assert sum(losses[-3:]) / 3 < losses[0] - 2.0, losses
+    assert [h["step"] for h in history.history] == list(range(1, 13)) and [h["loss"] for h in history.history] == losses
+    assert all(isinstance(h["grad_norm"], float) and h["grad_norm"] > 0 for h in history.history)
     with pytest.raises(TypeError, match="SFTConfig"):
         cs.cold_start(model, tokenizer, dataset, args=object())
 
@@ -155,6 +159,20 @@ def test_stop_at_loss():
     for loss, should_stop in ((0.4, False), (0.7, False), (0.6, False), (0.3, True)):
         stop.on_log(None, TrainerState(), control, logs={"loss": loss})
         assert control.should_training_stop == should_stop
+
+
+def test_loss_history_keeps_every_logged_loss():
+    from transformers import TrainerControl, TrainerState
+
+    history, state = cs.LossHistory(), TrainerState()
+    for step, logs in ((1, {"loss": 2.5, "grad_norm": 1.5}), (2, {"learning_rate": 0.1}), (3, {"loss": 1.0})):
+        state.global_step = step
+        history.on_log(None, state, TrainerControl(), logs=logs)
+    history.on_log(None, state, TrainerControl(), logs=None)
+    assert history.history == [
+        {"step": 1, "loss": 2.5, "grad_norm": 1.5},
+        {"step": 3, "loss": 1.0, "grad_norm": None},  # a log without grad_norm; the log without loss is skipped
+    ]
 
 
 def test_evaluate_tool_use_samples_at_the_temperature_asked(monkeypatch):

@@ -100,6 +100,10 @@ def test_sglang_e2e_records_every_phase(tmp_path):
             versions = [s["version"] for s in rec["syncs"]]
             assert versions == [0, 1], rec["syncs"]
             assert all("transfer_s" in s and "probe_dlogp_mean" in s and s["probe_pass"] for s in rec["syncs"])
+            # the weight sync's records (`trl_ext.weight_sync.SyncRecord`), the trainer's whole push included
+            assert all(s["sync_total_s"] >= s["transfer_s"] + s["verify_s"] for s in rec["syncs"]), rec["syncs"]
+            assert {s["kind"] for s in rec["syncs"]} == {"lora" if mode == "lora" else "merged"}
+            assert [s["step"] for s in rec["steps"]] == [1] and rec["steps"][0]["step_s_without_sync"] > 0
         else:
             assert rec["error"] and rec["server_log_tail"]
     assert trainer["lora"]["server_flags"][:1] == ["--enable-lora"]

@@ -1,4 +1,4 @@
-"""trl_ext.weight_sync: what the trainer exports to the rollout engine."""
+"""trl_ext.weight_sync: what the trainer exports to the rollout engine, and the record each sync leaves."""
 
 from __future__ import annotations
 
@@ -203,3 +203,167 @@ def test_an_abandoned_group_join_ends_its_thread_without_an_error(monkeypatch):
         thread.join(5)
     assert errors == []
     assert isinstance(done.exception(timeout=5), TimeoutError)  # the outcome is kept on the future
+
+
+# ------------------------------------------------------------------------------------------------ sync records
+
+
+@pytest.fixture
+def make_server():
+    """`FakeSGLangServer`s (SGLang's HTTP API over an `EmbeddedEngine` of the tiny GPT-OSS), stopped afterwards;
+    each comes with a trainer-side copy of the model it serves."""
+    from fake_sglang_server import FakeSGLangServer
+
+    from trl_ext.rollout import EmbeddedEngine
+
+    made = []
+
+    def tiny():
+        torch.manual_seed(0)
+        return GptOssForCausalLM(tiny_gptoss_config(vocab_size=128)).float().eval()
+
+    def make(**kwargs):
+        server = FakeSGLangServer(EmbeddedEngine(tiny(), seed=0), **kwargs)
+        made.append(server)
+        return server.start(), tiny()
+
+    yield make
+    for server in made:
+        server.stop()
+        server.engine.shutdown()
+
+
+def _sync_client(url, **sync):
+    from trl_ext.rollout import SGLangEngine
+    from trl_ext.weight_sync import WeightSyncConfig
+
+    return SGLangEngine(url, weight_sync=WeightSyncConfig(**sync), backoff_s=0.01, timeout_s=60, ready_timeout_s=30)
+
+
+PROBE = [3, 17, 42, 5, 99, 23, 64, 8]
+
+
+@pytest.mark.parametrize("mode", ["disk", "tensor"])
+def test_a_merged_sync_and_its_probe_leave_one_record(make_server, tmp_path, mode):
+    """One `SyncRecord` per sync: the bytes of the tensors sent, the outcome, the transfer's seconds; the log-prob
+    probe that follows adds its outcome, seconds and what it measured to that record."""
+    import asyncio
+
+    from trl_ext.weight_sync import SyncRecord, reference_logprobs
+
+    server, model = make_server()
+    named = [(n, t.detach().clone()) for n, t in model.state_dict().items()]
+    sent_bytes = sum(t.numel() * t.element_size() for _, t in named)
+
+    async def main():
+        c = _sync_client(server.url, mode=mode, weight_dir=str(tmp_path), model_config=model.config,
+                         verify=("version", "logprobs"))  # fmt: skip
+        try:
+            await c.update_weights(named, version=0)
+            first = c.weight_sync.sync_history[-1].as_dict()
+            await c.verify_logprobs(PROBE, reference_logprobs(model, PROBE))
+            await c.update_weights(named, version=1)
+            return list(c.weight_sync.sync_history), first, dict(c.last_logprob_probe[server.url])
+        finally:
+            await c.close()
+
+    history, first, probe = asyncio.run(main())
+    assert [r.version for r in history] == [0, 1] and all(isinstance(r, SyncRecord) for r in history)
+    assert set(first) == {"version", "kind", "bytes", "ok", "transfer_s"}  # no probe yet
+    record = history[0]
+    assert (record.kind, record.bytes, record.ok, record.error) == ("merged", sent_bytes, True, None)
+    assert record.transfer_s > 0 and record.verify_s > 0 and record.probe_pass is True
+    assert (record.probe_tokens, record.probe_dlogp_mean, record.probe_dlogp_max) == (
+        len(PROBE) - 1, probe["mean_abs"], probe["max_abs"]
+    )  # fmt: skip
+    assert (record.probe_mean_abs_logp, record.probe_tolerance) == (probe["mean_abs_reference"], probe["tolerance"])
+    assert history[1].ok is True and history[1].probe_pass is None  # the probe belongs to the sync it followed
+    assert record.sync_total_s is None  # the trainer's whole push: set by `rollout_sync.sync_rollout_weights`
+
+
+def test_a_lora_sync_records_the_adapter(make_server, tmp_path):
+    import asyncio
+
+    from trl_ext.weight_sync import export_lora_adapter
+
+    server, model = make_server(enable_lora=True)
+    adapter = export_lora_adapter(_lora_policy(torch.float32, ["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+    async def main():
+        c = _sync_client(server.url, mode="tensor")
+        try:
+            await c.update_lora_adapter(adapter, version=1)
+            return list(c.weight_sync.sync_history)
+        finally:
+            await c.close()
+
+    (record,) = asyncio.run(main())
+    assert (record.version, record.kind, record.ok) == (1, "lora", True)
+    assert record.bytes == adapter.nbytes == sum(t.numel() * t.element_size() for _, t in adapter.named_tensors)
+    assert record.lora_tensors == len(adapter.named_tensors) == 4 * tiny_gptoss_config().num_hidden_layers * 2
+
+
+def test_a_failed_sync_and_a_failed_probe_are_recorded_with_their_errors(make_server, tmp_path):
+    import asyncio
+
+    from fake_sglang_server import Fault
+
+    from trl_ext.weight_sync import WeightSyncError, reference_logprobs
+
+    server, model = make_server()
+    server.inject(Fault("refuse", path="/update_weights_from_disk"))
+    named = list(model.state_dict().items())
+    g = torch.Generator().manual_seed(1)
+    other = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+    async def main():
+        c = _sync_client(server.url, mode="disk", weight_dir=str(tmp_path), model_config=model.config,
+                         verify=("version", "logprobs"))  # fmt: skip
+        try:
+            with pytest.raises(WeightSyncError, match="injected refusal"):
+                await c.update_weights(named, version=1)
+            await c.update_weights(named, version=2)
+            model.load_state_dict(other)  # the trainer's reference is now other weights than the served ones
+            with pytest.raises(WeightSyncError, match="log-prob probe"):
+                await c.verify_logprobs(PROBE, reference_logprobs(model, PROBE))
+            return list(c.weight_sync.sync_history)
+        finally:
+            await c.close()
+
+    failed, served = asyncio.run(main())
+    assert failed.ok is False and failed.error.startswith("WeightSyncError: ") and "injected refusal" in failed.error
+    assert failed.transfer_s > 0 and failed.as_dict()["ok"] is False
+    assert served.ok is True and served.probe_pass is False and "log-prob probe" in served.error
+    assert served.probe_dlogp_mean > served.probe_tolerance  # what made it fail, as the probe measured it
+
+
+def test_the_trainers_push_sets_its_records_total_seconds():
+    """`sync_rollout_weights` times the whole push once: the seconds it logs as ``timing/weight_sync_s`` are the new
+    record's ``sync_total_s``; a push that fails before any record (an export error) leaves the last one alone."""
+    from collections import defaultdict, deque
+    from types import SimpleNamespace
+
+    from trl_ext.rollout_sync import sync_rollout_weights
+    from trl_ext.weight_sync import SyncRecord
+
+    history = deque()
+    engine = SimpleNamespace(weight_sync=SimpleNamespace(sync_history=history, last_verify_s=None))
+
+    def push(eng, version):
+        if version == 2:
+            raise RuntimeError("export failed")
+        history.append(SyncRecord(version=version, kind="merged", bytes=8, ok=True))
+
+    trainer = SimpleNamespace(
+        rollout_engine=engine, _push_weights=push, state=SimpleNamespace(global_step=1),
+        _metrics={"train": defaultdict(list)}, args=SimpleNamespace(rollout_backend="sglang"),
+        accelerator=SimpleNamespace(num_processes=1),
+    )  # fmt: skip
+    sync_rollout_weights(trainer)
+    (record,) = history
+    assert record.sync_total_s == trainer._metrics["train"]["timing/weight_sync_s"][-1] > 0
+    total = record.sync_total_s
+    trainer.state.global_step = 2
+    with pytest.raises(RuntimeError, match="export failed"):
+        sync_rollout_weights(trainer)
+    assert len(trainer._metrics["train"]["timing/weight_sync_s"]) == 2 and record.sync_total_s == total

@@ -12,7 +12,8 @@ demonstrations for GSM8K-style rows and trains on them with TRL's `SFTTrainer`:
   per problem: think → call `code_interpreter` with the program → the tool's real output → `\\boxed{answer}`. It
   returns a tokenized dataset (`input_ids`, `assistant_masks`) whose mask covers the assistant's tokens only (the
   prompt and the tool's output are context, not targets);
-* `cold_start` trains a model on them with `SFTTrainer` and returns the rows it practised.
+* `cold_start` trains a model on them with `SFTTrainer` and returns the rows it practised; the callbacks
+  `StopAtLoss` (stop once the logged loss is low enough) and `LossHistory` (keep every logged loss) read its logs.
 
 Typical use (the CPU demo in `examples/grpo_retool.py` does exactly this):
 
@@ -36,6 +37,7 @@ from transformers import TrainerCallback
 from trl_ext.tools import ToolError
 
 __all__ = [
+    "LossHistory",
     "StopAtLoss",
     "annotation_program",
     "cold_start",
@@ -203,6 +205,26 @@ class StopAtLoss(TrainerCallback):
             self.recent = (self.recent + [float(logs["loss"])])[-self.window :]
             if len(self.recent) == self.window and sum(self.recent) / self.window < self.target:
                 control.should_training_stop = True
+
+
+class LossHistory(TrainerCallback):
+    """Keeps the trainer's logged training losses: `history` gets ``{"step", "loss", "grad_norm"}`` for every log
+    with a `loss` (``grad_norm`` None where none was logged). With `logging_steps=1` (`cosine_cold_start_config`),
+    one entry per step; `cold_start` does not return its trainer, whose ``state.log_history`` has the same."""
+
+    def __init__(self):
+        self.history: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            norm = logs.get("grad_norm")
+            self.history.append(
+                {
+                    "step": state.global_step,
+                    "loss": float(logs["loss"]),
+                    "grad_norm": None if norm is None else float(norm),
+                }
+            )
 
 
 def cosine_cold_start_config(output_dir: str, *, max_steps: int, batch_size: int, learning_rate: float, seed: int = 0,

@@ -54,15 +54,22 @@ def sync_rollout_weights(trainer) -> None:
     """Send the current policy to the rollout engine, versioned by the global step.
 
     With SGLang the main process syncs; its outcome is broadcast so that every process raises when it failed
-    (instead of the other ranks waiting at a barrier until the collective timeout).
+    (instead of the other ranks waiting at a barrier until the collective timeout). The push's seconds are logged as
+    ``timing/weight_sync_s`` and, where the engine's weight sync keeps a ``sync_history``, are its record's
+    ``sync_total_s``.
     """
     error = None
+    history = getattr(getattr(trainer.rollout_engine, "weight_sync", None), "sync_history", None)
+    before = history[-1] if history else None
     start = time.perf_counter()
     try:
         trainer._push_weights(trainer.rollout_engine, version=trainer.state.global_step)
     except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
         error = exc
-    trainer._metrics["train"]["timing/weight_sync_s"].append(time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    trainer._metrics["train"]["timing/weight_sync_s"].append(seconds)
+    if history and history[-1] is not before:  # this push's record (`trl_ext.weight_sync.history`): its whole time
+        history[-1].sync_total_s = seconds
     verify_s = getattr(getattr(trainer.rollout_engine, "weight_sync", None), "last_verify_s", None)
     if error is None and verify_s is not None:  # SGLang: the sync's checks (served version, checksums)
         trainer._metrics["train"]["timing/weight_sync_verify_s"].append(verify_s)

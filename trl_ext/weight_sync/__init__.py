@@ -7,8 +7,10 @@ One package, one file per concern:
 - `export`: what is sent (merged weights named as the base model names them, or a LoRA adapter; FSDP gathers);
 - `transport`: how it travels (SGLang's tensor serialization, flattened buckets, the NCCL group, files on disk);
 - `verify`: what the server serves against what was sent (names, changed parameters, the log-prob probe);
-- `sglang`: SGLang's weight-update endpoints, driven and checked for every server of an `SGLangEngine`.
-- `offline`: the weight updates of an in-process ``sglang.Engine``, driven and checked for an `SGLangOfflineEngine`.
+- `sglang`: SGLang's weight-update endpoints, driven and checked for every server of an `SGLangEngine`;
+- `offline`: the weight updates of an in-process ``sglang.Engine``, driven and checked for an `SGLangOfflineEngine`;
+- `history`: `SyncRecord`, what one sync did (bytes, outcome, seconds, the log-prob probe), one per sync in the
+  ``sync_history`` of an `SGLangEngine`'s weight sync.
 
 `push_policy_weights` is the trainer's one call per step.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .export import LoRAAdapter, export_lora_adapter, export_policy_weights
+from .history import SyncRecord
 from .settings import SYNC_MODES, VERIFY_MODES, ServerLostError, WeightSyncConfig, WeightSyncError
 from .transport import (
     checkpoint_dtypes,
@@ -33,6 +36,7 @@ __all__ = [
     "VERIFY_MODES",
     "LoRAAdapter",
     "ServerLostError",
+    "SyncRecord",
     "WeightSyncConfig",
     "WeightSyncError",
     "checkpoint_dtypes",

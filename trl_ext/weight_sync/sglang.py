@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import verify as checks
+from .history import SYNC_HISTORY_LIMIT, SyncRecord
 from .settings import ServerLostError, WeightSyncConfig, WeightSyncError
 from .transport import (
     default_weight_dir,
@@ -193,7 +196,8 @@ class SGLangHTTPWeightSync:
     ``client`` provides ``base_urls``, ``request(method, url, path, payload, *, retries, ok_statuses)`` (one HTTP
     call with its retry policy; None for a status in ``ok_statuses``) and its ``retry_deadline_s`` /
     ``backoff_s``. The engine reads `version`, `failure` (set while the servers may disagree), `served_adapter`
-    (the ``lora_path`` of its requests) and waits on `wait_until_cache_clean` before each request.
+    (the ``lora_path`` of its requests) and waits on `wait_until_cache_clean` before each request. `sync_history`
+    holds a `SyncRecord` per sync (the last `SYNC_HISTORY_LIMIT`), the log-prob probe that follows it included.
     """
 
     def __init__(self, client, config: WeightSyncConfig) -> None:
@@ -205,6 +209,7 @@ class SGLangHTTPWeightSync:
         self.group = None
         self.paused_urls: set[str] = set()  # paused by a sync that has not continued them yet
         self.last_logprob_probe: dict[str, dict] = {}  # url -> what the last probe measured there
+        self.sync_history: deque[SyncRecord] = deque(maxlen=SYNC_HISTORY_LIMIT)  # one record per sync, oldest first
         self.dist_backend = config.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._weight_dir = Path(config.weight_dir) if config.weight_dir else None
         self._own_weight_dir = config.weight_dir is None
@@ -324,8 +329,16 @@ class SGLangHTTPWeightSync:
         another version than the last sync's: a supervisor restarted it, with its launch weights) and answers again
         within the client's ``retry_deadline_s`` gets the whole sync again, at most `SYNC_ATTEMPTS` times in all; one
         that does not answer by then fails the sync with `ServerLostError`. Other failures (a refusal, a failed check,
-        an answer cut off by a server that stayed up) are raised at once.
+        an answer cut off by a server that stayed up) are raised at once. The sync is recorded in `sync_history`.
         """
+        record = SyncRecord.for_update(version, named, lora)
+        self.sync_history.append(record)
+        with record.timed("ok", "transfer_s"):
+            await self._update_until_served(named, version, lora=lora)
+
+    async def _update_until_served(self, named, version, *, lora=None) -> None:
+        """`update`'s attempts: `_update_once`, sent again (at most `SYNC_ATTEMPTS` in all) while a server that lost
+        its connection during the sync answers again on other weights."""
         if self.group is not None and self._lost_connections() != self._lost_at_last_sync:
             # a server lost its connection since the last sync (it may have restarted, without the group): a new one
             self.drop_group()
@@ -556,7 +569,17 @@ class SGLangHTTPWeightSync:
 
     async def verify_logprobs(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
         """Score ``probe_ids`` on every server (``input_token_logprobs``, temperature 1) and compare with
-        ``reference`` (`verify.probe_verdict`); raise `WeightSyncError` naming the server when it fails."""
+        ``reference`` (`verify.probe_verdict`); raise `WeightSyncError` naming the server when it fails. The probe
+        follows a sync: its outcome, seconds and measurements go into that sync's record (`sync_history`)."""
+        record = self.sync_history[-1] if self.sync_history else None
+        with record.timed("probe_pass", "verify_s") if record is not None else contextlib.nullcontext():
+            try:
+                return await self._score_probe(probe_ids, reference)
+            finally:
+                if record is not None:
+                    record.add_probe(self.last_logprob_probe)
+
+    async def _score_probe(self, probe_ids: list[int], reference: list[float]) -> dict[str, dict]:
         self.last_logprob_probe = measured = {}
         if len(reference) != len(probe_ids) - 1:
             raise ValueError(
