@@ -68,7 +68,7 @@ MODEL_SIZES = {
     "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=128),
 }  # fmt: skip
-SAMPLED_ACCURACY = "learning_run/sampled_accuracy"  # logged by `SampledAccuracy` into the trainer's metrics
+SAMPLED_ACCURACY = "learning_run/sampled_accuracy"  # logged by `ToolUseAccuracyCallback` into the trainer's metrics
 # (log-history key, JSON/plot name) of the per-step series
 STEP_METRICS = (
     ("reward", "reward"),
@@ -415,19 +415,6 @@ def merge_reports(parts: list[dict], args) -> dict:
 
 
 # %% One run ------------------------------------------------------------------------------------------------------------
-def sampled_accuracy_callback(trainer, measure, every: int):
-    """Every ``every`` optimizer steps, after the step's weight sync (added after the trainer's own callbacks),
-    ``measure()["accuracy"]`` goes into the trainer's metrics, so it is logged with that step."""
-    from transformers import TrainerCallback
-
-    class SampledAccuracy(TrainerCallback):
-        def on_step_end(self, train_args, state, control, **kwargs):
-            if every and state.global_step % every == 0:
-                trainer._metrics["train"][SAMPLED_ACCURACY].append(measure()["accuracy"])
-
-    return SampledAccuracy()
-
-
 def compile_warm_up(model, device) -> float:
     """One forward and backward through the training attention on a left-padded two-row batch, before the timed RL
     phase, so that Triton compiles the kernel's binaries here (fp32 on the H200: tens of seconds) and not inside
@@ -460,7 +447,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
 
     from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
-    from trl_ext.recipes import WallClockLimit, boxed_format_reward_func, retool_reward_func
+    from trl_ext.recipes import ToolUseAccuracyCallback, WallClockLimit, boxed_format_reward_func, retool_reward_func
 
     args, device, rollouts, tool = ctx["args"], ctx["device"], ctx["rollouts"], ctx["tool"]
     torch.manual_seed(seed)
@@ -500,8 +487,10 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
         train_dataset=ctx["train_dataset"], processing_class=ctx["tokenizer"], tools=[tool], rollout_engine=engine,
         callbacks=[WallClockLimit(args.max_seconds)],
     )  # fmt: skip
-    measure = lambda: agent_accuracy(engine, tool, slice_rows, args, temperature=1.0)  # noqa: E731
-    trainer.add_callback(sampled_accuracy_callback(trainer, measure, args.eval_every))
+    if args.eval_every:  # added after the trainer's own callbacks: it measures after the step's weight sync
+        trainer.add_callback(
+            ToolUseAccuracyCallback(trainer, slice_rows, every=args.eval_every, temperature=1.0, name=SAMPLED_ACCURACY)
+        )
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
