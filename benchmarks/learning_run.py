@@ -68,7 +68,7 @@ MODEL_SIZES = {
     "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=128),
 }  # fmt: skip
-SAMPLED_ACCURACY = "learning_run/sampled_accuracy"  # logged by `SampledAccuracy` into the trainer's metrics
+SAMPLED_ACCURACY = "learning_run/sampled_accuracy"  # logged by `ToolUseAccuracyCallback` into the trainer's metrics
 # (log-history key, JSON/plot name) of the per-step series
 STEP_METRICS = (
     ("reward", "reward"),
@@ -250,13 +250,10 @@ class Rollouts:
             engine.model.to(self.dtype)
             engine.model.config.use_cache = True
             return engine
-        self.push(model, version=0)
-        return self.engine
-
-    def push(self, model, version: int) -> None:
         from trl_ext.weight_sync import push_policy_weights
 
-        push_policy_weights(self.engine, model, version=version)
+        push_policy_weights(self.engine, model, version=0)  # verified against what the server held
+        return self.engine
 
     def trainer_fields(self, run_dir: Path) -> dict:
         """`AgenticGRPOConfig` fields of the rollout backend."""
@@ -288,50 +285,6 @@ def agent_accuracy(engine, tool, rows: list[dict], args, *, temperature: float =
 
 
 # %% Checks before the arms ---------------------------------------------------------------------------------------------
-def sink_control(rollouts: Rollouts, warm_model, prompts: list[list[int]], args) -> dict:
-    """Does the engine honour the sinks and the sync? Push weights whose sinks are shifted by
-    ``--control-sink-shift``, sample 32 tokens per prompt from the engine, and score those tokens with the trainer's
-    fp32 eager attention with sinks and without them. The engine must sit ``--control-margin`` times closer to the
-    trainer with sinks (mean |Δ log p| over the sampled tokens). Then the warm weights go back."""
-    import copy
-
-    import torch
-
-    from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
-    from trl_ext.rollout import SamplingParams, run_sync
-    from trl_ext.weight_sync.verify import reference_logprobs
-
-    control = copy.deepcopy(warm_model).float()
-    with torch.no_grad():
-        for name, param in control.named_parameters():
-            if name.endswith("sinks"):
-                param.add_(args.control_sink_shift)
-    engine = rollouts.engine_with(control, seed=0)
-    outputs = run_sync(engine.generate_batch(prompts, SamplingParams(max_new_tokens=32, temperature=1.0)))
-    if not any(o.output_ids for o in outputs):
-        raise RuntimeError("sink control: the engine returned no tokens for any prompt")
-    distances = {}
-    for label, attention in (("with_sinks", "eager"), ("without_sinks", register_sink_dropping_attention())):
-        control.set_attn_implementation(attention)
-        diffs = [  # the trainer's log-probs of the sampled tokens against the engine's
-            torch.tensor(reference_logprobs(control, ids + list(out.output_ids))[len(ids) - 1 :])
-            - torch.tensor(out.logprobs)
-            for ids, out in zip(prompts, outputs)
-            if out.output_ids
-        ]
-        distances[label] = torch.cat(diffs).abs().mean().item()
-    if rollouts.engine is not None:  # the server goes back to the warm weights (verified)
-        rollouts.push(warm_model, version=0)
-    else:  # the embedded copy of the control weights is dropped; each run gets a fresh copy of the warm weights
-        engine.shutdown()
-    return {
-        "sink_shift": args.control_sink_shift, "margin": args.control_margin, "prompts": len(prompts),
-        "tokens": sum(len(o.output_ids) for o in outputs), "mean_abs_logp_diff_with_sinks": distances["with_sinks"],
-        "mean_abs_logp_diff_without_sinks": distances["without_sinks"],
-        "passed": distances["without_sinks"] > args.control_margin * distances["with_sinks"],
-    }  # fmt: skip
-
-
 def policy_window(score: dict, args) -> list[str]:
     """Why the warm policy gives GRPO no signal to learn from (empty: it does)."""
     problems = []
@@ -462,19 +415,6 @@ def merge_reports(parts: list[dict], args) -> dict:
 
 
 # %% One run ------------------------------------------------------------------------------------------------------------
-def sampled_accuracy_callback(trainer, measure, every: int):
-    """Every ``every`` optimizer steps, after the step's weight sync (added after the trainer's own callbacks),
-    ``measure()["accuracy"]`` goes into the trainer's metrics, so it is logged with that step."""
-    from transformers import TrainerCallback
-
-    class SampledAccuracy(TrainerCallback):
-        def on_step_end(self, train_args, state, control, **kwargs):
-            if every and state.global_step % every == 0:
-                trainer._metrics["train"][SAMPLED_ACCURACY].append(measure()["accuracy"])
-
-    return SampledAccuracy()
-
-
 def compile_warm_up(model, device) -> float:
     """One forward and backward through the training attention on a left-padded two-row batch, before the timed RL
     phase, so that Triton compiles the kernel's binaries here (fp32 on the H200: tens of seconds) and not inside
@@ -507,7 +447,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
 
     from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
     from trl_ext import AgenticGRPOConfig, AgenticGRPOTrainer
-    from trl_ext.recipes import WallClockLimit, boxed_format_reward_func, retool_reward_func
+    from trl_ext.recipes import ToolUseAccuracyCallback, WallClockLimit, boxed_format_reward_func, retool_reward_func
 
     args, device, rollouts, tool = ctx["args"], ctx["device"], ctx["rollouts"], ctx["tool"]
     torch.manual_seed(seed)
@@ -547,8 +487,10 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
         train_dataset=ctx["train_dataset"], processing_class=ctx["tokenizer"], tools=[tool], rollout_engine=engine,
         callbacks=[WallClockLimit(args.max_seconds)],
     )  # fmt: skip
-    measure = lambda: agent_accuracy(engine, tool, slice_rows, args, temperature=1.0)  # noqa: E731
-    trainer.add_callback(sampled_accuracy_callback(trainer, measure, args.eval_every))
+    if args.eval_every:  # added after the trainer's own callbacks: it measures after the step's weight sync
+        trainer.add_callback(
+            ToolUseAccuracyCallback(trainer, slice_rows, every=args.eval_every, temperature=1.0, name=SAMPLED_ACCURACY)
+        )
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -956,12 +898,19 @@ def checks_before_the_arms(result: dict, rollouts: Rollouts, model, tool, rows: 
     """The sink control, then (if it passed) the warm policy's accuracy and its window; failures go into
     ``result["check_failures"]``."""
     from hf_gptoss_rl.harmony import render_prompt
+    from trl_ext.mismatch import sink_control
 
     prompts = [
         render_prompt(r["prompt"], tools=[tool.spec()], reasoning_effort="low")
         for r in rows["slice"][: args.control_prompts]
     ]
-    control = result["sink_control"] = sink_control(rollouts, model, prompts, args)
+    # the server (which holds the warm weights), or an embedded copy of them, dropped after the check
+    engine = rollouts.engine if rollouts.engine is not None else rollouts.engine_with(model, seed=0)
+    control = result["sink_control"] = sink_control(
+        engine, model, prompts, sink_shift=args.control_sink_shift, margin=args.control_margin
+    )
+    if rollouts.engine is None:
+        engine.shutdown()
     print(f"sink control: {control}", flush=True)
     if not control["passed"]:
         result["check_failures"].append(

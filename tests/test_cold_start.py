@@ -201,6 +201,37 @@ def test_evaluate_tool_use_samples_at_the_temperature_asked(monkeypatch):
     assert temperatures == [0.0, 1.0] and greedy["accuracy"] == sampled["accuracy"] == 0.5
 
 
+def test_tool_use_accuracy_callback_logs_every_n_steps_on_the_trainers_engine(monkeypatch):
+    """`recipes.ToolUseAccuracyCallback` evaluates the rows on the trainer's engine with its tools and the config's
+    budget every ``every`` steps, on the main process only, and appends the accuracy to the trainer's metrics."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+
+    calls = []
+
+    def evaluate(engine, tools, rows, **kwargs):
+        calls.append((engine, tools, len(rows), kwargs))
+        return {"accuracy": 0.25 * len(calls)}
+
+    monkeypatch.setattr(recipes, "evaluate_tool_use", evaluate)
+    trainer = SimpleNamespace(rollout_engine="engine", agent_tools=["tool"], _metrics={"train": defaultdict(list)})
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}] * 3
+    callback = recipes.ToolUseAccuracyCallback(trainer, rows, every=2, name="eval/acc")
+    args = SimpleNamespace(max_completion_length=16, max_turns=2, reasoning_effort="low")
+    for step in range(1, 6):
+        callback.on_step_end(args, TrainerState(global_step=step), TrainerControl())
+    assert trainer._metrics["train"]["eval/acc"] == [0.25, 0.5]  # steps 2 and 4
+    expected = dict(max_completion_length=16, max_turns=2, reasoning_effort="low", temperature=1.0)
+    assert calls[0] == ("engine", ["tool"], 3, expected)
+    other_rank = TrainerState(global_step=6, is_world_process_zero=False)
+    callback.on_step_end(args, other_rank, TrainerControl())
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        recipes.ToolUseAccuracyCallback(trainer, rows, every=0)
+
+
 def test_cosine_cold_start_config_warms_up_then_decays_and_logs_the_nll_alone(tmp_path):
     from trl_ext.cold_start import cosine_cold_start_config
 

@@ -1,5 +1,6 @@
 """trl_ext.mismatch: metrics and importance-sampling ratios against hand computations and TRL's formulas; an engine's
-rollouts scored by the policy in their layout."""
+rollouts scored by the policy in their layout; the sink control against engines that honour or ignore the sinks and
+the sync."""
 
 import math
 
@@ -12,6 +13,7 @@ from trl_ext.mismatch import (
     importance_sampling_ratio,
     mismatch_metrics,
     rollout_scoring_batch,
+    sink_control,
 )
 
 
@@ -145,3 +147,42 @@ def test_rollouts_of_unequal_length_are_scored_as_each_alone():
         )
         torch.testing.assert_close(row[:n], alone[0], rtol=1e-5, atol=1e-5)
         assert (row[n:] == 0).all()
+
+
+def test_sink_control_passes_an_engine_with_sinks_and_fails_one_without_them_or_without_the_sync():
+    """An embedded engine serving eager attention with sinks passes; one serving sink-dropping attention fails, and
+    so does one that is never sent the shifted weights. Afterwards the engine serves the policy's own weights again
+    and the policy is unchanged."""
+    from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
+    from hf_gptoss_rl.model_builders import build_random_gptoss, tiny_gptoss_config
+    from trl_ext.rollout import EmbeddedEngine
+
+    model = build_random_gptoss(tiny_gptoss_config(vocab_size=128), device="cpu", dtype=torch.float32)
+    model.set_attn_implementation("eager")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (8,), generator=generator).tolist() for _ in range(4)]
+
+    def check(attention, **kwargs):
+        engine = EmbeddedEngine.from_policy(model, attn_implementation=attention, seed=0)
+        try:
+            result = sink_control(engine, model, prompts, max_new_tokens=16, **kwargs)
+            for name, tensor in engine.model.state_dict().items():  # the shifted sinks were taken back
+                torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
+        finally:
+            engine.shutdown()
+        return result
+
+    honest = check("eager")
+    assert honest["passed"] and honest["tokens"] == 64 and honest["prompts"] == 4
+    assert honest["mean_abs_logp_diff_with_sinks"] < 1e-4 < honest["mean_abs_logp_diff_without_sinks"]
+    assert (honest["sink_shift"], honest["margin"]) == (6.0, 3.0)
+    dropping = check(register_sink_dropping_attention())
+    assert not dropping["passed"] and dropping["mean_abs_logp_diff_without_sinks"] < 1e-4
+    unsynced = check("eager", push=lambda m: None)  # the engine keeps serving the unshifted sinks
+    assert not unsynced["passed"]
+    assert unsynced["mean_abs_logp_diff_with_sinks"] > unsynced["mean_abs_logp_diff_without_sinks"]
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="no parameter named"):
+        sink_control(None, torch.nn.Linear(2, 2), prompts)

@@ -22,7 +22,8 @@ count as "no evidence": a zero log-ratio (ratio 1, as in TRL), and they are left
 
 To measure an engine against a policy outside the trainer, `rollout_scoring_batch` lays out an engine's
 `GenerationOutput`s as such tensors and `completion_logprobs` scores the same tokens with the policy, the trainer's
-way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch).
+way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch). `sink_control` checks,
+before training, that an engine honours GPT-OSS's attention sinks and the weight sync at all.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "importance_sampling_ratio",
     "mismatch_metrics",
     "rollout_scoring_batch",
+    "sink_control",
 ]
 
 TRL_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -189,3 +191,83 @@ def completion_logprobs(model, input_ids, attention_mask, prompt_lens: list[int]
         n = min(width, length - p)
         out[b, :n] = logps[b, p - 1 : p - 1 + n]
     return out
+
+
+def sink_control(
+    engine,
+    model,
+    prompts: list[list[int]],
+    *,
+    sink_shift: float = 6.0,
+    margin: float = 3.0,
+    max_new_tokens: int = 32,
+    version: int = 0,
+    push=None,
+) -> dict:
+    """Does ``engine`` honour the attention sinks and the weight sync? A check to run against a rollout engine before
+    training on it.
+
+    ``model``'s weights with every sink logit (the parameters named ``*sinks``) shifted by ``sink_shift`` are pushed
+    to the engine, which samples up to ``max_new_tokens`` tokens per prompt at temperature 1; ``model``'s own weights
+    are pushed back once it has. The shifted policy then scores the sampled tokens in float32 with eager attention,
+    with its sinks and without them (`hf_gptoss_rl.attention_variants.register_sink_dropping_attention`). An engine
+    that serves the pushed weights with their sinks sits ``margin`` times closer (mean |Δ log p| over the sampled
+    tokens) to the policy with sinks than without; one that drops the sinks, or still serves the weights it held (the
+    shift moves the log-probs far more than the engine's numerics do), does not.
+
+    Args:
+        engine: a `trl_ext.rollout.RolloutEngine` serving ``model`` (e.g. ``EmbeddedEngine.from_policy(model)``, or an
+            `SGLangEngine` whose weight sync is configured).
+        model: the policy, a GPT-OSS; it is not modified (a float32 copy gets the shifted sinks).
+        prompts: prompt token ids, one list per prompt.
+        version: the weight version both pushes carry.
+        push: ``push(model)`` sends a model's weights to ``engine``; by default
+            ``trl_ext.weight_sync.push_policy_weights(engine, model, version=version)``, checked as the engine's weight
+            sync is configured (a server that keeps its weights fails the push back).
+
+    Returns ``{"sink_shift", "margin", "prompts", "tokens", "mean_abs_logp_diff_with_sinks",
+    "mean_abs_logp_diff_without_sinks", "passed"}``. Raises `RuntimeError` when the engine samples no token at all.
+    """
+    import copy
+
+    from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
+    from trl_ext.rollout import SamplingParams, run_sync
+    from trl_ext.weight_sync import push_policy_weights
+    from trl_ext.weight_sync.verify import reference_logprobs
+
+    if push is None:
+        push = lambda m: push_policy_weights(engine, m, version=version)  # noqa: E731
+    control = copy.deepcopy(model).float()
+    sinks = [param for name, param in control.named_parameters() if name.endswith("sinks")]
+    if not sinks:
+        raise ValueError(f"sink_control: {type(model).__name__} has no parameter named '*sinks'")
+    with torch.no_grad():
+        for param in sinks:
+            param.add_(sink_shift)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
+    push(control)
+    try:
+        outputs = run_sync(engine.generate_batch(prompts, sampling))
+    finally:  # the engine serves the policy again, whatever happened
+        push(model)
+    if not any(o.output_ids for o in outputs):
+        raise RuntimeError("sink control: the engine returned no tokens for any prompt")
+    distances = {}
+    for label, attention in (("with_sinks", "eager"), ("without_sinks", register_sink_dropping_attention())):
+        control.set_attn_implementation(attention)
+        diffs = [  # the policy's log-probs of the sampled tokens against the engine's
+            torch.tensor(reference_logprobs(control, ids + list(out.output_ids))[len(ids) - 1 :])
+            - torch.tensor(out.logprobs)
+            for ids, out in zip(prompts, outputs)
+            if out.output_ids
+        ]
+        distances[label] = torch.cat(diffs).abs().mean().item()
+    return {
+        "sink_shift": sink_shift,
+        "margin": margin,
+        "prompts": len(prompts),
+        "tokens": sum(len(o.output_ids) for o in outputs),
+        "mean_abs_logp_diff_with_sinks": distances["with_sinks"],
+        "mean_abs_logp_diff_without_sinks": distances["without_sinks"],
+        "passed": distances["without_sinks"] > margin * distances["with_sinks"],
+    }

@@ -8,6 +8,8 @@ evaluation and a one-line-per-step progress printer.
   `num_tool_calls`, ...): `retool_reward_func`, `correctness_reward_func`, `boxed_format_reward_func`.
 * `evaluate_tool_use`: agent rollouts on a rollout engine (greedy, or sampled as training does), scored by
   math-verify, with the tool-call rate and the share of tool calls that ran without error.
+* `ToolUseAccuracyCallback`: `evaluate_tool_use` on the trainer's rollout engine every N optimizer steps, logged with
+  that step's metrics.
 * `StepSummaryCallback`: prints `step N | reward ... | tool_calls ... | ...` from the trainer's logs;
   `WallClockLimit` stops training after a number of seconds.
 * `policy_from_model_config`: the policy, its LoRA config and its quantization config from TRL's `ModelConfig`
@@ -29,6 +31,7 @@ __all__ = [
     "ANSWER_FORMAT",
     "DEMO_MODEL_DEFAULTS",
     "StepSummaryCallback",
+    "ToolUseAccuracyCallback",
     "WallClockLimit",
     "boxed_format_reward_func",
     "correctness_reward_func",
@@ -238,6 +241,40 @@ def evaluate_tool_use(engine, tools, rows, *, max_completion_length: int, max_tu
         "tool_call_success_rate": ok / len(calls) if calls else None,
         "final_answer_rate": sum(t.finish_reason == "final" for t in trajectories) / len(rows),
     }
+
+
+class ToolUseAccuracyCallback(TrainerCallback):
+    """Every ``every`` optimizer steps, the accuracy of agent rollouts of ``rows`` (`evaluate_tool_use` on the
+    trainer's `rollout_engine`, with its tools, `max_completion_length`, `max_turns` and `reasoning_effort`) goes into
+    the trainer's metrics as ``name``, so that it is logged with that step.
+
+    Add it with ``trainer.add_callback(ToolUseAccuracyCallback(trainer, rows, every=...))``: it then runs after the
+    trainer's own callbacks, i.e. after the step's weight sync, and the engine serves the weights of that step.
+    ``temperature`` 1 samples as training does; 0 is greedy. The main process evaluates.
+    """
+
+    def __init__(self, trainer, rows, *, every: int, temperature: float = 1.0, name: str = "eval/tool_use_accuracy"):
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.trainer = trainer
+        self.rows = list(rows)
+        self.every = every
+        self.temperature = temperature
+        self.name = name
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every or not state.is_world_process_zero:
+            return
+        score = evaluate_tool_use(
+            self.trainer.rollout_engine,
+            self.trainer.agent_tools,
+            self.rows,
+            max_completion_length=args.max_completion_length,
+            max_turns=args.max_turns,
+            reasoning_effort=args.reasoning_effort,
+            temperature=self.temperature,
+        )
+        self.trainer._metrics["train"][self.name].append(score["accuracy"])
 
 
 # %% Progress -----------------------------------------------------------------------------------------------------------------
