@@ -6,7 +6,7 @@ routing, so routing replay is on), `routing_mismatch_every=1` so every step pays
 - `extra_s`: the diagnostic's pass (the loss batch scored again under the other routing, without gradient),
 - `training_step_s`: TRL's `training_step` less its `_prepare_inputs` (generation and scoring): the loss forward
   with gradient, the backward and the extra pass,
-- `step_s`: the whole step (`timing/step_s`: generation, scoring, `training_step`, optimizer, weight sync),
+- `step_s`: the whole step before its weight sync (`timing/step_s`: generation, scoring, `training_step`, optimizer),
 
 and reports the medians over the steps after the first (warm-up): `extra_s / (training_step_s - extra_s)`, the
 diagnostic against the forward and backward it rides on, and `extra_s / step_s`, against the whole step. The ratios
