@@ -339,28 +339,17 @@ def mixed_workload(kernel, S):
 # ----------------------------------------------------------------------------------------------------------------
 # accuracy against fp64
 # ----------------------------------------------------------------------------------------------------------------
-def reference_fp64(q, k, v, sinks, dout, window, chunk=512):
+def reference_fp64(kernel, q, k, v, sinks, dout, window):
     """Exact sink attention and its gradients in fp64 for ``q [S, Hq, D]``, ``k, v [S, Hkv, D]`` (causal, optional
-    sliding window): the softmax over the visible keys and the sink written out, differentiated by autograd one chunk
-    of queries at a time, so that 16k x 16k fits."""
-    S, H, D = q.shape
-    group = H // k.shape[1]
-    q, k, v, s = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
-    out = torch.empty(S, H, D, dtype=torch.float64, device=q.device)
-    for r0 in range(0, S, chunk):
-        r1 = min(S, r0 + chunk)
-        lo = 0 if window is None else max(0, r0 - (window - 1))
-        qc = q[r0:r1].transpose(0, 1)  # [H, c, D]
-        kc, vc = (t[lo:r1].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, n, D]
-        i = torch.arange(r0, r1, device=q.device)[:, None]
-        j = torch.arange(lo, r1, device=q.device)[None, :]
-        visible = (j <= i) if window is None else (j <= i) & (j > i - window)
-        scores = (qc @ kc.transpose(1, 2) * D**-0.5).masked_fill(~visible, float("-inf"))
-        p = torch.cat([scores, s[:, None, None].expand(H, r1 - r0, 1)], dim=-1).softmax(-1)[..., :-1]
-        oc = (p @ vc).transpose(0, 1)
-        oc.backward(dout[r0:r1].double())
-        out[r0:r1] = oc.detach()
-    return dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad, dsink=s.grad)
+    sliding window): the kernel's PyTorch path (``reference.py``, tested against an eager fp64 reference) on fp64
+    inputs, which it computes in fp64 throughout, a chunk of queries at a time, so that 16k x 16k fits."""
+    torch_path = kernel.interface._backend_module("torch")
+    q, k, v, sinks, dout = (t.detach().double() for t in (q, k, v, sinks, dout))
+    cu = torch.tensor([0, q.shape[0]], device=q.device, dtype=torch.int32)
+    args = (cu, cu, q.shape[0], q.shape[0], HEAD_DIM**-0.5, True, *window_size(window))
+    out, lse = torch_path.sink_attention_forward(q, k, v, sinks, *args)
+    dq, dk, dv, dsink = torch_path.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
+    return dict(out=out, dq=dq, dk=dk, dv=dv, dsink=dsink)
 
 
 def parse_accuracy_cases(spec):
@@ -386,7 +375,7 @@ def accuracy(kernel, fa4, cases):
 
 def accuracy_case(kernel, fa4, S, window, sink_scale):
     q, k, v, dout, sinks = make_inputs(S, seed=100 + S // 1024 + int(sink_scale), sink_scale=sink_scale)
-    ref = reference_fp64(q[0], k[0], v[0], sinks, dout[0], window)
+    ref = reference_fp64(kernel, q[0], k[0], v[0], sinks, dout[0], window)
     row = dict(case=case_name(S, window) + (f", sinks x{sink_scale:g}" if sink_scale != 1 else ""))
 
     def errors(out, grads):
