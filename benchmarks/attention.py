@@ -45,8 +45,8 @@ from benchmarks._cli import (
     rel_error,
     without_local_paths,
 )
-from hf_gptoss_rl.attention import KERNEL_REPO_ID
 from hf_gptoss_rl.attention import import_kernel_sources as load_kernel
+from hf_gptoss_rl.attention_variants import setup_project_attention
 
 IMPL_OURS = "sink-flash-attn3"
 IMPL_FA4 = "FA4 + learnable_sink"
@@ -405,21 +405,6 @@ def accuracy_case(kernel, fa4, S, window, sink_scale):
 # ----------------------------------------------------------------------------------------------------------------
 # one GPT-OSS attention layer of transformers
 # ----------------------------------------------------------------------------------------------------------------
-def register_hub_kernel() -> tuple[str, str]:
-    """Registers the kernel under its hub id the way users get it (``hf_gptoss_rl.register()``, then transformers'
-    hub-kernel loader); returns (attn_implementation, how)."""
-    import hf_gptoss_rl  # noqa: PLC0415
-
-    hf_gptoss_rl.register()
-    from transformers.integrations.hub_kernels import load_and_register_attn_kernel  # noqa: PLC0415
-
-    kwargs = {}
-    if "allow_all_kernels" in inspect.signature(load_and_register_attn_kernel).parameters:
-        kwargs["allow_all_kernels"] = True  # a model lists the id as compatible (trusted); a bare layer has no model
-    load_and_register_attn_kernel(KERNEL_REPO_ID, **kwargs)
-    return KERNEL_REPO_ID, "transformers hub-kernel loader after hf_gptoss_rl.register()"
-
-
 #: layer modes of ``--layer-shapes`` (``S`` alone is ``causal``)
 LAYER_MODES = ("causal", "sliding", "packed", "deterministic")
 LAYER_SHAPES = "4096,4096/sliding,16384,16384/sliding,32768,32768/sliding,16384/packed,16384/deterministic"
@@ -912,7 +897,7 @@ def main(argv=None):
 
     layer_impls, layer_how, layer_skipped = {}, None, {}  # skipped peers, with the reason: a table entry
     try:
-        layer_impls[IMPL_OURS], layer_how = register_hub_kernel()
+        layer_impls[IMPL_OURS], layer_how = setup_project_attention("hub")  # the id, as users select it
     except Exception as exc:  # noqa: BLE001
         print(f"[layer] the hub id could not be registered ({type(exc).__name__}: {exc}); layer rows left out")
     if layer_impls and fa4 is not None:

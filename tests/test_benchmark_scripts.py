@@ -313,7 +313,7 @@ def test_attention_layer_rows_packed_deterministic_and_skipped_peers(monkeypatch
     with pytest.raises(SystemExit, match="64/packd"):
         bench.parse_layer_shapes("64/packd")
     assert bench.packed_lengths(64) == [28, 12, 4, 16, 4]
-    ours, _ = bench.register_hub_kernel()
+    ours, _ = attention_variants.setup_project_attention("hub")  # the id, as the benchmark registers it
     _, packed = bench.layer_step(ours, 64, "packed")
     _, eager = bench.layer_step("eager", 64, "packed")
     with torch.no_grad():
