@@ -19,8 +19,6 @@ medians of ``triton.testing.do_bench`` samples (ms), the implementations of a ro
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.metadata
 import inspect
 import json
 import statistics
@@ -35,9 +33,9 @@ from benchmarks._cli import (
     OUT_HELP,
     RATIO_RULE,
     command_line,
+    environment,
     exit_if_failed,
     figure,
-    git_commit,
     grouped_bars,
     md_table,
     output_dir,
@@ -697,7 +695,7 @@ def write_markdown(result, path):
         "# Attention benchmark: sink attention where users call it",
         "",
         f"`{result['command']}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}, flash-attn-4 {env.get('flash_attn_4', 'not installed')}); all numbers "
+        f"transformers {env['transformers']}, flash-attn-4 {env.get('flash_attn_4') or 'not installed'}); all numbers "
         "below come from that one run. GPT-OSS shapes: B=1, 64 query / 8 KV heads, head_dim 64, bf16; "
         "forward + backward with the gradients of q, k, v and the sinks; medians of `triton.testing.do_bench` "
         f"samples over {result['rounds']} interleaved rounds of a row's implementations (at least "
@@ -853,14 +851,8 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     kernel = load_kernel()
     fa4, fa4_missing = load_fa4() if DEVICE == "cuda" else (None, "not run on CPU (FA4 needs a CUDA GPU)")
-    import transformers  # noqa: PLC0415
-    import triton  # noqa: PLC0415
-
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)"
-    env = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__)
-    env["commit"] = git_commit()  # the README's sources name it
-    with contextlib.suppress(Exception):
-        env["flash_attn_4"] = importlib.metadata.version("flash-attn-4") if fa4 is not None else "not installed"
+    env = environment("flash-attn-4")  # versions and the source commit (the README's sources name it)
+    env["gpu"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)"
     print(env, flush=True)
     t0 = time.time()
     tk = kernel.interface._backend_module("triton")
