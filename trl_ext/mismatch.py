@@ -22,7 +22,8 @@ count as "no evidence": a zero log-ratio (ratio 1, as in TRL), and they are left
 
 To measure an engine against a policy outside the trainer, `rollout_scoring_batch` lays out an engine's
 `GenerationOutput`s as such tensors and `completion_logprobs` scores the same tokens with the policy, the trainer's
-way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch).
+way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch); `rollout_routing_plan`
+lays out the engine's MoE routing records for that forward, to replay them (`hf_gptoss_rl.routing.RoutingReplay`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "completion_logprobs",
     "importance_sampling_ratio",
     "mismatch_metrics",
+    "rollout_routing_plan",
     "rollout_scoring_batch",
 ]
 
@@ -172,6 +174,23 @@ def rollout_scoring_batch(prompts: list[list[int]], outputs: list, pad_id: int, 
         rollout_logps[b, : len(o.logprobs)] = torch.tensor(o.logprobs, dtype=torch.float32)
         completion_mask[b, : len(o.output_ids)] = 1
     return ids.to(device), attention_mask.to(device), rollout_logps, completion_mask
+
+
+def rollout_routing_plan(outputs: list, width: int, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The engine's routing records (`GenerationOutput.routed_experts`, one row per token it read) in the layout of
+    `rollout_scoring_batch`'s `input_ids` (`width`: their `shape[1]`): `[B, width, layers, top_k]`, each row from
+    position 0, `no_route` where there is no record. `shape` is `hf_gptoss_rl.routing.routing_shape(policy)`; hand the
+    plan to `RoutingReplay.set_plan` before `completion_logprobs` scores the batch."""
+    from hf_gptoss_rl.routing import no_route, routing_dtype
+
+    layers, top_k, experts = shape
+    dtype = routing_dtype(experts)
+    plan = torch.full((len(outputs), width, layers, top_k), no_route(dtype), dtype=dtype)
+    for b, out in enumerate(outputs):
+        if out.routed_experts is None:
+            raise ValueError(f"output {b} has no routing record: the engine must record routing (record_routing)")
+        plan[b, : out.routed_experts.shape[0]] = out.routed_experts.to(dtype)
+    return plan
 
 
 @torch.no_grad()
