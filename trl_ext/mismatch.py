@@ -24,6 +24,8 @@ To measure an engine against a policy outside the trainer, `rollout_scoring_batc
 `GenerationOutput`s as such tensors and `completion_logprobs` scores the same tokens with the policy, the trainer's
 way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch); `rollout_routing_plan`
 lays out the engine's MoE routing records for that forward, to replay them (`hf_gptoss_rl.routing.RoutingReplay`).
+`exact_completion_logprobs` scores them exactly (float32, eager attention, no TF32): the reference both the engine's
+and the trainer's log-probs can be measured against.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "SEQUENCE_LEVEL_MODES",
     "TRL_IMPORTANCE_SAMPLING_MODES",
     "completion_logprobs",
+    "exact_completion_logprobs",
     "importance_sampling_ratio",
     "mismatch_metrics",
     "rollout_routing_plan",
@@ -208,3 +211,23 @@ def completion_logprobs(model, input_ids, attention_mask, prompt_lens: list[int]
         n = min(width, length - p)
         out[b, :n] = logps[b, p - 1 : p - 1 + n]
     return out
+
+
+@torch.no_grad()
+def exact_completion_logprobs(
+    model, input_ids, attention_mask, prompt_lens: list[int], width: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """`completion_logprobs` of the policy computed exactly: in float32, with eager attention (exact sinks) and TF32
+    off (a 10-bit mantissa in every float32 product). `model` is upcast and switched in place and stays so: no second
+    copy, so a 20b policy needs about twice its bf16 weights, not three times."""
+    model.float()
+    model.set_attn_implementation("eager")
+    precision = torch.get_float32_matmul_precision()
+    tf32_cudnn = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return completion_logprobs(model, input_ids, attention_mask, prompt_lens, width, temperature)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = tf32_cudnn
