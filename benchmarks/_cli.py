@@ -122,11 +122,20 @@ def git_commit() -> str | None:
     return proc.stdout.strip() or None
 
 
-def environment(*distributions: str) -> dict:
-    """Versions, device and source commit, for the report header; then the installed version (None if absent) of
-    each of ``distributions``, named as pip names it, keyed with underscores (``flash-attn-4`` -> ``flash_attn_4``)."""
-    from importlib.metadata import PackageNotFoundError, version
+def installed_versions(*distributions: str) -> dict:
+    """The installed version (None if absent) of each of ``distributions``, named as pip names it, keyed with
+    underscores (``flash-attn-4`` -> ``flash_attn_4``)."""
+    versions = {}
+    for dist in distributions:
+        try:
+            versions[dist.replace("-", "_")] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist.replace("-", "_")] = None
+    return versions
 
+
+def environment(*distributions: str) -> dict:
+    """Versions, device and source commit, for the report header; then `installed_versions` of ``distributions``."""
     import torch
     import transformers
 
@@ -143,12 +152,7 @@ def environment(*distributions: str) -> dict:
             info[name] = None
     info["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
     info["commit"] = git_commit()
-    for dist in distributions:
-        try:
-            info[dist.replace("-", "_")] = version(dist)
-        except PackageNotFoundError:
-            info[dist.replace("-", "_")] = None
-    return info
+    return info | installed_versions(*distributions)
 
 
 def fmt(value, spec: str = ".3g") -> str:
@@ -253,11 +257,6 @@ def machine() -> dict:
         cpuinfo = ""
     models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    versions = {}
-    for name in ("torch", "transformers", "trl", "accelerate"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
     cpu = models[0] if models else platform.processor() or platform.machine()
+    versions = installed_versions("torch", "transformers", "trl", "accelerate")
     return {"cpu": cpu, "cores": cores, "python": platform.python_version(), **versions}

@@ -19,8 +19,6 @@ medians of ``triton.testing.do_bench`` samples (ms), the implementations of a ro
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.metadata
 import inspect
 import json
 import statistics
@@ -35,9 +33,9 @@ from benchmarks._cli import (
     OUT_HELP,
     RATIO_RULE,
     command_line,
+    environment,
     exit_if_failed,
     figure,
-    git_commit,
     grouped_bars,
     md_table,
     output_dir,
@@ -45,8 +43,8 @@ from benchmarks._cli import (
     rel_error,
     without_local_paths,
 )
-from hf_gptoss_rl.attention import KERNEL_REPO_ID
 from hf_gptoss_rl.attention import import_kernel_sources as load_kernel
+from hf_gptoss_rl.attention_variants import setup_project_attention
 
 IMPL_OURS = "sink-flash-attn3"
 IMPL_FA4 = "FA4 + learnable_sink"
@@ -339,28 +337,17 @@ def mixed_workload(kernel, S):
 # ----------------------------------------------------------------------------------------------------------------
 # accuracy against fp64
 # ----------------------------------------------------------------------------------------------------------------
-def reference_fp64(q, k, v, sinks, dout, window, chunk=512):
+def reference_fp64(kernel, q, k, v, sinks, dout, window):
     """Exact sink attention and its gradients in fp64 for ``q [S, Hq, D]``, ``k, v [S, Hkv, D]`` (causal, optional
-    sliding window): the softmax over the visible keys and the sink written out, differentiated by autograd one chunk
-    of queries at a time, so that 16k x 16k fits."""
-    S, H, D = q.shape
-    group = H // k.shape[1]
-    q, k, v, s = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
-    out = torch.empty(S, H, D, dtype=torch.float64, device=q.device)
-    for r0 in range(0, S, chunk):
-        r1 = min(S, r0 + chunk)
-        lo = 0 if window is None else max(0, r0 - (window - 1))
-        qc = q[r0:r1].transpose(0, 1)  # [H, c, D]
-        kc, vc = (t[lo:r1].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, n, D]
-        i = torch.arange(r0, r1, device=q.device)[:, None]
-        j = torch.arange(lo, r1, device=q.device)[None, :]
-        visible = (j <= i) if window is None else (j <= i) & (j > i - window)
-        scores = (qc @ kc.transpose(1, 2) * D**-0.5).masked_fill(~visible, float("-inf"))
-        p = torch.cat([scores, s[:, None, None].expand(H, r1 - r0, 1)], dim=-1).softmax(-1)[..., :-1]
-        oc = (p @ vc).transpose(0, 1)
-        oc.backward(dout[r0:r1].double())
-        out[r0:r1] = oc.detach()
-    return dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad, dsink=s.grad)
+    sliding window): the kernel's PyTorch path (``reference.py``, tested against an eager fp64 reference) on fp64
+    inputs, which it computes in fp64 throughout, a chunk of queries at a time, so that 16k x 16k fits."""
+    torch_path = kernel.interface._backend_module("torch")
+    q, k, v, sinks, dout = (t.detach().double() for t in (q, k, v, sinks, dout))
+    cu = torch.tensor([0, q.shape[0]], device=q.device, dtype=torch.int32)
+    args = (cu, cu, q.shape[0], q.shape[0], HEAD_DIM**-0.5, True, *window_size(window))
+    out, lse = torch_path.sink_attention_forward(q, k, v, sinks, *args)
+    dq, dk, dv, dsink = torch_path.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args)
+    return dict(out=out, dq=dq, dk=dk, dv=dv, dsink=dsink)
 
 
 def parse_accuracy_cases(spec):
@@ -386,7 +373,7 @@ def accuracy(kernel, fa4, cases):
 
 def accuracy_case(kernel, fa4, S, window, sink_scale):
     q, k, v, dout, sinks = make_inputs(S, seed=100 + S // 1024 + int(sink_scale), sink_scale=sink_scale)
-    ref = reference_fp64(q[0], k[0], v[0], sinks, dout[0], window)
+    ref = reference_fp64(kernel, q[0], k[0], v[0], sinks, dout[0], window)
     row = dict(case=case_name(S, window) + (f", sinks x{sink_scale:g}" if sink_scale != 1 else ""))
 
     def errors(out, grads):
@@ -416,21 +403,6 @@ def accuracy_case(kernel, fa4, S, window, sink_scale):
 # ----------------------------------------------------------------------------------------------------------------
 # one GPT-OSS attention layer of transformers
 # ----------------------------------------------------------------------------------------------------------------
-def register_hub_kernel() -> tuple[str, str]:
-    """Registers the kernel under its hub id the way users get it (``hf_gptoss_rl.register()``, then transformers'
-    hub-kernel loader); returns (attn_implementation, how)."""
-    import hf_gptoss_rl  # noqa: PLC0415
-
-    hf_gptoss_rl.register()
-    from transformers.integrations.hub_kernels import load_and_register_attn_kernel  # noqa: PLC0415
-
-    kwargs = {}
-    if "allow_all_kernels" in inspect.signature(load_and_register_attn_kernel).parameters:
-        kwargs["allow_all_kernels"] = True  # a model lists the id as compatible (trusted); a bare layer has no model
-    load_and_register_attn_kernel(KERNEL_REPO_ID, **kwargs)
-    return KERNEL_REPO_ID, "transformers hub-kernel loader after hf_gptoss_rl.register()"
-
-
 #: layer modes of ``--layer-shapes`` (``S`` alone is ``causal``)
 LAYER_MODES = ("causal", "sliding", "packed", "deterministic")
 LAYER_SHAPES = "4096,4096/sliding,16384,16384/sliding,32768,32768/sliding,16384/packed,16384/deterministic"
@@ -723,7 +695,7 @@ def write_markdown(result, path):
         "# Attention benchmark: sink attention where users call it",
         "",
         f"`{result['command']}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}, flash-attn-4 {env.get('flash_attn_4', 'not installed')}); all numbers "
+        f"transformers {env['transformers']}, flash-attn-4 {env.get('flash_attn_4') or 'not installed'}); all numbers "
         "below come from that one run. GPT-OSS shapes: B=1, 64 query / 8 KV heads, head_dim 64, bf16; "
         "forward + backward with the gradients of q, k, v and the sinks; medians of `triton.testing.do_bench` "
         f"samples over {result['rounds']} interleaved rounds of a row's implementations (at least "
@@ -879,14 +851,8 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     kernel = load_kernel()
     fa4, fa4_missing = load_fa4() if DEVICE == "cuda" else (None, "not run on CPU (FA4 needs a CUDA GPU)")
-    import transformers  # noqa: PLC0415
-    import triton  # noqa: PLC0415
-
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)"
-    env = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__)
-    env["commit"] = git_commit()  # the README's sources name it
-    with contextlib.suppress(Exception):
-        env["flash_attn_4"] = importlib.metadata.version("flash-attn-4") if fa4 is not None else "not installed"
+    env = environment("flash-attn-4")  # versions and the source commit (the README's sources name it)
+    env["gpu"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke test, not a result)"
     print(env, flush=True)
     t0 = time.time()
     tk = kernel.interface._backend_module("triton")
@@ -923,7 +889,7 @@ def main(argv=None):
 
     layer_impls, layer_how, layer_skipped = {}, None, {}  # skipped peers, with the reason: a table entry
     try:
-        layer_impls[IMPL_OURS], layer_how = register_hub_kernel()
+        layer_impls[IMPL_OURS], layer_how = setup_project_attention("hub")  # the id, as users select it
     except Exception as exc:  # noqa: BLE001
         print(f"[layer] the hub id could not be registered ({type(exc).__name__}: {exc}); layer rows left out")
     if layer_impls and fa4 is not None:

@@ -34,8 +34,8 @@ from benchmarks._cli import (
     OUT_HELP,
     RATIO_RULE,
     command_line,
+    environment,
     figure,
-    git_commit,
     gpu_time_and_peak,
     grouped_bars,
     md_table,
@@ -191,8 +191,6 @@ def main(argv=None):
     else:
         if not torch.cuda.is_available():
             raise SystemExit("benchmarks/logprobs.py needs a CUDA GPU")
-        import triton
-
         device = torch.device("cuda")
         torch.manual_seed(0)
         weight = (torch.randn(VOCAB, HIDDEN, device=device) * 0.02).to(torch.bfloat16)
@@ -215,13 +213,10 @@ def main(argv=None):
                 print(s, name, r, flush=True)
             del hidden, targets, g_lp, g_h
         meta = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
+            **environment(),  # the device, the versions and the source commit
             "date": time.strftime("%Y-%m-%d"),
             "temperature": args.temperature,
             "command": command_line("logprobs", argv),
-            "commit": git_commit(),
         }
         saved = {"results": results, "correctness": corr, "meta": without_local_paths(meta)}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,9 @@ section 1, says why and how to read the tables):
    flex refuses sinks on CPU) and the project's kernel (`hf_gptoss_rl.attention_variants.setup_project_attention`).
    Experts, weights, dtype and tokens are identical across rows: only attention changes.
 3. Metrics: `trl_ext.mismatch.mismatch_metrics`, the trainer's own numbers.
-4. Exact reference (skip with `--no-exact`): the same policy upcast to fp32 in place scores the same tokens with
-   eager attention and TF32 off; every row, the rollout's own log-probs included, is compared with it too.
+4. Exact reference (skip with `--no-exact`): `trl_ext.mismatch.exact_completion_logprobs`, the same policy upcast to
+   fp32 in place, scores the same tokens with eager attention and TF32 off; every row, the rollout's own log-probs
+   included, is compared with it too.
 
 Models: a tiny GPT-OSS (real 201,088-id vocabulary) and a gpt-oss-20b-shaped one (`--layers` keeps fewer of its 24).
 
@@ -54,7 +55,12 @@ from hf_gptoss_rl.attention_variants import (
     setup_project_attention,
 )
 from hf_gptoss_rl.model_builders import build_random_gptoss, gptoss_config
-from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
+from trl_ext.mismatch import (
+    completion_logprobs,
+    exact_completion_logprobs,
+    mismatch_metrics,
+    rollout_scoring_batch,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS_SOURCE = REPO / "data" / "gsm8k_train_mini.jsonl"
@@ -98,33 +104,15 @@ def load_prompts(n: int) -> tuple[list[list[int]], str]:
 
 def rollout(model, prompts: list[list[int]], args) -> list:
     """Sample one completion per prompt with the embedded engine (exact eager sink attention)."""
-    from trl_ext.rollout import EmbeddedEngine, SamplingParams
+    from trl_ext.rollout import EmbeddedEngine, SamplingParams, run_sync
 
     model.set_attn_implementation("eager")
     engine = EmbeddedEngine(model, max_batch_size=len(prompts), seed=args.seed)
     try:
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-        futures = [engine.submit(p, sampling) for p in prompts]
-        return [f.result() for f in futures]
+        return run_sync(engine.generate_batch(prompts, sampling))
     finally:
         engine.shutdown()
-
-
-@torch.no_grad()
-def exact_logps(model, ids, attention_mask, prompt_lens, t_max: int, temperature: float) -> torch.Tensor:
-    """The policy's log-probs in fp32 with eager attention: `model` is upcast in place (no second copy, so the 20b
-    shape needs ~2x its bf16 weights, not 3x) and is not usable in its old dtype afterwards."""
-    model.float()
-    model.set_attn_implementation("eager")
-    precision = torch.get_float32_matmul_precision()
-    tf32_cudnn = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")  # TF32 would make "exact" a 10-bit-mantissa computation
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        return completion_logprobs(model, ids, attention_mask, prompt_lens, t_max, temperature)
-    finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cudnn.allow_tf32 = tf32_cudnn
 
 
 def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
@@ -190,7 +178,9 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
         exact = {"reference": "same weights upcast to float32, eager attention, TF32 off"}
         t0 = time.perf_counter()
         try:
-            ref = exact_logps(model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], args.temperature)
+            ref = exact_completion_logprobs(
+                model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], args.temperature
+            )  # upcasts the model in place: the last use of it
         except Exception as e:  # keep the rows already measured
             exact["note"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         else:

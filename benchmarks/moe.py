@@ -31,8 +31,8 @@ from benchmarks._cli import (
     OUT_HELP,
     RATIO_RULE,
     command_line,
+    environment,
     figure,
-    git_commit,
     gpu_time_and_peak,
     grouped_bars,
     md_table,
@@ -276,19 +276,12 @@ def main(argv=None):
         raise SystemExit("benchmarks/moe.py needs a CUDA GPU")
     device = torch.device("cuda")
 
-    import transformers
-    import triton
-
     import hf_gptoss_rl.experts as experts_mod
 
     meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "triton": triton.__version__,
+        **environment(),  # the device, the versions and the source commit
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": command_line("moe", argv),
-        "commit": git_commit(),
         "default_chunk_rows": experts_mod.DEFAULT_CHUNK_ROWS,
     }
     print(meta, flush=True)

@@ -68,18 +68,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def routing_plan(prompts, outputs, width: int, shape) -> torch.Tensor:
-    """`[B, width, layers, top_k]` of the engine's records in `rollout_scoring_batch`'s right-padded layout."""
-    from hf_gptoss_rl.routing import no_route, routing_dtype
-
-    layers, top_k, experts = shape
-    dtype = routing_dtype(experts)
-    plan = torch.full((len(prompts), width, layers, top_k), no_route(dtype), dtype=dtype)
-    for b, out in enumerate(outputs):
-        plan[b, : out.routed_experts.shape[0]] = out.routed_experts.to(dtype)
-    return plan
-
-
 def generate_all(engine, prompts, sampling) -> list:
     from trl_ext.rollout import run_sync
 
@@ -100,7 +88,7 @@ def run(args, work: Path) -> dict:
     from benchmarks.mismatch_study import METRIC_KEYS, load_prompts
     from benchmarks.sglang_e2e import E2E_LAUNCH_FLAGS, build_model, load_policy
     from hf_gptoss_rl.routing import RoutingReplay, routing_shape
-    from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
+    from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_routing_plan, rollout_scoring_batch
     from trl_ext.rollout import SamplingParams, SGLangEngine, run_sync
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -145,7 +133,7 @@ def run(args, work: Path) -> dict:
     tokens_scored = 0
     for outs_r in rounds:
         ids, mask, rollout_lp, cmask = rollout_scoring_batch(prompts, outs_r, policy.config.pad_token_id or 0, device)
-        plan = routing_plan(prompts, outs_r, ids.shape[1], shape)
+        plan = rollout_routing_plan(outs_r, ids.shape[1], shape)
         tokens_scored += int(cmask.sum())
         completion_logprobs(policy, ids, mask, prompt_lens, rollout_lp.shape[1], 1.0)  # warm-up, untimed
         for name, replayed in (("own routing", False), ("replayed engine routing", True)):

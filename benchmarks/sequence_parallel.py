@@ -55,10 +55,9 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
-    from transformers import GptOssForCausalLM
 
     from hf_gptoss_rl.attention import ATTN_IMPLEMENTATION
-    from hf_gptoss_rl.model_builders import gptoss_20b_config, tiny_gptoss_config
+    from hf_gptoss_rl.model_builders import build_random_gptoss, gptoss_20b_config, tiny_gptoss_config
     from hf_gptoss_rl.sequence_parallel import enable_sequence_parallel, sequence_parallel_logprobs
 
     on_gpu = args.device == "cuda"
@@ -73,9 +72,8 @@ def worker(args) -> None:
     config = gptoss_20b_config() if args.model == "20b" else tiny_gptoss_config(vocab_size=1024)
     # auto: the project's sink kernel on GPUs, eager on CPU (the CPU run only checks the pipeline)
     attn = args.attn if args.attn != "auto" else ATTN_IMPLEMENTATION if torch.cuda.is_available() else "eager"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = GptOssForCausalLM(config).to(torch.bfloat16 if on_gpu else torch.float32)
+    # made on the device in its dtype (a float32 copy of gpt-oss-20b first would not fit an 80 GB GPU)
+    model = build_random_gptoss(config, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     model.set_attn_implementation(attn)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(

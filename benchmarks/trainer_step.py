@@ -64,7 +64,17 @@ from pathlib import Path
 
 if not __package__:  # run as `python benchmarks/<name>.py`: benchmarks/_bootstrap.py makes `benchmarks` importable
     import _bootstrap  # noqa: F401
-from benchmarks._cli import OUT_HELP, RATIO_RULE, environment, exit_if_failed, output_dir, ratio, without_local_paths
+from benchmarks._cli import (
+    OUT_HELP,
+    RATIO_RULE,
+    command_line,
+    environment,
+    exit_if_failed,
+    figure,
+    output_dir,
+    ratio,
+    without_local_paths,
+)
 from hf_gptoss_rl.attention import KERNEL_REPO_ID as KERNEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -529,23 +539,15 @@ def write_report(out: Path, report: dict) -> None:
 
 
 def plot(path: Path, results: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in results if r.get("summary")]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
     labels = [r["variant"] for r in rows]
-    axes[0].barh(labels, [r["summary"]["tokens_per_s"] for r in rows], color="tab:blue")
-    axes[0].set_xlabel("tokens/s (trainer step, median)")
-    axes[1].barh(labels, [r["summary"]["peak_gib"] or 0 for r in rows], color="tab:orange")
-    axes[1].set_xlabel("peak GiB")
-    for ax in axes:
-        ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 3.2)) as (_, axes):
+        axes[0].barh(labels, [r["summary"]["tokens_per_s"] for r in rows], color="tab:blue")
+        axes[0].set_xlabel("tokens/s (trainer step, median)")
+        axes[1].barh(labels, [r["summary"]["peak_gib"] or 0 for r in rows], color="tab:orange")
+        axes[1].set_xlabel("peak GiB")
+        for ax in axes:
+            ax.invert_yaxis()
 
 
 def render(out: Path, report: dict) -> None:
@@ -634,9 +636,8 @@ def main(argv=None) -> dict:
         result["notes"] = [f"experts kept up to {bound:,} tokens"] if bound is not None else []
         results.append(result)
         print(json.dumps({k: result.get(k) for k in ("variant", "summary", "error")}), flush=True)
-    command = "python benchmarks/trainer_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = {
-        **spec, "stem": stem, "command": command.strip(), "environment": env, "dtype": "bfloat16" if device.startswith("cuda") else "float32",
+        **spec, "stem": stem, "command": command_line("trainer_step", argv), "environment": env, "dtype": "bfloat16" if device.startswith("cuda") else "float32",
         "peak_name": peak[0] if peak else None, "peak_tflops": peak[1] if peak else None,
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }  # fmt: skip

@@ -185,8 +185,9 @@ def test_logprobs_benchmark_variants_agree_and_report_renders(tmp_path, monkeypa
 
 
 def test_attention_benchmark_cpu_smoke(tmp_path):
-    """`benchmarks/attention.py` end to end on tiny CPU shapes: every section runs, and its chunked fp64 reference
-    agrees with the kernel's PyTorch path (fp32 inputs, so the errors sit near 1e-7: a wrong reference would show)."""
+    """`benchmarks/attention.py` end to end on tiny CPU shapes: every section runs, and the fp64 reference (the
+    kernel's PyTorch path on fp64 inputs, checked against an eager fp64 reference by the kernel's tests) sits at fp32
+    rounding from the kernel's fp32 path here: above 0 (it is not that fp32 computation again), below 1e-5."""
     _run(
         [
             str(REPO / "benchmarks" / "attention.py"),
@@ -226,7 +227,7 @@ def test_attention_benchmark_cpu_smoke(tmp_path):
     assert res["mixed"]["first_ms"] > 0 and res["mixed"]["after_ms"] > 0
     assert [r["case"] for r in res["accuracy"]] == ["S=64 causal", "S=64 window 16", "S=64 causal, sinks x25"]
     for row in res["accuracy"]:
-        assert max(row["ours"].values()) < 1e-5, row
+        assert 0 < max(row["ours"].values()) < 1e-5, row
     for row in res["layer_rows"]:  # present where `kernels` can load the hub id
         assert row["sink-flash-attn3"] > 0, row
     if res["layer_rows"]:
@@ -312,7 +313,7 @@ def test_attention_layer_rows_packed_deterministic_and_skipped_peers(monkeypatch
     with pytest.raises(SystemExit, match="64/packd"):
         bench.parse_layer_shapes("64/packd")
     assert bench.packed_lengths(64) == [28, 12, 4, 16, 4]
-    ours, _ = bench.register_hub_kernel()
+    ours, _ = attention_variants.setup_project_attention("hub")  # the id, as the benchmark registers it
     _, packed = bench.layer_step(ours, 64, "packed")
     _, eager = bench.layer_step("eager", 64, "packed")
     with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 from trl_ext.mismatch import (
     IMPORTANCE_SAMPLING_MODES,
     completion_logprobs,
+    exact_completion_logprobs,
     importance_sampling_ratio,
     mismatch_metrics,
     rollout_scoring_batch,
@@ -186,3 +187,36 @@ def test_sink_control_passes_an_engine_with_sinks_and_fails_one_without_them_or_
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
     with pytest.raises(ValueError, match="no parameter named"):
         sink_control(None, torch.nn.Linear(2, 2), prompts)
+
+
+def test_exact_completion_logprobs_scores_in_float32_eager_without_tf32():
+    """`exact_completion_logprobs` scores a bf16 policy on another attention as `completion_logprobs` scores its fp32
+    eager copy, with the float32 matmul precision at "highest" (no TF32) during the forward and put back after; the
+    policy stays in float32 with eager attention."""
+    import copy
+
+    from hf_gptoss_rl.attention_variants import register_sink_dropping_attention
+    from hf_gptoss_rl.model_builders import build_random_gptoss, tiny_gptoss_config
+    from trl_ext.rollout import GenerationOutput
+
+    model = build_random_gptoss(tiny_gptoss_config(vocab_size=128), device="cpu", dtype=torch.bfloat16)
+    model.set_attn_implementation(register_sink_dropping_attention())
+    exact_copy = copy.deepcopy(model).float()
+    exact_copy.set_attn_implementation("eager")
+    prompts = [[1, 2, 3], [4, 5]]
+    outputs = [GenerationOutput([9, 10, 11], [-1.0] * 3, "length"), GenerationOutput([13], [-0.5], "stop")]
+    ids, mask, _, _ = rollout_scoring_batch(prompts, outputs, pad_id=0)
+    seen = []
+    model.base_model.register_forward_pre_hook(  # the backbone: the scoring never calls the full head
+        lambda *_: seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
+    )
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        exact = exact_completion_logprobs(model, ids, mask, [3, 2], width=3, temperature=0.7)
+        assert torch.get_float32_matmul_precision() == "high"  # put back
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen == [("highest", False)]
+    assert next(model.parameters()).dtype == torch.float32 and model.config._attn_implementation == "eager"
+    assert torch.equal(exact, completion_logprobs(exact_copy, ids, mask, [3, 2], width=3, temperature=0.7))

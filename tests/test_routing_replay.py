@@ -250,6 +250,40 @@ def test_embedded_engine_records_the_routing_of_every_token_it_read():
         assert torch.equal(out.routed_experts.sort(-1).values, full.sort(-1).values)
 
 
+def test_rollout_routing_plan_aligns_the_records_with_the_scoring_batch():
+    """`trl_ext.mismatch.rollout_routing_plan` lays the engine's records out for the forward of
+    `rollout_scoring_batch`'s right-padded rows (the prompts of unequal length): every recorded token meets the
+    experts the fp32 policy chooses for it there; the same plan one position later (the positive control) does not."""
+    from trl_ext.mismatch import completion_logprobs, rollout_routing_plan, rollout_scoring_batch
+
+    model = tiny()
+    engine = EmbeddedEngine(model, seed=0, record_routing=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    try:
+        outs = run_sync(engine.generate_batch(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=())))
+    finally:
+        engine.shutdown()
+    ids, mask, rollout_logps, _ = rollout_scoring_batch(prompts, outs, pad_id=0)
+    plan = rollout_routing_plan(outs, ids.shape[1], routing_shape(model))
+    assert plan.shape == (2, ids.shape[1], 2, 2) and plan.dtype == torch.uint8
+    recorded = (plan != no_route(plan.dtype)).all(-1).all(-1)
+    assert recorded.sum(-1).tolist() == [len(p) + len(o.output_ids) - 1 for p, o in zip(prompts, outs)]
+    shifted = torch.full_like(plan, no_route(plan.dtype))
+    shifted[:, 1:] = plan[:, :-1]
+    replay = RoutingReplay(model)
+    try:
+        agreement = {}
+        for name, candidate in (("aligned", plan), ("shifted", shifted)):
+            replay.set_plan(candidate, replay=False)
+            completion_logprobs(model, ids, mask, [len(p) for p in prompts], rollout_logps.shape[1])
+            agreement[name] = replay.take_agreement()[0]
+    finally:
+        replay.remove()
+    assert agreement["aligned"] == 1.0 and agreement["shifted"] < 0.8, agreement
+    with pytest.raises(ValueError, match="no routing record"):
+        rollout_routing_plan([GenerationOutput([1], [0.0], "length")], 3, routing_shape(model))
+
+
 def test_agent_loop_assembles_one_record_across_turns():
     """Turn k's record covers every token it read; the trajectory keeps, per token, the first turn's."""
     from trl_ext.rollout import AgentLoop

@@ -22,8 +22,11 @@ count as "no evidence": a zero log-ratio (ratio 1, as in TRL), and they are left
 
 To measure an engine against a policy outside the trainer, `rollout_scoring_batch` lays out an engine's
 `GenerationOutput`s as such tensors and `completion_logprobs` scores the same tokens with the policy, the trainer's
-way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch). `sink_control` checks,
-before training, that an engine honours GPT-OSS's attention sinks and the weight sync at all.
+way (`hf_gptoss_rl.logprobs.causal_lm_token_logprobs`: one forward of the right-padded batch); `rollout_routing_plan`
+lays out the engine's MoE routing records for that forward, to replay them (`hf_gptoss_rl.routing.RoutingReplay`).
+`exact_completion_logprobs` scores them exactly (float32, eager attention, no TF32): the reference both the engine's
+and the trainer's log-probs can be measured against. `sink_control` checks, before training, that an engine honours
+GPT-OSS's attention sinks and the weight sync at all.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ __all__ = [
     "SEQUENCE_LEVEL_MODES",
     "TRL_IMPORTANCE_SAMPLING_MODES",
     "completion_logprobs",
+    "exact_completion_logprobs",
     "importance_sampling_ratio",
     "mismatch_metrics",
+    "rollout_routing_plan",
     "rollout_scoring_batch",
     "sink_control",
 ]
@@ -176,6 +181,23 @@ def rollout_scoring_batch(prompts: list[list[int]], outputs: list, pad_id: int, 
     return ids.to(device), attention_mask.to(device), rollout_logps, completion_mask
 
 
+def rollout_routing_plan(outputs: list, width: int, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The engine's routing records (`GenerationOutput.routed_experts`, one row per token it read) in the layout of
+    `rollout_scoring_batch`'s `input_ids` (`width`: their `shape[1]`): `[B, width, layers, top_k]`, each row from
+    position 0, `no_route` where there is no record. `shape` is `hf_gptoss_rl.routing.routing_shape(policy)`; hand the
+    plan to `RoutingReplay.set_plan` before `completion_logprobs` scores the batch."""
+    from hf_gptoss_rl.routing import no_route, routing_dtype
+
+    layers, top_k, experts = shape
+    dtype = routing_dtype(experts)
+    plan = torch.full((len(outputs), width, layers, top_k), no_route(dtype), dtype=dtype)
+    for b, out in enumerate(outputs):
+        if out.routed_experts is None:
+            raise ValueError(f"output {b} has no routing record: the engine must record routing (record_routing)")
+        plan[b, : out.routed_experts.shape[0]] = out.routed_experts.to(dtype)
+    return plan
+
+
 @torch.no_grad()
 def completion_logprobs(model, input_ids, attention_mask, prompt_lens: list[int], width: int, temperature: float = 1.0):
     """The policy's log-probs of every completion token of `rollout_scoring_batch`'s right-padded rows, `[B, width]`
@@ -271,3 +293,23 @@ def sink_control(
         "mean_abs_logp_diff_without_sinks": distances["without_sinks"],
         "passed": distances["without_sinks"] > margin * distances["with_sinks"],
     }
+
+
+@torch.no_grad()
+def exact_completion_logprobs(
+    model, input_ids, attention_mask, prompt_lens: list[int], width: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """`completion_logprobs` of the policy computed exactly: in float32, with eager attention (exact sinks) and TF32
+    off (a 10-bit mantissa in every float32 product). `model` is upcast and switched in place and stays so: no second
+    copy, so a 20b policy needs about twice its bf16 weights, not three times."""
+    model.float()
+    model.set_attn_implementation("eager")
+    precision = torch.get_float32_matmul_precision()
+    tf32_cudnn = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return completion_logprobs(model, input_ids, attention_mask, prompt_lens, width, temperature)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = tf32_cudnn

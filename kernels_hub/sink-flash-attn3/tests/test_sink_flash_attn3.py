@@ -161,6 +161,35 @@ def test_dense_matches_fp64_reference_and_varlen(kernel, backend):
             assert rel_err(g, r) <= 2e-4
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_path_computes_float64_inputs_in_float64(kernel, name):
+    """``reference.py`` on float64 inputs (the fp64 reference of ``benchmarks/attention.py``): its output and the
+    gradients it derives from its LSE equal the eager fp64 reference to fp64 rounding, far below fp32's."""
+    import importlib
+
+    reference = importlib.import_module(f"{kernel.interface.__package__}.reference")
+    case = CASES[name]
+    torch.manual_seed(sum(map(ord, name)))
+    tq, tk = sum(case.lens_q), sum(case.lens_k)
+    q = torch.randn(tq, case.num_heads, case.head_dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(tk, case.num_kv_heads, case.head_dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(tk, case.num_kv_heads, case.head_dim, dtype=torch.float64, requires_grad=True)
+    sinks = make_sinks(case.sinks, case.num_heads, torch.float64)
+    if sinks is not None:
+        sinks.requires_grad_()
+    dout = torch.randn(tq, case.num_heads, case.head_dim, dtype=torch.float64)
+    scale = case.head_dim**-0.5
+    args = (cu_seqlens(case.lens_q), cu_seqlens(case.lens_k), max(case.lens_q), max(case.lens_k), scale, case.causal)
+    out, lse = reference.sink_attention_forward(q.detach(), k.detach(), v.detach(), sinks, *args, *case.window)
+    grads = reference.sink_attention_backward(dout, q, k, v, out, lse, sinks, *args, *case.window)
+    assert out.dtype == lse.dtype == torch.float64
+    ref = eager_varlen(q, k, v, sinks, case.lens_q, case.lens_k, scale, case.causal, case.window)
+    inputs = [t for t in (q, k, v, sinks) if t is not None]
+    ref_grads = torch.autograd.grad(ref, inputs, dout)
+    for label, got, want in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), (ref, *ref_grads)):
+        assert got.dtype == torch.float64 and rel_err(got, want) <= 1e-12, f"{label}: {rel_err(got, want):.2e}"
+
+
 def _split_dkdv_grids(kernel, monkeypatch):
     """The Triton kernels planned as on a GPU of 132 multiprocessors, which splits the dK/dV grid of short full layers
     over the query heads of each KV group (``_dkdv_head_splits``); returns a function listing the splits of the

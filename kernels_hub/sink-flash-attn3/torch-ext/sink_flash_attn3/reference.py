@@ -10,7 +10,8 @@ Backward (the FlashAttention backward with the sink-inclusive LSE):
 
 Memory stays bounded: the loops run over sequences and over query chunks, so at most
 ``heads x chunk x key_length`` fp32 scores exist at once; K/V are never repeated for GQA (the query heads of a
-group are viewed as ``[kv_heads, group, ...]``). All accumulation is fp32.
+group are viewed as ``[kv_heads, group, ...]``). All accumulation is fp32; float64 inputs (which the public API
+refuses) are computed in float64 throughout, LSE included, which makes these functions an fp64 reference.
 
 Masking: query i of a sequence sits at key position ``i + len_k - len_q`` (bottom-right aligned causal mask, as
 FlashAttention); key j is visible iff ``i_al - window_left <= j <= i_al + window_right`` (-1 = unbounded) and,
@@ -47,9 +48,15 @@ def _query_chunk(num_heads: int, len_k: int) -> int:
     return max(1, _MAX_SCORE_ELEMENTS // max(1, num_heads * len_k))
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _scores(q_chunk, k_seq, scale, mask):
-    """fp32 scores ``[Hkv, G, chunk, len_k]`` of a query chunk ``[chunk, Hkv, G, D]`` against ``[len_k, Hkv, D]``."""
-    scores = torch.einsum("qhgd,khd->hgqk", q_chunk.float(), k_seq.float()) * scale
+    """Scores ``[Hkv, G, chunk, len_k]`` (fp32, fp64 for fp64 inputs) of a query chunk ``[chunk, Hkv, G, D]``
+    against ``[len_k, Hkv, D]``."""
+    acc = _accumulation_dtype(q_chunk.dtype)
+    scores = torch.einsum("qhgd,khd->hgqk", q_chunk.to(acc), k_seq.to(acc)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores
@@ -73,21 +80,22 @@ def sink_attention_forward(
     window_left: int,
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out [Tq, Hq, D]`` in q's dtype and the sink-inclusive ``lse [Hq, Tq]`` in fp32."""
+    """Returns ``out [Tq, Hq, D]`` in q's dtype and the sink-inclusive ``lse [Hq, Tq]`` in fp32 (fp64 for fp64 q)."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
+    acc = _accumulation_dtype(q.dtype)
     out = torch.zeros(total_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_heads, total_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_heads, total_q, dtype=acc, device=q.device)
     # [Hkv, G, 1, 1] sink logits, or None
-    sink = sinks.float().view(num_kv_heads, group, 1, 1) if sinks is not None else None
+    sink = sinks.to(acc).view(num_kv_heads, group, 1, 1) if sinks is not None else None
     offsets_q, offsets_k = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
     for seq in range(len(offsets_q) - 1):
         q0, q1, k0, k1 = offsets_q[seq], offsets_q[seq + 1], offsets_k[seq], offsets_k[seq + 1]
         len_q, len_k = q1 - q0, k1 - k0
         if len_q == 0:
             continue
-        k_seq, v_seq = k[k0:k1], v[k0:k1].float()
+        k_seq, v_seq = k[k0:k1], v[k0:k1].to(acc)
         chunk = _query_chunk(num_heads, len_k)
         for c0 in range(0, len_q, chunk):
             c1 = min(c0 + chunk, len_q)
@@ -114,7 +122,7 @@ def sink_attention_forward(
     # Query tokens outside every sequence (cu_seqlens_q[-1] < Tq) keep out 0; give them an empty-row LSE.
     tail = offsets_q[-1]
     if tail < total_q:
-        lse[:, tail:] = sinks.float().unsqueeze(1) if sinks is not None else float("-inf")
+        lse[:, tail:] = sinks.to(acc).unsqueeze(1) if sinks is not None else float("-inf")
     return out, lse
 
 
@@ -147,26 +155,27 @@ def sink_attention_backward(
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
+    acc = _accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    dsink = torch.zeros(num_kv_heads, group, dtype=torch.float32, device=q.device) if sinks is not None else None
-    sink = sinks.float().view(num_kv_heads, group, 1) if sinks is not None else None
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dsink = torch.zeros(num_kv_heads, group, dtype=acc, device=q.device) if sinks is not None else None
+    sink = sinks.to(acc).view(num_kv_heads, group, 1) if sinks is not None else None
     offsets_q, offsets_k = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
     for seq in range(len(offsets_q) - 1):
         q0, q1, k0, k1 = offsets_q[seq], offsets_q[seq + 1], offsets_k[seq], offsets_k[seq + 1]
         len_q, len_k = q1 - q0, k1 - k0
         if len_q == 0:
             continue
-        k_seq, v_seq = k[k0:k1].float(), v[k0:k1].float()
+        k_seq, v_seq = k[k0:k1].to(acc), v[k0:k1].to(acc)
         chunk = _query_chunk(num_heads, len_k)
         for c0 in range(0, len_q, chunk):
             c1 = min(c0 + chunk, len_q)
             rows = slice(q0 + c0, q0 + c1)
             mask = _visible_mask(len_q, len_k, c0, c1, causal, window_left, window_right, q.device)
-            q_chunk = q[rows].float().view(c1 - c0, num_kv_heads, group, head_dim)
-            do_chunk = dout[rows].float().view(c1 - c0, num_kv_heads, group, head_dim)
-            o_chunk = out[rows].float().view(c1 - c0, num_kv_heads, group, head_dim)
+            q_chunk = q[rows].to(acc).view(c1 - c0, num_kv_heads, group, head_dim)
+            do_chunk = dout[rows].to(acc).view(c1 - c0, num_kv_heads, group, head_dim)
+            o_chunk = out[rows].to(acc).view(c1 - c0, num_kv_heads, group, head_dim)
             chunk_lse = lse[:, rows].view(num_kv_heads, group, c1 - c0)  # [Hkv, G, c]
             # Rows with LSE = -inf (empty, no sink) have P = 0: shift them by 0 to avoid inf - inf.
             finite_lse = torch.where(torch.isinf(chunk_lse), torch.zeros_like(chunk_lse), chunk_lse)
