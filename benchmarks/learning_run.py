@@ -299,6 +299,7 @@ def policy_window(score: dict, args) -> list[str]:
 
 # %% Warm start shared by several processes ----------------------------------------------------------------------------
 # the settings that decide the warm-up's weights: a saved warm start is only used where they are the same
+WARM_STATE = "warm_state.safetensors"  # the weights, next to warm_start.json (settings, practised rows, digest)
 WARM_START_KEYS = (
     "model_size", "init_seed", "sink_mean", "sink_std", "cold_start_steps", "cold_start_batch",
     "cold_start_target_nll", "cold_start_problems", "cold_start_lr", "train_file",
@@ -310,26 +311,22 @@ def warm_start_key(args) -> dict:
 
 
 def state_digest(state: dict) -> str:
-    """SHA-256 over a state dict's names, dtypes, shapes and bytes (name order): equal digests, equal weights."""
+    """SHA-256 of a state dict as safetensors serializes it (names, dtypes, shapes, bytes): equal digests, equal
+    weights."""
     import hashlib
 
-    import torch
+    from safetensors.torch import save
 
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return hashlib.sha256(save({k: v.detach().to("cpu").contiguous() for k, v in state.items()})).hexdigest()
 
 
 def save_warm_start(model, folder: Path, key: dict, practised: list[int], cold_seconds: float) -> str:
-    import torch
+    from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
     digest = state_digest(state)
-    torch.save(state, folder / "warm_state.pt")
+    save_file(state, folder / WARM_STATE)
     meta = {"key": key, "practised": list(practised), "cold_start_seconds": cold_seconds, "sha256": digest}
     (folder / "warm_start.json").write_text(json.dumps(meta, indent=2))
     return digest
@@ -338,7 +335,7 @@ def save_warm_start(model, folder: Path, key: dict, practised: list[int], cold_s
 def load_warm_start(model, folder: Path, key: dict) -> tuple[list[int], float]:
     """Load the warm-up saved by ``--save-warm-start`` into ``model``; SystemExit naming the first setting that
     differs from this command's, or a file whose weights no longer match their recorded digest."""
-    import torch
+    from safetensors.torch import load_file
 
     meta_path = folder / "warm_start.json"
     if not meta_path.is_file():
@@ -348,9 +345,9 @@ def load_warm_start(model, folder: Path, key: dict) -> tuple[list[int], float]:
     if differing:
         shown = ", ".join(f"{k}: saved {a!r}, here {b!r}" for k, (a, b) in differing.items())
         raise SystemExit(f"--warm-start {folder} was saved with other settings ({shown})")
-    state = torch.load(folder / "warm_state.pt", map_location="cpu")
+    state = load_file(folder / WARM_STATE)
     if state_digest(state) != meta["sha256"]:
-        raise SystemExit(f"--warm-start {folder}: warm_state.pt does not match the digest in warm_start.json")
+        raise SystemExit(f"--warm-start {folder}: {WARM_STATE} does not match the digest in warm_start.json")
     model.load_state_dict(state)
     return list(meta["practised"]), float(meta["cold_start_seconds"])
 

@@ -220,3 +220,20 @@ def test_learning_run_rejects_bad_arguments():
         learning_run.parse_args(["--accuracy-window", "0.8,0.2"])
     assert learning_run.parse_args(["--rollout-backend", "sglang"]).precision == "bf16"
     assert learning_run.parse_args([]).precision == "fp32"
+
+
+def test_a_warm_start_whose_weights_changed_is_refused(tmp_path):
+    """The saved weights must still be the ones the digest in warm_start.json names (a positive control: one
+    weight changed by 1e-3 is caught)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = torch.nn.Linear(3, 2)
+    key = {"model_size": "tiny"}
+    learning_run.save_warm_start(model, tmp_path, key, practised=[1, 2], cold_seconds=1.5)
+    assert learning_run.load_warm_start(torch.nn.Linear(3, 2), tmp_path, key) == ([1, 2], 1.5)
+    state = load_file(tmp_path / learning_run.WARM_STATE)
+    state["weight"][0, 0] += 1e-3
+    save_file(state, tmp_path / learning_run.WARM_STATE)
+    with pytest.raises(SystemExit, match="does not match the digest"):
+        learning_run.load_warm_start(torch.nn.Linear(3, 2), tmp_path, key)
