@@ -336,31 +336,22 @@ def phase_generate(ctx, result: dict) -> None:
 
 
 def tool_prompts(n: int, tool, practised: list[int] | None = None) -> tuple[list[list[int]], str]:
-    """GSM8K questions rendered in harmony with the tool in the system message.
-
-    After a cold start (``practised``: the rows of the training file its demonstrations solved), the problems it
-    practised come first, then the file's other rows, all rendered exactly as the demonstrations' prompts
-    (`trl_ext.recipes.load_math_dataset`'s prompt, the tool, reasoning effort low): the agent loop then samples from
-    the distribution the policy was fine-tuned on."""
-    from benchmarks.mismatch_study import INSTRUCTION
+    """The first ``n`` GSM8K problems of the training file, rendered exactly as the cold start's demonstrations'
+    prompts (`trl_ext.recipes.load_math_dataset`'s prompt, the tool, reasoning effort low); after a cold start
+    (``practised``: the rows its demonstrations solved) the practised problems come first, so that the agent loop
+    samples from the distribution the policy was fine-tuned on."""
     from hf_gptoss_rl.harmony import render_prompt
     from trl_ext.recipes import load_math_dataset
 
-    if practised:
-        dataset = load_math_dataset(str(TRAIN_DATA))
-        seen = set(practised)
-        order = list(practised) + [i for i in range(len(dataset)) if i not in seen]
-        ids = [render_prompt(dataset[i]["prompt"], tools=[tool.spec()], reasoning_effort="low") for i in order[:n]]
-        return ids, (
-            f"rows {order[:n]} of {TRAIN_DATA.name} ({min(n, len(practised))} practised in the cold start), rendered "
-            "as the cold start's demonstrations (hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools)"
-        )
-    rows = [json.loads(line) for line in TRAIN_DATA.read_text().splitlines() if line.strip()][:n]
-    messages = [
-        [{"role": "user", "content": f"{r['question']}\n\n{INSTRUCTION} Use the code_interpreter tool."}] for r in rows
-    ]
-    ids = [render_prompt(m, tools=[tool.spec()], reasoning_effort="low") for m in messages]
-    return ids, "rendered with hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools"
+    dataset = load_math_dataset(str(TRAIN_DATA))
+    seen = set(practised or [])
+    order = (list(practised or []) + [i for i in range(len(dataset)) if i not in seen])[:n]
+    ids = [render_prompt(dataset[i]["prompt"], tools=[tool.spec()], reasoning_effort="low") for i in order]
+    cold = f" ({min(n, len(practised))} practised in the cold start)" if practised else ""
+    return ids, (
+        f"rows {order} of {TRAIN_DATA.name}{cold}, rendered as the cold start's demonstrations "
+        "(hf_gptoss_rl.harmony.render_prompt, code_interpreter in the tools)"
+    )
 
 
 def _count(items) -> dict:
